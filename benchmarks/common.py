@@ -1,0 +1,88 @@
+"""Shared benchmark plumbing: interleaved CUDA-event timing, environment record, output files.
+
+Protocol (DESIGN.md section 7): contenders are timed in interleaved rounds (A B A B ...)
+in one process so clock and thermal drift cancel; each measurement is the mean of
+``reps`` back-to-back launches timed with CUDA events after warm-up; the reported time
+is the median over rounds, and ratios are computed per round before taking the median.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import sys
+from collections.abc import Callable
+
+import torch
+
+
+def time_once(fn: Callable[[], object], reps: int) -> float:
+    """Mean milliseconds per call over ``reps`` back-to-back calls."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / reps
+
+
+def interleaved(
+    contenders: dict[str, Callable[[], object]], rounds: int = 7, reps: int = 20, warmup: int = 5
+) -> dict[str, list[float]]:
+    """Per-contender list of per-round times (ms), contenders alternating within a round."""
+    for fn in contenders.values():
+        for _ in range(warmup):
+            fn()
+    torch.cuda.synchronize()
+    times: dict[str, list[float]] = {name: [] for name in contenders}
+    for _ in range(rounds):
+        for name, fn in contenders.items():
+            times[name].append(time_once(fn, reps))
+    return times
+
+
+def median(xs: list[float]) -> float:
+    return float(statistics.median(xs))
+
+
+def median_ratio(num: list[float], den: list[float]) -> float:
+    """Median over rounds of num[i] / den[i]."""
+    return float(statistics.median(a / b for a, b in zip(num, den, strict=True)))
+
+
+def environment() -> dict:
+    import cutlass
+
+    props = torch.cuda.get_device_properties(0)
+    return {
+        "device": torch.cuda.get_device_name(0),
+        "sms": props.multi_processor_count,
+        "versions": {
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "cuda": torch.version.cuda,
+            "nvidia-cutlass-dsl": cutlass.__version__,
+        },
+        "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
+    }
+
+
+def write_json(path: str, payload: dict) -> None:
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(payload, f, indent=2)
+        f.write("\n")
+
+
+def print_table(rows: list[dict], columns: list[str]) -> None:
+    widths = [max(len(c), *(len(_fmt(r[c])) for r in rows)) for c in columns]
+    print("  ".join(c.rjust(w) for c, w in zip(columns, widths, strict=True)))
+    for r in rows:
+        print("  ".join(_fmt(r[c]).rjust(w) for c, w in zip(columns, widths, strict=True)))
+
+
+def _fmt(v) -> str:
+    return f"{v:.4g}" if isinstance(v, float) else str(v)

@@ -1,0 +1,142 @@
+"""GEMM kernel configurations for the sm90 PingPong mainloop, and the heuristic that picks one.
+
+Sits under ``coda.mainloop``: a :class:`GemmConfig` is a frozen value (it is part of every
+compile-cache key), validated at construction so an impossible tile never reaches the
+compiler. :func:`choose_config` maps a problem shape to a config; :func:`plan_smem`
+turns a config plus dtypes into the shared-memory plan (A/B stages, epilogue stages).
+"""
+
+from __future__ import annotations
+
+import attrs
+
+#: Shared memory per CTA on sm_90 (227 KiB usable with the opt-in carve-out).
+SMEM_CAPACITY_SM90 = 232448
+#: Bytes reserved for mbarriers and alignment padding.
+SMEM_RESERVED = 2048
+#: H100/H200 SXM multiprocessor count; used when compiling without a GPU.
+DEFAULT_NUM_SMS = 132
+
+_TILE_M = (128,)
+# PingPong gives each consumer warpgroup a whole tile, so the fp32 accumulator of a
+# 128 x tile_n tile lives in one warpgroup's registers: tile_n <= 208 keeps it below
+# the 240-register setmaxnreg ceiling with room for the epilogue.
+_TILE_N = (64, 96, 128, 160, 192, 208)
+_CLUSTERS = ((1, 1), (2, 1), (1, 2))
+
+
+def _check_in(allowed):
+    def check(instance, attribute, value):
+        if value not in allowed:
+            raise ValueError(f"GemmConfig.{attribute.name}={value!r}: must be one of {allowed}")
+
+    return check
+
+
+@attrs.frozen
+class GemmConfig:
+    """One compile-time configuration of the PingPong GEMM.
+
+    tile_m x tile_n is the output tile one consumer warpgroup owns; tile_k the K depth of
+    one pipeline stage; cluster_m x cluster_n CTAs form a cluster (B is multicast to the
+    CTAs that share an N tile, A to those that share an M tile); epi_m x epi_n is the
+    epilogue subtile the visitor sees; group_m is the tile-scheduler swizzle: clusters
+    are visited in column-major groups of ``group_m`` cluster-rows for L2 reuse.
+    """
+
+    tile_m: int = attrs.field(default=128, validator=_check_in(_TILE_M))
+    tile_n: int = attrs.field(default=192, validator=_check_in(_TILE_N))
+    tile_k: int = attrs.field(default=64, validator=_check_in((64,)))
+    cluster_m: int = 2
+    cluster_n: int = 1
+    epi_m: int = attrs.field(default=64, validator=_check_in((64,)))
+    epi_n: int = attrs.field(default=32, validator=_check_in((16, 32)))
+    group_m: int = attrs.field(default=8)
+    epi_stages: int = attrs.field(default=4)
+
+    def __attrs_post_init__(self) -> None:
+        if (self.cluster_m, self.cluster_n) not in _CLUSTERS:
+            raise ValueError(
+                f"GemmConfig cluster ({self.cluster_m}, {self.cluster_n}) "
+                f"must be one of {_CLUSTERS}"
+            )
+        if self.tile_n % self.epi_n:
+            raise ValueError(f"tile_n={self.tile_n} must be a multiple of epi_n={self.epi_n}")
+        if self.group_m < 1:
+            raise ValueError("group_m must be >= 1")
+        if not 1 <= self.epi_stages <= 8:
+            raise ValueError("epi_stages must be in [1, 8]")
+
+    @property
+    def tile_shape_mnk(self) -> tuple[int, int, int]:
+        return (self.tile_m, self.tile_n, self.tile_k)
+
+    @property
+    def cluster_shape_mnk(self) -> tuple[int, int, int]:
+        return (self.cluster_m, self.cluster_n, 1)
+
+    @property
+    def epi_tile(self) -> tuple[int, int]:
+        return (self.epi_m, self.epi_n)
+
+    @property
+    def subtiles_per_tile(self) -> tuple[int, int]:
+        return (self.tile_m // self.epi_m, self.tile_n // self.epi_n)
+
+
+@attrs.frozen
+class SmemPlan:
+    """How a config spends shared memory: A/B ring stages and epilogue buffers."""
+
+    ab_stages: int
+    ab_bytes_per_stage: int
+    epi_bytes: int
+    visitor_bytes: int
+
+    @property
+    def total_bytes(self) -> int:
+        return self.ab_stages * self.ab_bytes_per_stage + self.epi_bytes + self.visitor_bytes
+
+
+def plan_smem(
+    config: GemmConfig,
+    ab_bytes_per_elem: int,
+    epi_bytes_per_stage: int,
+    visitor_bytes: int = 0,
+    capacity: int = SMEM_CAPACITY_SM90,
+) -> SmemPlan:
+    """Fit as many A/B stages as shared memory allows after the epilogue's buffers.
+
+    ``epi_bytes_per_stage`` is what one epilogue subtile stage needs (all stored outputs
+    together); ``visitor_bytes`` is any extra a visitor requests (loaded operands, etc.).
+    """
+    ab = (config.tile_m + config.tile_n) * config.tile_k * ab_bytes_per_elem
+    epi = epi_bytes_per_stage * config.epi_stages
+    free = capacity - SMEM_RESERVED - epi - visitor_bytes
+    stages = free // ab
+    if stages < 2:
+        raise ValueError(
+            f"config {config} leaves room for {stages} A/B stage(s) after "
+            f"{epi + visitor_bytes} epilogue bytes; at least 2 are needed"
+        )
+    return SmemPlan(min(stages, 8), ab, epi, visitor_bytes)
+
+
+def choose_config(m: int, n: int, k: int, num_sms: int = DEFAULT_NUM_SMS) -> GemmConfig:
+    """Heuristic config for an (m, n, k) problem with 16-bit inputs.
+
+    Large problems take 128x192 tiles with a 2x1 cluster (B multicast halves its L2
+    traffic). When 128x192 tiles would leave many SMs idle in the last wave, 128x128
+    tiles are used instead.
+    """
+
+    def waves(tile_n: int) -> float:
+        tiles = -(-m // 128) * -(-n // tile_n)
+        return tiles / num_sms
+
+    tile_n = 192
+    w = waves(192)
+    if w < 1.0 or (w < 4 and (w % 1) and (w % 1) < 0.5 and waves(128) % 1 > w % 1):
+        tile_n = 128
+    cluster_m = 2 if -(-m // 128) >= 2 else 1
+    return GemmConfig(tile_n=tile_n, cluster_m=cluster_m)

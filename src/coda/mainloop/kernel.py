@@ -1,0 +1,516 @@
+"""The fixed sm90a PingPong GEMM kernel (CuTeDSL): D = visitor(A @ B^T).
+
+Sits at the bottom of ``coda.mainloop``; everything else in coda plugs into it through
+the epilogue visitor hooks (:mod:`coda.mainloop.visitor`) and never edits it.
+
+Schedule (one CTA = 3 warpgroups, 384 threads, persistent over output tiles):
+
+* warpgroup 2 is the producer: its first warp walks the tile schedule and issues TMA
+  loads of A (M, K) and B (N, K) k-tiles into a ``ab_stages``-deep shared-memory ring
+  guarded by an mbarrier pipeline; in a 2x1 (1x2) cluster B (A) is multicast to both
+  CTAs. It gives its registers away with ``setmaxnreg`` (40 per thread).
+* warpgroups 0 and 1 are consumers that own alternate tiles of the schedule (PingPong).
+  Two pairs of named barriers order them: the *mma* pair makes their WGMMA mainloops
+  take turns, the *epi* pair makes their epilogues take turns. So while warpgroup 0
+  runs the epilogue of tile t, warpgroup 1 runs the tensor cores on tile t+1, and the
+  epilogue hides behind the matmul. Consumers take 232 registers each.
+* the epilogue visits the 128 x tile_n accumulator in ``epi_m x epi_n`` subtiles:
+  registers -> visitor -> dtype convert -> shared memory (stmatrix) -> global (TMA
+  store), with ``epi_stages`` buffers in flight. TMA clips out-of-bounds rows and
+  columns, and zero-fills out-of-bounds loads, so ragged M, N, K need no masking here.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Float32, Int32, const_expr
+from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.tensor_utils import LayoutEnum
+
+from .config import DEFAULT_NUM_SMS, GemmConfig, SmemPlan, plan_smem
+from .scheduler import TileScheduler
+from .visitor import IdentityVisitor, SubtileContext
+
+THREADS_PER_WG = 128
+NUM_CONSUMER_WGS = 2
+PRODUCER_WARP = NUM_CONSUMER_WGS * 4  # first warp of warpgroup 2
+REGS_PRODUCER = 40
+REGS_CONSUMER = 232
+
+
+class _Barrier:
+    """Named-barrier ids (0 is __syncthreads)."""
+
+    EPI = 1  # + wg: the 128 threads of one consumer warpgroup
+    MMA_TURN = 3  # + wg: ordering of WGMMA mainloops
+    EPI_TURN = 5  # + wg: ordering of epilogues
+
+
+def _dtype_bytes(dtype) -> int:
+    return dtype.width // 8
+
+
+class PingPongGemm:
+    """Compile-time kernel object for one (config, dtypes, visitor).
+
+    ``__call__`` is the ``@cute.jit`` host function: it builds TMA descriptors for the
+    runtime tensors, sizes the persistent grid and launches. Shapes are dynamic, so one
+    compiled kernel serves every (M, N, K) that meets the alignment contract.
+    """
+
+    def __init__(
+        self,
+        config: GemmConfig,
+        ab_dtype,
+        d_dtype,
+        visitor=None,
+        num_sms: int = DEFAULT_NUM_SMS,
+    ):
+        self.config = config
+        self.ab_dtype = ab_dtype
+        self.d_dtype = d_dtype
+        self.acc_dtype = Float32
+        self.visitor = visitor if visitor is not None else IdentityVisitor()
+        self.num_sms = num_sms
+        self.cluster_size = config.cluster_m * config.cluster_n
+        self.num_mcast_a = config.cluster_n  # A tile shared by CTAs along N
+        self.num_mcast_b = config.cluster_m  # B tile shared by CTAs along M
+        epi_bytes = config.epi_m * config.epi_n * _dtype_bytes(d_dtype)
+        self.smem: SmemPlan = plan_smem(
+            config, _dtype_bytes(ab_dtype), epi_bytes, self.visitor.smem_bytes()
+        )
+        self.ab_stages = self.smem.ab_stages
+
+    # ------------------------------------------------------------------ host side
+    @cute.jit
+    def __call__(self, mA: cute.Tensor, mB: cute.Tensor, mD: cute.Tensor, stream):
+        cfg = self.config
+        tile_mnk = cfg.tile_shape_mnk
+        a_layout = LayoutEnum.from_tensor(mA)
+        b_layout = LayoutEnum.from_tensor(mB)
+        d_layout = LayoutEnum.from_tensor(mD)
+        self.d_layout = d_layout
+
+        tiled_mma = sm90_utils.make_trivial_tiled_mma(
+            self.ab_dtype,
+            self.ab_dtype,
+            a_layout.sm90_mma_major_mode(),
+            b_layout.sm90_mma_major_mode(),
+            self.acc_dtype,
+            (1, 1, 1),
+            tiler_mn=(64, cfg.tile_n),
+        )
+        a_smem_staged = sm90_utils.make_smem_layout_a(
+            a_layout, tile_mnk, self.ab_dtype, self.ab_stages
+        )
+        b_smem_staged = sm90_utils.make_smem_layout_b(
+            b_layout, tile_mnk, self.ab_dtype, self.ab_stages
+        )
+        d_smem_staged = sm90_utils.make_smem_layout_epi(
+            self.d_dtype, d_layout, cfg.epi_tile, cfg.epi_stages
+        )
+
+        a_op = (
+            cpasync.CopyBulkTensorTileG2SOp()
+            if self.num_mcast_a == 1
+            else cpasync.CopyBulkTensorTileG2SMulticastOp()
+        )
+        b_op = (
+            cpasync.CopyBulkTensorTileG2SOp()
+            if self.num_mcast_b == 1
+            else cpasync.CopyBulkTensorTileG2SMulticastOp()
+        )
+        tma_a, tA = cpasync.make_tiled_tma_atom(
+            a_op,
+            mA,
+            cute.slice_(a_smem_staged, (None, None, 0)),
+            (cfg.tile_m, cfg.tile_k),
+            num_multicast=self.num_mcast_a,
+        )
+        tma_b, tB = cpasync.make_tiled_tma_atom(
+            b_op,
+            mB,
+            cute.slice_(b_smem_staged, (None, None, 0)),
+            (cfg.tile_n, cfg.tile_k),
+            num_multicast=self.num_mcast_b,
+        )
+        tma_d, tD = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileS2GOp(),
+            mD,
+            cute.slice_(d_smem_staged, (None, None, 0)),
+            cfg.epi_tile,
+        )
+
+        M = cute.size(mA, mode=[0])
+        N = cute.size(mB, mode=[0])
+        tiles_m = cute.ceil_div(M, cfg.tile_m)
+        tiles_n = cute.ceil_div(N, cfg.tile_n)
+        clusters_m = cute.ceil_div(tiles_m, cfg.cluster_m)
+        clusters_n = cute.ceil_div(tiles_n, cfg.cluster_n)
+        max_clusters = self.num_sms // self.cluster_size
+        num_clusters = cutlass.min(clusters_m * clusters_n, Int32(max_clusters))
+
+        ab_stages = self.ab_stages
+
+        @cute.struct
+        class SharedStorage:
+            ab_barriers: cute.struct.MemRange[cutlass.Int64, ab_stages * 2]
+            sD: cute.struct.Align[
+                cute.struct.MemRange[self.d_dtype, cute.cosize(d_smem_staged)], 1024
+            ]
+            sA: cute.struct.Align[
+                cute.struct.MemRange[self.ab_dtype, cute.cosize(a_smem_staged)], 1024
+            ]
+            sB: cute.struct.Align[
+                cute.struct.MemRange[self.ab_dtype, cute.cosize(b_smem_staged)], 1024
+            ]
+
+        self.shared_storage = SharedStorage
+
+        self.kernel(
+            tiled_mma,
+            tma_a,
+            tA,
+            tma_b,
+            tB,
+            tma_d,
+            tD,
+            a_smem_staged,
+            b_smem_staged,
+            d_smem_staged,
+            clusters_m,
+            clusters_n,
+        ).launch(
+            grid=(cfg.cluster_m, cfg.cluster_n, num_clusters),
+            block=(THREADS_PER_WG * (NUM_CONSUMER_WGS + 1), 1, 1),
+            cluster=cfg.cluster_shape_mnk,
+            stream=stream,
+        )
+
+    # ---------------------------------------------------------------- device side
+    @cute.kernel
+    def kernel(
+        self,
+        tiled_mma: cute.TiledMma,
+        tma_a: cute.CopyAtom,
+        mA: cute.Tensor,
+        tma_b: cute.CopyAtom,
+        mB: cute.Tensor,
+        tma_d: cute.CopyAtom,
+        mD: cute.Tensor,
+        a_smem_staged: cute.ComposedLayout,
+        b_smem_staged: cute.ComposedLayout,
+        d_smem_staged: cute.ComposedLayout,
+        clusters_m: Int32,
+        clusters_n: Int32,
+    ):
+        cfg = self.config
+        tile_mnk = cfg.tile_shape_mnk
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        tidx, _, _ = cute.arch.thread_idx()
+
+        if warp_idx == PRODUCER_WARP:
+            cpasync.prefetch_descriptor(tma_a)
+            cpasync.prefetch_descriptor(tma_b)
+            cpasync.prefetch_descriptor(tma_d)
+
+        # Cluster geometry: grid is (cluster_m, cluster_n, clusters); block z is the cluster id.
+        cta_layout_mnk = cute.make_layout(cfg.cluster_shape_mnk)
+        cta_rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
+        cta_coord = cta_layout_mnk.get_flat_coord(cta_rank)
+        bidx, bidy, bidz = cute.arch.block_idx()
+        _, _, num_clusters = cute.arch.grid_dim()
+        sched = TileScheduler(clusters_m, clusters_n, (cfg.cluster_m, cfg.cluster_n), cfg.group_m)
+        cta_mn = (Int32(cta_coord[0]), Int32(cta_coord[1]))
+
+        smem = cutlass.memory.SmemAllocator()
+        storage = smem.allocate(self.shared_storage)
+
+        a_stage_layout = cute.slice_(a_smem_staged, (None, None, 0))
+        b_stage_layout = cute.slice_(b_smem_staged, (None, None, 0))
+        tx_bytes = cute.size_in_bytes(self.ab_dtype, a_stage_layout) + cute.size_in_bytes(
+            self.ab_dtype, b_stage_layout
+        )
+        # One consumer warpgroup (4 warps) reads each stage; each of its warps releases
+        # the stage to every CTA that multicast into it.
+        mcast_peers = self.num_mcast_a + self.num_mcast_b - 1
+        ab_pipe = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.ab_barriers.data_ptr(),
+            num_stages=self.ab_stages,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 4 * mcast_peers),
+            tx_count=tx_bytes,
+            cta_layout_vmnk=cute.make_layout((1, *cta_layout_mnk.shape)),
+            defer_sync=True,
+        )
+        pipeline.pipeline_init_arrive(cluster_shape_mn=cfg.cluster_shape_mnk[:2], is_relaxed=True)
+
+        sA = storage.sA.get_tensor(a_smem_staged.outer, swizzle=a_smem_staged.inner)
+        sB = storage.sB.get_tensor(b_smem_staged.outer, swizzle=b_smem_staged.inner)
+        sD = storage.sD.get_tensor(d_smem_staged.outer, swizzle=d_smem_staged.inner)
+
+        # (tile_m, tile_k, tiles_m, k_tiles) and (tile_n, tile_k, tiles_n, k_tiles)
+        gA = cute.local_tile(mA, cute.slice_(tile_mnk, (None, 0, None)), (None, None))
+        gB = cute.local_tile(mB, cute.slice_(tile_mnk, (0, None, None)), (None, None))
+        k_tiles = cute.size(gA, mode=[3])
+
+        pipeline.pipeline_init_wait(cluster_shape_mn=cfg.cluster_shape_mnk[:2])
+
+        if warp_idx >= PRODUCER_WARP:
+            # ------------------------------------------------------------ producer
+            cute.arch.setmaxregister_decrease(REGS_PRODUCER)
+            if warp_idx == PRODUCER_WARP:
+                a_mask = cute.make_layout_image_mask(cta_layout_mnk, cta_coord, mode=1)
+                b_mask = cute.make_layout_image_mask(cta_layout_mnk, cta_coord, mode=0)
+                tAsA, tAgA = cpasync.tma_partition(
+                    tma_a,
+                    cta_coord[1],
+                    cute.make_layout(cute.slice_(cta_layout_mnk, (0, None, 0)).shape),
+                    cute.group_modes(sA, 0, 2),
+                    cute.group_modes(gA, 0, 2),
+                )
+                tBsB, tBgB = cpasync.tma_partition(
+                    tma_b,
+                    cta_coord[0],
+                    cute.make_layout(cute.slice_(cta_layout_mnk, (None, 0, 0)).shape),
+                    cute.group_modes(sB, 0, 2),
+                    cute.group_modes(gB, 0, 2),
+                )
+                state = pipeline.make_pipeline_state(
+                    pipeline.PipelineUserType.Producer, self.ab_stages
+                )
+                t = Int32(bidz)
+                while t < sched.num_work:
+                    tm, tn = sched.tile_coord(t, cta_mn)
+                    for k in cutlass.range(k_tiles, unroll=1):
+                        ab_pipe.producer_acquire(state)
+                        bar = ab_pipe.producer_get_barrier(state)
+                        if const_expr(self.num_mcast_a > 1):
+                            cute.copy(
+                                tma_a,
+                                tAgA[(None, tm, k)],
+                                tAsA[(None, state.index)],
+                                tma_bar_ptr=bar,
+                                mcast_mask=a_mask,
+                            )
+                        else:
+                            cute.copy(
+                                tma_a,
+                                tAgA[(None, tm, k)],
+                                tAsA[(None, state.index)],
+                                tma_bar_ptr=bar,
+                            )
+                        if const_expr(self.num_mcast_b > 1):
+                            cute.copy(
+                                tma_b,
+                                tBgB[(None, tn, k)],
+                                tBsB[(None, state.index)],
+                                tma_bar_ptr=bar,
+                                mcast_mask=b_mask,
+                            )
+                        else:
+                            cute.copy(
+                                tma_b,
+                                tBgB[(None, tn, k)],
+                                tBsB[(None, state.index)],
+                                tma_bar_ptr=bar,
+                            )
+                        ab_pipe.producer_commit(state)
+                        state.advance()
+                    t += num_clusters
+                ab_pipe.producer_tail(state)
+
+        if warp_idx < PRODUCER_WARP:
+            # ------------------------------------------------------------ consumers
+            cute.arch.setmaxregister_increase(REGS_CONSUMER)
+            wg = cute.arch.make_warp_uniform(warp_idx // 4)
+            wg_tidx = tidx % THREADS_PER_WG
+            is_store_warp = warp_idx % 4 == 0
+
+            thr_mma = tiled_mma.get_slice(wg_tidx)
+            tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
+            tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
+            acc = cute.make_rmem_tensor(
+                thr_mma.partition_shape_C((cfg.tile_m, cfg.tile_n)), self.acc_dtype
+            )
+            k_blocks = cute.size(tCrA, mode=[2])
+
+            # Epilogue partitions (fixed per warpgroup, reused for every tile).
+            r2s = self._make_r2s_copy(tiled_mma, self.d_layout)
+            thr_r2s = r2s.get_slice(wg_tidx)
+            tRS_sD = thr_r2s.partition_D(sD)
+            frag_shape = thr_r2s.partition_S(cute.make_identity_tensor(cfg.epi_tile)).shape
+            tRS_rD = cute.make_rmem_tensor(frag_shape, self.acc_dtype)
+            tRS_rOut = cute.make_rmem_tensor(frag_shape, self.d_dtype)
+            tRS_rAcc = self._acc_subtile_view(acc, r2s)
+            store_pipe = pipeline.PipelineTmaStore.create(
+                num_stages=cfg.epi_stages,
+                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, THREADS_PER_WG),
+            )
+            epi_bar = pipeline.NamedBarrier(
+                barrier_id=_Barrier.EPI + wg, num_threads=THREADS_PER_WG
+            )
+            gD_all = cute.local_tile(mD, (cfg.tile_m, cfg.tile_n), (None, None))
+            idD_all = cute.local_tile(
+                cute.make_identity_tensor(mD.shape), (cfg.tile_m, cfg.tile_n), (None, None)
+            )
+
+            read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages)
+            if wg == 0:
+                # warpgroup 0 goes first: it signals its own turn barriers once.
+                self._turn_arrive(_Barrier.MMA_TURN, 0)
+                self._turn_arrive(_Barrier.EPI_TURN, 0)
+            # warpgroup 1 starts on the second tile: skip warpgroup 0's k-tiles.
+            if wg == 1:
+                read.advance(k_tiles)
+
+            t = Int32(bidz) + wg * num_clusters
+            while t < sched.num_work:
+                tm, tn = sched.tile_coord(t, cta_mn)
+
+                # ---- mainloop (takes its turn on the tensor cores)
+                self._turn_wait(_Barrier.MMA_TURN, wg)
+                release = read.clone()
+                ab_pipe.consumer_wait(read)
+                self._mma_ktile(tiled_mma, acc, tCrA, tCrB, k_blocks, read.index, zero_init=True)
+                read.advance()
+                for _k in cutlass.range(1, k_tiles, unroll=1):
+                    ab_pipe.consumer_wait(read)
+                    self._mma_ktile(
+                        tiled_mma, acc, tCrA, tCrB, k_blocks, read.index, zero_init=False
+                    )
+                    warpgroup.wait_group(1)
+                    ab_pipe.consumer_release(release)
+                    release.advance()
+                    read.advance()
+                self._turn_arrive(_Barrier.MMA_TURN, 1 - wg)
+                warpgroup.wait_group(0)
+                ab_pipe.consumer_release(release)
+
+                # ---- epilogue (takes its turn on the store path)
+                self._turn_wait(_Barrier.EPI_TURN, wg)
+                gD = gD_all[(None, None, tm, tn)]
+                bSG_sD, bSG_gD = cpasync.tma_partition(
+                    tma_d,
+                    0,
+                    cute.make_layout(1),
+                    cute.group_modes(sD, 0, 2),
+                    cute.zipped_divide(gD, cfg.epi_tile),
+                )
+                tile_ids = idD_all[(None, None, tm, tn)]
+                tile_ctx = SubtileContext(
+                    tile_coord=(tm, tn),
+                    subtile=(-1, -1),
+                    coords=None,
+                    shape_mn=(cute.size(mD, mode=[0]), cute.size(mD, mode=[1])),
+                    tidx=wg_tidx,
+                )
+                self.visitor.begin_tile(tile_ctx)
+                sub_m, sub_n = cfg.subtiles_per_tile
+                for s in cutlass.range_constexpr(sub_m * sub_n):
+                    # subtiles row-major within the tile (n fastest)
+                    sm, sn = s // sub_n, s % sub_n
+                    buf = s % cfg.epi_stages
+                    cute.autovec_copy(tRS_rAcc[None, None, None, (sm, sn)], tRS_rD)
+                    coords = thr_r2s.partition_S(cute.local_tile(tile_ids, cfg.epi_tile, (sm, sn)))
+                    ctx = SubtileContext(
+                        tile_coord=(tm, tn),
+                        subtile=(sm, sn),
+                        coords=coords,
+                        shape_mn=tile_ctx.shape_mn,
+                        tidx=wg_tidx,
+                    )
+                    out = self.visitor.visit(ctx, tRS_rD.load())
+                    tRS_rOut.store(out.to(self.d_dtype))
+                    if is_store_warp:
+                        store_pipe.producer_acquire()
+                    epi_bar.arrive_and_wait()
+                    cute.copy(r2s, tRS_rOut, tRS_sD[(None, None, None, buf)])
+                    cute.arch.fence_proxy("async.shared", space="cta")
+                    epi_bar.arrive_and_wait()
+                    if is_store_warp:
+                        cute.copy(tma_d, bSG_sD[(None, buf)], bSG_gD[(None, (sm, sn))])
+                        store_pipe.producer_commit()
+                self.visitor.end_tile(tile_ctx)
+                # The other warpgroup reuses the epilogue buffers: drain our stores first.
+                if is_store_warp:
+                    store_pipe.producer_tail()
+                self._turn_arrive(_Barrier.EPI_TURN, 1 - wg)
+
+                read.advance(k_tiles)  # skip the other warpgroup's tile
+                t += 2 * num_clusters
+
+    # ------------------------------------------------------------------- helpers
+    def _turn_wait(self, base: int, wg):
+        cute.arch.barrier(barrier_id=base + wg, number_of_threads=2 * THREADS_PER_WG)
+
+    def _turn_arrive(self, base: int, wg):
+        cute.arch.barrier_arrive(barrier_id=base + wg, number_of_threads=2 * THREADS_PER_WG)
+
+    @cute.jit
+    def _mma_ktile(
+        self,
+        tiled_mma,
+        acc,
+        tCrA,
+        tCrB,
+        k_blocks: cutlass.Constexpr,
+        stage,
+        zero_init: cutlass.Constexpr,
+    ):
+        """Issue the WGMMAs of one k-tile (k_blocks x k16) as one commit group."""
+        warpgroup.fence()
+        atom = cute.make_mma_atom(tiled_mma.op)
+        atom.set(warpgroup.Field.ACCUMULATE, not zero_init)
+        for kb in cutlass.range_constexpr(k_blocks):
+            cute.gemm(atom, acc, tCrA[(None, None, kb, stage)], tCrB[(None, None, kb, stage)], acc)
+            atom.set(warpgroup.Field.ACCUMULATE, True)
+        warpgroup.commit_group()
+
+    def _make_r2s_copy(self, tiled_mma, d_layout):
+        """Register -> shared copy for one subtile: stmatrix for 16-bit D, else plain stores."""
+        cfg = self.config
+        c_atom = cute.make_copy_atom(
+            cute.nvgpu.warp.StMatrix8x8x16bOp(
+                d_layout.is_m_major_c(), 4 if cfg.epi_n % 16 == 0 else 2
+            ),
+            cutlass.Float16,  # only fixes the thread-value layout of the source
+        )
+        tiled_c = cute.make_tiled_copy_C_atom(c_atom, tiled_mma)
+        store_atom = sm90_utils.get_smem_store_op(d_layout, self.d_dtype, self.acc_dtype)
+        return cute.make_tiled_copy_S(store_atom, tiled_c)
+
+    def _acc_subtile_view(self, acc, r2s):
+        """View the accumulator as (frag..., (subtile_m, subtile_n)) for the r2s copy.
+
+        The WGMMA accumulator of one thread is ((2, 2, tile_n/8), MMA_M, 1): pairs of
+        adjacent columns, rows r and r+8, then 8-column groups. Regroup the column groups
+        by 16 so one epi_n-wide subtile is a contiguous block, then divide by subtiles.
+        """
+        cfg = self.config
+        lay = acc.layout
+        div = cute.logical_divide(lay, ((None, None, 2), None, None))
+        assert cute.size(lay, mode=[2]) == 1, "one MMA atom spans tile_n"
+        # ((2, 2, 2), MMA_M, tile_n/16)
+        frag = cute.make_layout(
+            (
+                (div.shape[0][0], div.shape[0][1], div.shape[0][2][0]),
+                div.shape[1],
+                div.shape[0][2][1],
+            ),
+            stride=(
+                (div.stride[0][0], div.stride[0][1], div.stride[0][2][0]),
+                div.stride[1],
+                div.stride[0][2][1],
+            ),
+        )
+        acc_v = cute.make_tensor(acc.iterator, frag)
+        sub_m, sub_n = cfg.subtiles_per_tile
+        per_sub = (frag.shape[0], frag.shape[1] // sub_m, frag.shape[2] // sub_n)
+        divided = cute.flat_divide(acc_v, per_sub)
+        # ((2,2,2), MMA_M/sub_m, cols/sub_n, 1, sub_m, sub_n) -> group the subtile modes
+        view = cute.group_modes(divided[None, None, None, 0, None, None], 3, 5)
+        return r2s.retile(view)

@@ -1,0 +1,119 @@
+"""Compile and cache PingPong GEMM kernels; launch them on torch tensors.
+
+Sits between :mod:`coda.mainloop` (the kernel) and the public ops (:mod:`coda.gemm`).
+A kernel is compiled once per :class:`GemmKernelKey` -- config, dtypes, visitor, SM count
+and CuTeDSL version -- against *symbolic* shapes (M, N, K are runtime values, N and K
+divisible by 8), so new problem sizes never recompile. The key is a frozen attrs value:
+every compile-time input is in it, so a cache hit can never be the wrong kernel.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any
+
+import attrs
+import torch
+
+from ..mainloop.config import GemmConfig
+from ..mainloop.visitor import IdentityVisitor
+from . import dtypes
+from .cute_env import dsl_version, ensure_arch
+
+
+@attrs.frozen
+class GemmKernelKey:
+    config: GemmConfig
+    ab_dtype: torch.dtype
+    d_dtype: torch.dtype
+    visitor: Any = IdentityVisitor()
+    num_sms: int = 132
+    dsl: str = attrs.field(factory=dsl_version)
+
+
+_cache: dict[GemmKernelKey, Any] = {}
+_lock = threading.Lock()
+
+
+def _fake_args(key: GemmKernelKey):
+    ensure_arch()
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
+
+    ab = dtypes.to_cutlass(key.ab_dtype)
+    d = dtypes.to_cutlass(key.d_dtype)
+    m = cute.sym_int32()
+    n = cute.sym_int32(divisibility=8)
+    k = cute.sym_int32(divisibility=8)
+    row_major = {"stride_order": (1, 0), "assumed_align": 16}
+    return (
+        make_fake_compact_tensor(ab, (m, k), **row_major),
+        make_fake_compact_tensor(ab, (n, k), **row_major),
+        make_fake_compact_tensor(d, (m, n), **row_major),
+        make_fake_stream(),
+    )
+
+
+def _kernel_object(key: GemmKernelKey):
+    ensure_arch()
+    from ..mainloop.kernel import PingPongGemm
+
+    return PingPongGemm(
+        key.config,
+        dtypes.to_cutlass(key.ab_dtype),
+        dtypes.to_cutlass(key.d_dtype),
+        visitor=key.visitor,
+        num_sms=key.num_sms,
+    )
+
+
+def compile_kernel(key: GemmKernelKey, options: str | None = None):
+    """Compile (uncached) for sm_90a. Works on a GPU-less machine."""
+    ensure_arch()
+    import cutlass.cute as cute
+
+    args = _fake_args(key)
+    kernel = _kernel_object(key)
+    if options:
+        return cute.compile(kernel, *args, options=options)
+    return cute.compile(kernel, *args)
+
+
+def get_kernel(key: GemmKernelKey):
+    """The compiled kernel for ``key``, compiled on first use and cached in memory."""
+    fn = _cache.get(key)
+    if fn is None:
+        with _lock:
+            fn = _cache.get(key)
+            if fn is None:
+                fn = compile_kernel(key)
+                _cache[key] = fn
+    return fn
+
+
+def compile_artifacts(key: GemmKernelKey, dump_dir: str) -> tuple[str, bytes]:
+    """(PTX text, cubin bytes) of the kernel for ``key``; for inspection and CPU tests."""
+    os.makedirs(dump_dir, exist_ok=True)
+    fn = compile_kernel(
+        key, options=f"--keep-ptx --keep-cubin --gpu-arch sm_90a --dump-dir {dump_dir}"
+    )
+    return fn.__ptx__, fn.__cubin__
+
+
+def as_cute_tensor(t: torch.Tensor):
+    """Zero-copy CuTeDSL view of a row-major 2-D torch tensor with dynamic shape."""
+    from cutlass.cute.runtime import from_dlpack
+
+    return from_dlpack(t, assumed_align=16).mark_layout_dynamic(leading_dim=1)
+
+
+def current_stream(device: torch.device):
+    import cuda.bindings.driver as cuda
+
+    return cuda.CUstream(torch.cuda.current_stream(device).cuda_stream)
+
+
+def launch(key: GemmKernelKey, a: torch.Tensor, b: torch.Tensor, d: torch.Tensor) -> None:
+    fn = get_kernel(key)
+    fn(as_cute_tensor(a), as_cute_tensor(b), as_cute_tensor(d), current_stream(a.device))

@@ -1,0 +1,85 @@
+"""CPU CI for the mainloop: compile the PingPong GEMM for sm_90a and check its SASS.
+
+No GPU needed: CuTeDSL lowers to PTX and cubin here (CUTE_DSL_ARCH=sm_90a), and nvdisasm
+from the nvidia-cuda-nvdisasm wheel turns the cubin into SASS.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from coda.mainloop.config import GemmConfig
+from coda.runtime import gemm_kernels
+from coda.runtime.sass import count_prefix, disassemble, find_nvdisasm, opcode_counts
+
+pytestmark = pytest.mark.compile
+
+CASES = [
+    (
+        GemmConfig(tile_n=192, cluster_m=2),
+        torch.bfloat16,
+        torch.bfloat16,
+        "HGMMA.64x192x16.F32.BF16",
+    ),
+    (
+        GemmConfig(tile_n=128, cluster_m=1),
+        torch.bfloat16,
+        torch.float32,
+        "HGMMA.64x128x16.F32.BF16",
+    ),
+    (
+        GemmConfig(tile_n=128, cluster_m=1, cluster_n=2),
+        torch.float16,
+        torch.float16,
+        "HGMMA.64x128x16.F32",
+    ),
+    (
+        GemmConfig(tile_n=160, cluster_m=2, group_m=4),
+        torch.bfloat16,
+        torch.float16,
+        "HGMMA.64x160x16.F32.BF16",
+    ),
+]
+
+
+@pytest.fixture(scope="module")
+def sass_of(tmp_path_factory):
+    if find_nvdisasm() is None:
+        pytest.skip("nvdisasm not installed (pip install nvidia-cuda-nvdisasm)")
+    memo = {}
+
+    def get(config, ab, d):
+        key = gemm_kernels.GemmKernelKey(config, ab, d)
+        if key not in memo:
+            ptx, cubin = gemm_kernels.compile_artifacts(key, str(tmp_path_factory.mktemp("dump")))
+            memo[key] = (ptx, disassemble(cubin))
+        return memo[key]
+
+    return get
+
+
+@pytest.mark.parametrize(
+    "config,ab,d,hgmma", CASES, ids=lambda v: str(v) if isinstance(v, str) else None
+)
+def test_sass_has_wgmma_tma_and_no_spills(sass_of, config, ab, d, hgmma):
+    ptx, sass = sass_of(config, ab, d)
+    ops = opcode_counts(sass)
+    assert ops[hgmma] > 0, (
+        f"expected {hgmma}; HGMMA seen: {[o for o in ops if o.startswith('HGMMA')]}"
+    )
+    assert count_prefix(ops, "UTMALDG") >= 2, "TMA loads of A and B"
+    assert count_prefix(ops, "UTMASTG") > 0, "TMA stores of D"
+    assert count_prefix(ops, "LDL") == 0 and count_prefix(ops, "STL") == 0, "local-memory spills"
+    # register rebalancing between producer and consumers
+    assert count_prefix(ops, "USETMAXREG") >= 2
+    if config.cluster_m * config.cluster_n > 1:
+        assert any(op.startswith("UTMALDG") and "MULTICAST" in op for op in ops), (
+            "cluster multicast"
+        )
+    assert "setmaxnreg" in ptx and "wgmma.mma_async" in ptx
+
+
+def test_sass_stores_use_stmatrix_for_16bit_output(sass_of):
+    _, sass = sass_of(*CASES[0][:3])
+    assert count_prefix(opcode_counts(sass), "STSM") > 0

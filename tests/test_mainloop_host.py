@@ -1,0 +1,87 @@
+"""CPU tests of the mainloop's host side: configs, smem plans, tile schedule, input checks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from coda.gemm import check_gemm_operands, check_output, gemm
+from coda.mainloop.config import GemmConfig, choose_config, plan_smem
+from coda.mainloop.scheduler import host_tile_order
+from coda.runtime.checks import CodaInputError
+
+
+@given(st.integers(1, 40), st.integers(1, 40), st.integers(1, 12))
+def test_schedule_visits_every_cluster_once(cm, cn, group):
+    order = host_tile_order(cm, cn, group)
+    assert sorted(order) == [(i, j) for i in range(cm) for j in range(cn)]
+
+
+def test_schedule_groups_rows():
+    # group of 2 cluster-rows, walked column by column
+    assert host_tile_order(3, 2, 2) == [(0, 0), (1, 0), (0, 1), (1, 1), (2, 0), (2, 1)]
+
+
+def test_config_validation_errors():
+    with pytest.raises(ValueError, match="tile_n=100"):
+        GemmConfig(tile_n=100)
+    with pytest.raises(ValueError, match="cluster"):
+        GemmConfig(cluster_m=2, cluster_n=2)
+    with pytest.raises(ValueError, match="multiple of epi_n"):
+        GemmConfig(tile_n=208, epi_n=32)
+
+
+def test_smem_plan_fits_capacity():
+    for tile_n in (128, 160, 192, 208):
+        cfg = GemmConfig(tile_n=tile_n, epi_n=16 if tile_n == 208 else 32)
+        plan = plan_smem(cfg, 2, cfg.epi_m * cfg.epi_n * 2)
+        assert plan.ab_stages >= 4
+        assert plan.total_bytes <= 232448 - 2048
+
+
+def test_choose_config_is_valid_for_many_shapes():
+    for m in (1, 128, 4096, 16384):
+        for n in (8, 2048, 44032):
+            cfg = choose_config(m, n, 4096)
+            assert isinstance(cfg, GemmConfig)
+
+
+def _bf16(*shape):
+    return torch.randn(*shape).to(torch.bfloat16)
+
+
+def test_operand_checks_accept_valid_and_return_shape():
+    assert check_gemm_operands(_bf16(10, 64), _bf16(24, 64)) == (10, 24, 64)
+
+
+@pytest.mark.parametrize(
+    "a,b,exc,msg",
+    [
+        ([1, 2], _bf16(8, 8), TypeError, "A must be a torch.Tensor"),
+        (_bf16(8), _bf16(8, 8), CodaInputError, "A must be 2-D"),
+        (torch.randn(8, 8), _bf16(8, 8), TypeError, "A has dtype float32"),
+        (_bf16(8, 8), torch.randn(8, 8).half(), TypeError, "same dtype"),
+        (_bf16(8, 16), _bf16(8, 24), CodaInputError, "its K must match"),
+        (_bf16(8, 12), _bf16(8, 12), CodaInputError, "multiple of 16 bytes"),
+        (_bf16(16, 8).t(), _bf16(8, 16), CodaInputError, "contiguous in its last dimension"),
+        (_bf16(4, 24)[:, 1:17], _bf16(8, 16), CodaInputError, "not 16-byte aligned"),
+        (_bf16(0, 8), _bf16(8, 8), CodaInputError, "empty"),
+    ],
+)
+def test_operand_check_errors(a, b, exc, msg):
+    with pytest.raises(exc, match=msg):
+        check_gemm_operands(a, b)
+
+
+def test_output_check_errors():
+    with pytest.raises(CodaInputError, match=r"expected \(8, 16\)"):
+        check_output(_bf16(8, 8), 8, 16)
+    with pytest.raises(TypeError, match="out has dtype int32"):
+        check_output(torch.zeros(8, 16, dtype=torch.int32), 8, 16)
+
+
+def test_gemm_on_cpu_tensors_says_cuda_before_launch():
+    with pytest.raises(CodaInputError, match="CUDA tensors"):
+        gemm(_bf16(8, 16), _bf16(24, 16))
