@@ -49,13 +49,15 @@ def gemm(
     out: torch.Tensor | None = None,
     *,
     out_dtype: torch.dtype | None = None,
-    config: GemmConfig | None = None,
+    config: GemmConfig | str | None = None,
 ) -> torch.Tensor:
     """out = A @ B.T on a Hopper GPU with coda's PingPong kernel.
 
     A: (M, K) bf16/fp16, row-major. B: (N, K) of the same dtype (an ``nn.Linear``
     weight). out: optional (M, N) bf16/fp16/fp32 tensor to write; otherwise allocated
-    with ``out_dtype`` (default: A's dtype). fp32 accumulation. Row strides must be
+    with ``out_dtype`` (default: A's dtype). fp32 accumulation. ``config``: a
+    :class:`GemmConfig`, ``None`` for the shape heuristic, or ``"autotune"`` to time a few
+    configs on first use of a shape and keep the fastest. Row strides must be
     multiples of 16 bytes (K and N multiples of 8 for 16-bit data); M, N, K need not be
     multiples of the tile. Errors are raised before anything is launched.
     """
@@ -80,7 +82,16 @@ def gemm(
         device = checks.same_device([("A", A), ("B", B), ("out", out)])
         checks.hopper_device(device)
     num_sms = torch.cuda.get_device_properties(device).multi_processor_count
-    cfg = config or choose_config(m, n, k, num_sms)
+    if config == "autotune":
+        from .runtime.autotune import best_config
+
+        cfg = best_config(m, n, k, A.dtype, out.dtype, device)
+    elif config is None:
+        cfg = choose_config(m, n, k, num_sms)
+    elif isinstance(config, GemmConfig):
+        cfg = config
+    else:
+        raise TypeError(f"config must be a GemmConfig, None or 'autotune', got {config!r}")
     key = gemm_kernels.GemmKernelKey(cfg, A.dtype, out.dtype, num_sms=num_sms)
     gemm_kernels.launch(key, A, B, out)
     return out

@@ -7,4 +7,11 @@ Importing this package does not import CuTeDSL; :mod:`coda.mainloop.kernel` and
 from .config import GemmConfig, SmemPlan, choose_config, plan_smem
 from .visitor import IdentityVisitor, SubtileContext
 
-__all__ = ["GemmConfig", "SmemPlan", "choose_config", "plan_smem", "IdentityVisitor", "SubtileContext"]
+__all__ = [
+    "GemmConfig",
+    "SmemPlan",
+    "choose_config",
+    "plan_smem",
+    "IdentityVisitor",
+    "SubtileContext",
+]

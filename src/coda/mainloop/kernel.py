@@ -22,6 +22,10 @@ Schedule (one CTA = 3 warpgroups, 384 threads, persistent over output tiles):
 
 from __future__ import annotations
 
+from ..runtime.cute_env import ensure_arch
+
+ensure_arch()
+
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline

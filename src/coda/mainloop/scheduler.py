@@ -11,6 +11,10 @@ so consecutive work shares B columns and A rows in L2.
 
 from __future__ import annotations
 
+from ..runtime.cute_env import ensure_arch
+
+ensure_arch()
+
 import cutlass
 import cutlass.cute as cute
 from cutlass import Int32
