@@ -29,13 +29,13 @@ def test_config_validation_errors():
         GemmConfig(tile_n=100)
     with pytest.raises(ValueError, match="cluster"):
         GemmConfig(cluster_m=2, cluster_n=2)
-    with pytest.raises(ValueError, match="multiple of epi_n"):
-        GemmConfig(tile_n=208, epi_n=32)
+    with pytest.raises(ValueError, match="epi_n=16"):
+        GemmConfig(epi_n=16)
 
 
 def test_smem_plan_fits_capacity():
-    for tile_n in (128, 160, 192, 208):
-        cfg = GemmConfig(tile_n=tile_n, epi_n=16 if tile_n == 208 else 32)
+    for tile_n in (64, 96, 128, 160, 192):
+        cfg = GemmConfig(tile_n=tile_n)
         plan = plan_smem(cfg, 2, cfg.epi_m * cfg.epi_n * 2)
         assert plan.ab_stages >= 4
         assert plan.total_bytes <= 232448 - 2048

@@ -17,7 +17,6 @@ CANDIDATES: tuple[GemmConfig, ...] = (
     GemmConfig(tile_n=128, cluster_m=2),
     GemmConfig(tile_n=128, cluster_m=1, cluster_n=2),
     GemmConfig(tile_n=160, cluster_m=2),
-    GemmConfig(tile_n=208, epi_n=16, cluster_m=2),
 )
 
 _best: dict[tuple, GemmConfig] = {}
