@@ -1,0 +1,61 @@
+"""coda: Transformer epilogues fused into NVIDIA Hopper GEMMs, composed from primitives.
+
+The public API (importing coda never imports CuTeDSL; kernels load lazily, later):
+
+* ``Epilogue``: an ordered, validated chain of primitives after C = A @ B^T, with
+  ``reference(A, B, **tensors)`` (whole-tensor eager PyTorch semantics).
+* ``simulate(epi, A, B, tile=..., subtile=..., **tensors)``: the CPU tile simulator, the
+  executable specification of the fused kernel (per-tile partials, running states).
+* The primitives: ``Elementwise``, ``VecLoad``, ``ScalarLoad``, ``TileLoad``, ``TileStore``,
+  ``TileReduce``, ``StateTransition`` (``LogSumExp``, ``TargetSelect``), their base
+  ``Primitive``, and ``math`` / ``ops`` for Elementwise functions.
+* Specs and errors: ``ValueSpec``, ``TensorSpec``, ``EpilogueError`` (build time),
+  ``InputError`` (call time) and ``coda.errors`` for the precise subclasses.
+* ``coda.testing`` (imported on demand): hypothesis strategies, tolerance helpers, profiles.
+"""
+
+from coda.epilogue import Epilogue
+from coda.errors import EpilogueError, InputError
+from coda.geometry import Problem, Tiling
+from coda.primitives import (
+    Elementwise,
+    LogSumExp,
+    Primitive,
+    ScalarLoad,
+    StateTransition,
+    TargetSelect,
+    TileLoad,
+    TileReduce,
+    TileStore,
+    VecLoad,
+    math,
+    ops,
+)
+from coda.simulator import simulate
+from coda.specs import TensorSpec, ValueSpec
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Elementwise",
+    "Epilogue",
+    "EpilogueError",
+    "InputError",
+    "LogSumExp",
+    "Primitive",
+    "Problem",
+    "ScalarLoad",
+    "StateTransition",
+    "TargetSelect",
+    "TensorSpec",
+    "TileLoad",
+    "TileReduce",
+    "TileStore",
+    "Tiling",
+    "ValueSpec",
+    "VecLoad",
+    "__version__",
+    "math",
+    "ops",
+    "simulate",
+]

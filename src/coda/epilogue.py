@@ -1,0 +1,155 @@
+"""coda.epilogue: ``Epilogue``, an ordered chain of primitives over named values.
+
+An epilogue runs after C = A @ B^T (A: (M, K), B: (N, K), like an nn.Linear weight) on the
+fp32 accumulator ``acc`` (M, N). It is a *value*: an attrs frozen class holding a tuple of
+primitives, so two epilogues built the same way are equal and hash the same (the compile
+cache key of later issues). ``add`` returns a new Epilogue; the chain is validated on
+construction (``coda.dataflow``), so an invalid epilogue never exists::
+
+    epi = (Epilogue()
+           .add(TileLoad("residual", torch.bfloat16))
+           .add(Elementwise("x", ops.add, ins=("acc", "residual")))
+           .add(TileStore("x", torch.bfloat16)))
+    out = epi.reference(A, B, residual=r)        # {"x": (M, N) bf16}
+
+``reference`` is the whole-tensor semantics (eager PyTorch, fp32 inside); the tile
+simulator ``coda.simulate`` computes the same outputs tile by tile the way the fused
+kernel will.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import attrs
+import torch
+
+from coda.binding import bind
+from coda.dataflow import Dataflow, analyze
+from coda.errors import EpilogueError
+from coda.geometry import Problem, Tiling
+from coda.primitives.base import Primitive
+from coda.primitives.context import ReferenceEnv
+from coda.specs import TensorSpec, ValueSpec, dtype_name
+
+__all__ = ["Epilogue", "check_outputs"]
+
+
+def _to_primitives(value: Any) -> tuple[Primitive, ...]:
+    return tuple(value)
+
+
+@attrs.frozen
+class Epilogue:
+    """An ordered, validated chain of primitives (see the module doc)."""
+
+    primitives: tuple[Primitive, ...] = attrs.field(default=(), converter=_to_primitives)
+    _flow: Dataflow = attrs.field(init=False, eq=False, hash=False, repr=False)
+
+    def __attrs_post_init__(self) -> None:
+        object.__setattr__(self, "_flow", analyze(self.primitives))
+
+    def add(self, *primitives: Primitive) -> Epilogue:
+        """A new Epilogue with ``primitives`` appended (validated now)."""
+        return Epilogue(self.primitives + primitives)
+
+    def __len__(self) -> int:
+        return len(self.primitives)
+
+    def __iter__(self) -> Iterator[Primitive]:
+        return iter(self.primitives)
+
+    # ---- dataflow ----------------------------------------------------------------------
+    @property
+    def values(self) -> Mapping[str, ValueSpec]:
+        """Every value (``acc`` first), in definition order, with its kind and width."""
+        return self._flow.values
+
+    @property
+    def inputs(self) -> tuple[TensorSpec, ...]:
+        """The tensors a caller passes as keyword arguments, in binding order."""
+        return self._flow.inputs
+
+    @property
+    def outputs(self) -> tuple[TensorSpec, ...]:
+        """The tensors returned, in order: stores, finalized results and their partials."""
+        return self._flow.outputs
+
+    @property
+    def n_alignment(self) -> int:
+        """N (and tile/subtile widths) must be multiples of this: 1, or 2/4 when the
+        epilogue has half-width values or column pairs."""
+        return self._flow.n_alignment
+
+    def bindings(self, index: int) -> tuple[TensorSpec, ...]:
+        """The tensors bound by ``primitives[index]``."""
+        return self._flow.bindings[index]
+
+    def describe(self) -> str:
+        """A readable multi-line listing: primitives, values, inputs, outputs."""
+        lines = [f"Epilogue with {len(self.primitives)} primitives:"]
+        lines += [f"  [{i}] {p.label}" for i, p in enumerate(self.primitives)]
+        lines.append(
+            "  values: " + ", ".join(f"{n} ({s.describe()})" for n, s in self.values.items())
+        )
+        lines.append("  inputs: " + ("; ".join(s.describe() for s in self.inputs) or "none"))
+        lines.append("  outputs: " + ("; ".join(s.describe() for s in self.outputs) or "none"))
+        return "\n".join(lines)
+
+    # ---- semantics ---------------------------------------------------------------------
+    def reference(
+        self,
+        A: torch.Tensor,
+        B: torch.Tensor,
+        *,
+        tile: tuple[int, int] | None = None,
+        **tensors: torch.Tensor | float,
+    ) -> dict[str, torch.Tensor]:
+        """Evaluate on whole tensors in eager PyTorch: acc = A.float() @ B.float().T, then
+        every primitive's ``reference`` in order. Returns {output name: tensor} in
+        ``outputs`` order. Per-tile partials depend on the tiling, so they are included only
+        when ``tile=(tm, tn)`` is given."""
+        if not self.outputs:
+            raise EpilogueError(
+                "this epilogue has no outputs: add a TileStore, TileReduce or StateTransition"
+            )
+        problem = bind(self, A, B, tensors)
+        if tile is not None:
+            tiling = Tiling(tile)
+            tiling.check_alignment(self.n_alignment)
+            tile = tiling.tile
+        env = ReferenceEnv(problem, self.values, tensors, A.device, tile=tile)
+        env.values["acc"] = A.float() @ B.float().T
+        for p in self.primitives:
+            p.reference(env)
+        wanted = [s for s in self.outputs if tile is not None or not s.is_partials]
+        return check_outputs(env.outputs, wanted, problem, tile, self)
+
+
+def check_outputs(
+    produced: Mapping[str, torch.Tensor],
+    wanted: list[TensorSpec],
+    problem: Problem,
+    tile: tuple[int, int] | None,
+    epilogue: Epilogue,
+) -> dict[str, torch.Tensor]:
+    """The outputs in ``wanted`` order, each checked against its spec (a primitive that
+    breaks its own declared shapes/dtypes is a bug worth a loud error)."""
+    result: dict[str, torch.Tensor] = {}
+    for spec in wanted:
+        owner = next(
+            p.label for i, p in enumerate(epilogue.primitives)
+            if spec in epilogue.bindings(i)
+        )
+        if spec.name not in produced:
+            raise RuntimeError(f"{owner} declares output {spec.name!r} but did not produce it")
+        t = produced[spec.name]
+        shape = spec.shape(problem.M, problem.N, tile)
+        if tuple(t.shape) != shape or t.dtype != spec.dtype:
+            raise RuntimeError(
+                f"{owner} produced {spec.name!r} as {tuple(t.shape)} {dtype_name(t.dtype)}; "
+                f"its spec says {shape} {dtype_name(spec.dtype)}"
+            )
+        result[spec.name] = t
+    return result

@@ -1,0 +1,138 @@
+"""coda.primitives.base: the ``Primitive`` contract every epilogue step fulfils.
+
+A primitive is an ``attrs`` frozen class: its fields are its whole configuration, so value
+equality and hashing come for free and are the compile-cache key of an ``Epilogue`` later
+(never write ``__eq__`` by hand). Callable fields (an Elementwise ``fn``) compare by
+identity: two different lambdas are two different primitives, the same function object is
+the same primitive.
+
+A primitive has four faces, one per stage of its life:
+
+1. **Dataflow (build time)**: ``reads`` / ``writes`` (value names), ``infer`` (the specs of
+   the values it writes, given the specs of everything defined so far; raises an
+   ``EpilogueError`` subclass when its inputs do not fit), ``tensors`` (the input and
+   output tensors it binds), ``n_alignment`` (what N must be a multiple of).
+2. **Semantics**: ``reference(env)`` on whole tensors, in eager PyTorch. This *is* the
+   meaning of the primitive.
+3. **Tile simulator**: ``begin_tile(tile) -> state``, ``visit(sub, state)`` once per
+   subtile (row-major inside the tile), ``end_tile(tile, state)`` (write per-tile partials),
+   then ``finalize(partials, problem, specs)`` once after the last tile (combine partials
+   into the final outputs). This is exactly the schedule of the fused GPU kernel, on CPU tensors.
+4. **CuTeDSL**: ``trace(ctx, values)`` emits the same computation into the fused visitor
+   on register fragments of one subtile. It arrives in a later issue; the base raises
+   ``NotImplementedError``. It will sit next to ``visit`` in every kind.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Mapping
+from typing import Any
+
+import attrs
+import torch
+
+from coda.geometry import Problem
+from coda.primitives.context import ReferenceEnv, Subtile, Tile
+from coda.specs import TensorSpec, ValueSpec
+
+__all__ = ["Primitive"]
+
+
+@attrs.frozen
+class Primitive(abc.ABC):
+    """Base class of every epilogue primitive (see the module doc for the contract).
+
+    Subclass it with ``@attrs.frozen`` and implement ``reads``, ``writes``, ``infer``,
+    ``reference`` and ``visit``; override ``tensors``, ``begin_tile``, ``end_tile`` and
+    ``finalize`` when the primitive binds tensors or carries state across subtiles.
+    """
+
+    # ---- dataflow ----------------------------------------------------------------------
+    @property
+    @abc.abstractmethod
+    def reads(self) -> tuple[str, ...]:
+        """Names of the values this primitive reads, in argument order."""
+
+    @property
+    @abc.abstractmethod
+    def writes(self) -> tuple[str, ...]:
+        """Names of the values this primitive defines (may be empty)."""
+
+    @abc.abstractmethod
+    def infer(self, values: Mapping[str, ValueSpec]) -> tuple[ValueSpec, ...]:
+        """Specs of ``writes`` (same order), given the specs of all values defined so far
+        (every name in ``reads`` is present). Raise an ``EpilogueError`` subclass if the
+        inputs do not fit (wrong kind, width mismatch...)."""
+
+    def tensors(self, values: Mapping[str, ValueSpec]) -> tuple[TensorSpec, ...]:
+        """The tensors this primitive binds: inputs the caller passes (direction "in") and
+        outputs it returns (direction "out", partials included). A method, not a property,
+        because an output's width follows the value it stores or reduces."""
+        return ()
+
+    def n_alignment(self, values: Mapping[str, ValueSpec]) -> int:
+        """N must be a multiple of this for the primitive to make sense (e.g. 2 for a
+        column pair split); tile and subtile widths too."""
+        return 1
+
+    def check_tensors(
+        self,
+        tensors: Mapping[str, Any],
+        problem: Problem,
+        specs: Mapping[str, ValueSpec],
+    ) -> None:
+        """Validate the *contents* of this primitive's bound inputs (their shapes and dtypes
+        are already checked against ``tensors()``), e.g. that targets are valid column
+        indices; raise ``coda.errors.InputError``. Called before evaluation by
+        ``Epilogue.reference`` and ``coda.simulate``. Most primitives have nothing to check."""
+        return None
+
+    @property
+    def label(self) -> str:
+        """Short human name used in error messages, e.g. ``TileStore('x')``."""
+        names = self.writes or self.reads
+        return f"{type(self).__name__}({', '.join(repr(n) for n in names)})"
+
+    # ---- semantics ---------------------------------------------------------------------
+    @abc.abstractmethod
+    def reference(self, env: ReferenceEnv) -> None:
+        """Whole-tensor semantics in eager PyTorch: read ``env.values`` / ``env.tensors``,
+        put written values into ``env.values`` (fp32, 2-D layout) and outputs into
+        ``env.outputs`` (per-tile partials too when ``env.tile`` is set)."""
+
+    # ---- tile simulator hooks ----------------------------------------------------------
+    def begin_tile(self, tile: Tile) -> Any:
+        """Called at the start of each tile; returns this primitive's per-tile state
+        (``None`` for stateless primitives)."""
+        return None
+
+    @abc.abstractmethod
+    def visit(self, sub: Subtile, state: Any) -> None:
+        """Run on one subtile: read ``sub.values``, write this primitive's values into
+        ``sub.values``, update ``state`` in place, store through ``sub.store``."""
+
+    def end_tile(self, tile: Tile, state: Any) -> None:
+        """Called after the last subtile of a tile: write per-tile partials from ``state``
+        (``tile.write_row_partial`` / ``write_col_partial``). Stateless: nothing to do."""
+        return None
+
+    def finalize(
+        self,
+        partials: Mapping[str, torch.Tensor],
+        problem: Problem,
+        specs: Mapping[str, ValueSpec],
+    ) -> dict[str, torch.Tensor]:
+        """After the last tile: combine this primitive's partial outputs (``partials``, by
+        name) into its final outputs; ``specs`` are the epilogue's value specs. Primitives
+        without partials have nothing to finalize."""
+        return {}
+
+    # ---- CuTeDSL -----------------------------------------------------------------------
+    def trace(self, ctx: Any, values: Any) -> Any:
+        """Emit this primitive into the fused CuTeDSL visitor on the register fragments of
+        one subtile. Traced into CuTeDSL in a later issue; no primitive implements it yet."""
+        raise NotImplementedError(
+            f"{type(self).__name__}.trace: primitives are traced into CuTeDSL in a later "
+            "issue; today coda runs epilogues with Epilogue.reference and coda.simulate"
+        )

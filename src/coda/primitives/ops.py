@@ -1,0 +1,121 @@
+"""coda.primitives.ops: ready-made, named ``fn``s for ``Elementwise``.
+
+Plain functions written with operators and ``coda.primitives.math``, so they run on every
+backend. Being module-level functions (not lambdas) they have stable identities and
+readable reprs, which makes epilogues that use them equal across calls (one cache entry).
+
+Pairwise helpers follow the Elementwise pairwise convention: an input at the pair width
+arrives as two arguments (even columns, odd columns); a "map" returns ``(even, odd)``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from coda.primitives import math as cm
+
+__all__ = [
+    "add",
+    "gelu_tanh",
+    "identity",
+    "mul",
+    "neg",
+    "rope",
+    "rope_inverse",
+    "scale",
+    "sigmoid",
+    "silu",
+    "square",
+    "sub",
+    "swiglu",
+    "swiglu_backward",
+    "tanh",
+]
+
+
+def identity(x: Any) -> Any:
+    """x (a copy of a value under a new name)."""
+    return x
+
+
+def add(a: Any, b: Any) -> Any:
+    """a + b (e.g. acc + residual, acc + bias)."""
+    return a + b
+
+
+def sub(a: Any, b: Any) -> Any:
+    """a - b."""
+    return a - b
+
+
+def mul(a: Any, b: Any) -> Any:
+    """a * b (e.g. x * gamma)."""
+    return a * b
+
+
+def scale(x: Any, s: Any) -> Any:
+    """x * s, with s a row vector (e.g. rstd) or a scalar."""
+    return x * s
+
+
+def neg(x: Any) -> Any:
+    """-x."""
+    return -x
+
+
+def square(x: Any) -> Any:
+    """x * x."""
+    return x * x
+
+
+def silu(x: Any) -> Any:
+    """x * sigmoid(x)."""
+    return cm.silu(x)
+
+
+def sigmoid(x: Any) -> Any:
+    """1 / (1 + exp(-x))."""
+    return cm.sigmoid(x)
+
+
+def tanh(x: Any) -> Any:
+    """tanh(x)."""
+    return cm.tanh(x)
+
+
+def gelu_tanh(x: Any) -> Any:
+    """GELU, tanh approximation."""
+    return cm.gelu_tanh(x)
+
+
+def swiglu(g: Any, u: Any) -> Any:
+    """SwiGLU forward, pairwise "reduce": y = silu(g) * u from an interleaved (gate, up)
+    operand (gate in even columns, up in odd columns)."""
+    return cm.silu(g) * u
+
+
+def swiglu_backward(g: Any, u: Any, dy: Any) -> tuple[Any, Any]:
+    """SwiGLU backward, pairwise "map": from the interleaved (gate, up) operand (width W,
+    two args) and dy (width W/2), return (dg, du), interleaved back to width W:
+    dg = dy * u * sig(g) * (1 + g (1 - sig(g))), du = dy * silu(g)."""
+    s = cm.sigmoid(g)
+    dg = dy * u * s * (1.0 + g * (1.0 - s))
+    du = dy * g * s
+    return dg, du
+
+
+def rope(x: Any, y: Any, pos: Any, freq: Any) -> tuple[Any, Any]:
+    """Rotary embedding, pairwise "map", interleaved pairs (x, y) = (even, odd) columns:
+    angle = pos * freq (pos: row vector, one position per token; freq: col vector of
+    width W/2, one frequency per pair); returns (x c - y s, y c + x s)."""
+    angle = pos * freq
+    c, s = cm.cos(angle), cm.sin(angle)
+    return x * c - y * s, y * c + x * s
+
+
+def rope_inverse(x: Any, y: Any, pos: Any, freq: Any) -> tuple[Any, Any]:
+    """The inverse rotation of ``rope`` (its backward, since rotations are orthogonal):
+    (x c + y s, y c - x s)."""
+    angle = pos * freq
+    c, s = cm.cos(angle), cm.sin(angle)
+    return x * c + y * s, y * c - x * s

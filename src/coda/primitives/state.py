@@ -1,0 +1,219 @@
+"""coda.primitives.state: ``StateTransition``, running per-row states across a tile.
+
+A state transition keeps, for every row of a tile, a small running state that each
+subtile updates as the visitor walks the tile left to right; at the end of the tile the
+state is written as per-tile partials (M, n_tiles_n), and ``finalize`` merges the tiles.
+Both kinds below reduce over the columns of a tile value (width w, C = N * w columns),
+one result per row (per="row" only: the state lives in the rows a thread owns).
+
+* ``LogSumExp(name, of)``: the online softmax normalizer. State per row: (m, s), the running
+  max and the sum of exp(v - m). A subtile with block max b updates
+  ``m' = max(m, b)``, ``s' = s * exp(m - m') + sum(exp(v - m'))``. Partials:
+  ``{name}.partials_max`` and ``{name}.partials_sumexp``. Finalize:
+  ``lse = M + log(sum_j s_j exp(m_j - M))`` with ``M = max_j m_j``; equals
+  ``torch.logsumexp(v, dim=1)``. Out-of-bounds columns are -inf and contribute nothing.
+* ``TargetSelect(name, of, target="target", ignore_index=-100)``: picks
+  ``v[m, target[m]]`` for an integer row vector ``target`` (M,). The partial of tile j is
+  the value when ``target[m]`` falls in that tile's columns, else 0; finalize sums the
+  partials over tiles. Rows whose target equals ``ignore_index`` give 0; any other target
+  outside [0, C) is an InputError.
+
+With both, the cross-entropy loss is ``lse - picked`` and the M x C logits are never written.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Mapping
+from typing import Any
+
+import attrs
+import torch
+
+from coda.errors import InputError, KindError
+from coda.geometry import Problem, ceil_div
+from coda.primitives._validators import index_dtype, new_name, read_name
+from coda.primitives.base import Primitive
+from coda.primitives.context import ReferenceEnv, Subtile, Tile
+from coda.specs import TensorSpec, ValueSpec
+
+__all__ = ["LogSumExp", "StateTransition", "TargetSelect"]
+
+NEG_INF = float("-inf")
+
+
+@attrs.frozen
+class StateTransition(Primitive):
+    """Base of per-row running states over the columns of tile value ``of``; the result,
+    output ``name`` (M,), exists only after the last tile (it is not a value)."""
+
+    name: str = attrs.field(validator=new_name)
+    of: str = attrs.field(validator=read_name)
+
+    per = "row"
+
+    @property
+    def reads(self) -> tuple[str, ...]:
+        return (self.of,)
+
+    @property
+    def writes(self) -> tuple[str, ...]:
+        return ()
+
+    @property
+    def label(self) -> str:
+        return f"{type(self).__name__}({self.name!r} of {self.of!r})"
+
+    def infer(self, values: Mapping[str, ValueSpec]) -> tuple[ValueSpec, ...]:
+        spec = values[self.of]
+        if spec.kind != "tile":
+            raise KindError(
+                f"{self.label}: {self.of!r} is a {spec.describe()}; state transitions run "
+                "over the columns of a tile value"
+            )
+        return ()
+
+    @property
+    @abc.abstractmethod
+    def partial_names(self) -> tuple[str, ...]:
+        """Names of the per-tile partial outputs, each (M, n_tiles_n) fp32."""
+
+    def tensors(self, values: Mapping[str, ValueSpec]) -> tuple[TensorSpec, ...]:
+        out = [TensorSpec(self.name, "row", torch.float32, direction="out")]
+        out += [
+            TensorSpec(p, "partials_row", torch.float32, direction="out")
+            for p in self.partial_names
+        ]
+        return tuple(out)
+
+
+@attrs.frozen
+class LogSumExp(StateTransition):
+    """Online log-sum-exp per row of tile value ``of`` -> output ``name`` (M,)."""
+
+    @property
+    def partial_names(self) -> tuple[str, str]:
+        return (f"{self.name}.partials_max", f"{self.name}.partials_sumexp")
+
+    def reference(self, env: ReferenceEnv) -> None:
+        v = env.values[self.of]
+        M, C = v.shape
+        env.outputs[self.name] = torch.logsumexp(v, dim=1)
+        if env.tile is None:
+            return
+        tc = int(env.tile[1] * env.specs[self.of].width)
+        nt = ceil_div(env.problem.N, env.tile[1])
+        padded = torch.full((M, nt * tc), NEG_INF, dtype=v.dtype, device=v.device)
+        padded[:, :C] = v
+        blocks = padded.reshape(M, nt, tc)
+        pm = blocks.amax(2)
+        pmax, psum = self.partial_names
+        env.outputs[pmax] = pm
+        env.outputs[psum] = torch.exp(blocks - pm[:, :, None]).sum(2)
+
+    def begin_tile(self, tile: Tile) -> dict[str, torch.Tensor]:
+        return {"m": tile.full_rows(NEG_INF), "s": tile.full_rows(0.0)}
+
+    def visit(self, sub: Subtile, state: dict[str, torch.Tensor]) -> None:
+        w = sub.specs[self.of].width
+        v = sub.values[self.of]
+        v = torch.where(sub.mask(w), v, torch.full_like(v, NEG_INF))
+        rows = sub.local_rows()
+        m_old, s_old = state["m"][rows], state["s"][rows]
+        m_new = torch.maximum(m_old, v.amax(1))
+        # rows with no finite element yet keep m = -inf; shift by 0 there to avoid inf - inf
+        shift = torch.where(m_new == NEG_INF, torch.zeros_like(m_new), m_new)
+        s_new = s_old * torch.exp(m_old - shift) + torch.exp(v - shift[:, None]).sum(1)
+        state["m"][rows], state["s"][rows] = m_new, s_new
+
+    def end_tile(self, tile: Tile, state: dict[str, torch.Tensor]) -> None:
+        pmax, psum = self.partial_names
+        tile.write_row_partial(pmax, state["m"])
+        tile.write_row_partial(psum, state["s"])
+
+    def finalize(
+        self,
+        partials: Mapping[str, torch.Tensor],
+        problem: Problem,
+        specs: Mapping[str, ValueSpec],
+    ) -> dict[str, torch.Tensor]:
+        pmax, psum = self.partial_names
+        pm, ps = partials[pmax], partials[psum]
+        top = pm.amax(1, keepdim=True)
+        shift = torch.where(top == NEG_INF, torch.zeros_like(top), top)
+        lse = shift[:, 0] + torch.log((ps * torch.exp(pm - shift)).sum(1))
+        return {self.name: lse}
+
+
+@attrs.frozen
+class TargetSelect(StateTransition):
+    """Pick ``of[m, target[m]]`` per row -> output ``name`` (M,); ignored rows give 0."""
+
+    target: str = attrs.field(default="target", validator=new_name)
+    ignore_index: int = attrs.field(default=-100)
+    target_dtype: torch.dtype = attrs.field(default=torch.int64, validator=index_dtype)
+
+    @property
+    def partial_names(self) -> tuple[str]:
+        return (f"{self.name}.partials",)
+
+    @property
+    def label(self) -> str:
+        return f"TargetSelect({self.name!r} = {self.of!r}[{self.target}])"
+
+    def tensors(self, values: Mapping[str, ValueSpec]) -> tuple[TensorSpec, ...]:
+        return (TensorSpec(self.target, "row", self.target_dtype),) + super().tensors(values)
+
+    def check_tensors(
+        self,
+        tensors: Mapping[str, Any],
+        problem: Problem,
+        specs: Mapping[str, ValueSpec],
+    ) -> None:
+        t = tensors[self.target]
+        C = problem.cols(specs[self.of].width)
+        bad = (t != self.ignore_index) & ((t < 0) | (t >= C))
+        if bool(bad.any()):
+            row = int(bad.nonzero()[0, 0])
+            raise InputError(
+                f"{self.label}: {self.target}[{row}] = {int(t[row])} is not a column index "
+                f"of {self.of!r} (0 <= target < {C}) nor ignore_index={self.ignore_index}"
+            )
+
+    def reference(self, env: ReferenceEnv) -> None:
+        v = env.values[self.of]
+        M, C = v.shape
+        t = env.tensors[self.target].to(torch.int64)
+        keep = t != self.ignore_index
+        idx = torch.where(keep, t, torch.zeros_like(t))
+        picked = torch.where(keep, v.gather(1, idx[:, None])[:, 0], torch.zeros_like(v[:, 0]))
+        env.outputs[self.name] = picked
+        if env.tile is None:
+            return
+        tc = int(env.tile[1] * env.specs[self.of].width)
+        nt = ceil_div(env.problem.N, env.tile[1])
+        partials = torch.zeros((M, nt), dtype=v.dtype, device=v.device)
+        partials.scatter_(1, (idx // tc)[:, None], picked[:, None])
+        env.outputs[self.partial_names[0]] = partials
+
+    def begin_tile(self, tile: Tile) -> torch.Tensor:
+        return tile.full_rows(0.0)
+
+    def visit(self, sub: Subtile, state: torch.Tensor) -> None:
+        w = sub.specs[self.of].width
+        v = sub.values[self.of]
+        t = sub.load_row(self.target)  # (sm, 1) int64; out-of-bounds rows read -1
+        hit = (sub.col_index(w) == t) & (t != self.ignore_index) & sub.mask(w)
+        rows = sub.local_rows()
+        state[rows] = state[rows] + torch.where(hit, v, torch.zeros_like(v)).sum(1)
+
+    def end_tile(self, tile: Tile, state: torch.Tensor) -> None:
+        tile.write_row_partial(self.partial_names[0], state)
+
+    def finalize(
+        self,
+        partials: Mapping[str, torch.Tensor],
+        problem: Problem,
+        specs: Mapping[str, ValueSpec],
+    ) -> dict[str, torch.Tensor]:
+        return {self.name: partials[self.partial_names[0]].sum(1)}

@@ -1,0 +1,163 @@
+"""coda.primitives.tilereduce: ``TileReduce``, row- or column-wise reductions as partials.
+
+``TileReduce(name, of, op, per, post=None)`` reduces tile value ``of`` (width w, C = N*w
+columns) with ``op`` in {"sum", "sumsq", "max"}:
+
+* ``per="row"``: one result per row, reducing over columns. Each tile (i, j) writes its
+  partial into ``{name}.partials`` of shape (M, n_tiles_n), column j.
+* ``per="col"``: one result per column, reducing over rows. Each tile writes row i of
+  ``{name}.partials`` of shape (n_tiles_m, C).
+
+Partials are fp32; out-of-bounds elements of ragged tiles contribute the identity (0 for
+sum/sumsq, -inf for max). There are no atomics: every partial is written by exactly one
+tile, so results are deterministic. ``finalize`` combines the partials (sum, or max) into
+output ``name``, of shape (M,) or (C,); if ``post`` is given, the output is
+``post(total, n)`` where n is the number of elements reduced per entry (C for per="row",
+M for per="col"), e.g. RMSNorm's ``rstd = rsqrt(total / n + eps)``. ``post`` is
+backend-polymorphic like an Elementwise ``fn``.
+
+The result is an *output*, not a value: it exists only after the last tile, so no primitive
+of the same epilogue can read it (feed it to the next GEMM's epilogue with a VecLoad).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any, Literal
+
+import attrs
+import torch
+
+from coda.errors import KindError
+from coda.geometry import Problem, ceil_div
+from coda.primitives._blocks import as_block
+from coda.primitives._validators import new_name, one_of, optional_callable, read_name
+from coda.primitives.base import Primitive
+from coda.primitives.context import ReferenceEnv, Subtile, Tile
+from coda.specs import TensorSpec, ValueSpec
+
+__all__ = ["TileReduce"]
+
+_IDENTITY = {"sum": 0.0, "sumsq": 0.0, "max": float("-inf")}
+
+
+@attrs.frozen
+class TileReduce(Primitive):
+    """Reduce tile value ``of`` per row or per column into per-tile partials + a result."""
+
+    name: str = attrs.field(validator=new_name)
+    of: str = attrs.field(validator=read_name)
+    op: Literal["sum", "sumsq", "max"] = attrs.field(
+        default="sum", validator=one_of("sum", "sumsq", "max")
+    )
+    per: Literal["row", "col"] = attrs.field(default="row", validator=one_of("row", "col"))
+    post: Callable[[Any, int], Any] | None = attrs.field(default=None, validator=optional_callable)
+
+    @property
+    def partials_name(self) -> str:
+        return f"{self.name}.partials"
+
+    @property
+    def identity(self) -> float:
+        return _IDENTITY[self.op]
+
+    @property
+    def reads(self) -> tuple[str, ...]:
+        return (self.of,)
+
+    @property
+    def writes(self) -> tuple[str, ...]:
+        return ()
+
+    @property
+    def label(self) -> str:
+        return f"TileReduce({self.name!r} = {self.op} of {self.of!r} per {self.per})"
+
+    def infer(self, values: Mapping[str, ValueSpec]) -> tuple[ValueSpec, ...]:
+        spec = values[self.of]
+        if spec.kind != "tile":
+            raise KindError(
+                f"{self.label}: {self.of!r} is a {spec.describe()}; TileReduce reduces tile "
+                "values (use an Elementwise to broadcast a vector onto a tile first)"
+            )
+        return ()
+
+    def tensors(self, values: Mapping[str, ValueSpec]) -> tuple[TensorSpec, ...]:
+        w = values[self.of].width if self.per == "col" else 1
+        role = f"partials_{self.per}"
+        return (
+            TensorSpec(self.name, self.per, torch.float32, w, direction="out"),
+            TensorSpec(self.partials_name, role, torch.float32, w, direction="out"),
+        )
+
+    # ---- math shared by every stage -----------------------------------------------------
+    def _mapped(self, v: torch.Tensor) -> torch.Tensor:
+        return v * v if self.op == "sumsq" else v
+
+    def _reduce(self, v: torch.Tensor, dim: int) -> torch.Tensor:
+        return v.amax(dim) if self.op == "max" else v.sum(dim)
+
+    def _combine(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return torch.maximum(a, b) if self.op == "max" else a + b
+
+    def _post(self, total: torch.Tensor, n: int) -> torch.Tensor:
+        if self.post is None:
+            return total
+        return as_block(self.post(total, n), tuple(total.shape), total.device, f"{self.label}.post")
+
+    # ---- semantics ---------------------------------------------------------------------
+    def reference(self, env: ReferenceEnv) -> None:
+        f = self._mapped(env.values[self.of])  # (M, C), fp32
+        M, C = f.shape
+        dim = 1 if self.per == "row" else 0
+        env.outputs[self.name] = self._post(self._reduce(f, dim), f.shape[dim])
+        if env.tile is None:
+            return
+        tm, tn = env.tile
+        if self.per == "row":  # columns of tile j: [j*tc, (j+1)*tc), tc = tn * width
+            tc = int(tn * env.specs[self.of].width)
+            nt = ceil_div(env.problem.N, tn)
+            padded = torch.full((M, nt * tc), self.identity, dtype=f.dtype, device=f.device)
+            padded[:, :C] = f
+            env.outputs[self.partials_name] = self._reduce(padded.reshape(M, nt, tc), 2)
+        else:
+            nt = ceil_div(M, tm)
+            padded = torch.full((nt * tm, C), self.identity, dtype=f.dtype, device=f.device)
+            padded[:M] = f
+            env.outputs[self.partials_name] = self._reduce(padded.reshape(nt, tm, C), 1)
+
+    # ---- tile simulator ----------------------------------------------------------------
+    def begin_tile(self, tile: Tile) -> torch.Tensor:
+        if self.per == "row":
+            return tile.full_rows(self.identity)
+        return tile.full_cols(tile.specs[self.of].width, self.identity)
+
+    def visit(self, sub: Subtile, state: torch.Tensor) -> None:
+        w = sub.specs[self.of].width
+        f = self._mapped(sub.values[self.of])
+        f = torch.where(sub.mask(w), f, torch.full_like(f, self.identity))
+        if self.per == "row":
+            rows = sub.local_rows()
+            state[rows] = self._combine(state[rows], self._reduce(f, 1))
+        else:
+            cols = sub.local_cols(w)
+            state[cols] = self._combine(state[cols], self._reduce(f, 0))
+
+    def end_tile(self, tile: Tile, state: torch.Tensor) -> None:
+        if self.per == "row":
+            tile.write_row_partial(self.partials_name, state)
+        else:
+            tile.write_col_partial(self.partials_name, state, tile.specs[self.of].width)
+
+    def finalize(
+        self,
+        partials: Mapping[str, torch.Tensor],
+        problem: Problem,
+        specs: Mapping[str, ValueSpec],
+    ) -> dict[str, torch.Tensor]:
+        p = partials[self.partials_name]
+        if self.per == "row":
+            total, n = self._reduce(p, 1), problem.cols(specs[self.of].width)
+        else:
+            total, n = self._reduce(p, 0), problem.M
+        return {self.name: self._post(total, n)}
