@@ -71,7 +71,8 @@ class TileReduce(Primitive):
 
     @property
     def label(self) -> str:
-        return f"TileReduce({self.name!r} = {self.op} of {self.of!r} per {self.per})"
+        post = "" if self.post is None else f", post={getattr(self.post, '__name__', 'fn')}"
+        return f"TileReduce({self.name!r} = {self.op} of {self.of!r} per {self.per}{post})"
 
     def infer(self, values: Mapping[str, ValueSpec]) -> tuple[ValueSpec, ...]:
         spec = values[self.of]

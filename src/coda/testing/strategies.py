@@ -71,6 +71,7 @@ class Composer:
         self.epilogue = Epilogue()
         self._count = 0
         self.target_dtype: torch.dtype | None = None
+        self.ignore_index: int | None = None
 
     @property
     def values(self) -> dict[str, ValueSpec]:
@@ -198,9 +199,13 @@ def observe(draw: DrawFn, c: Composer, value: str) -> Primitive:
         return TileReduce(c.fresh("red"), value, op, per, post)
     if choice == "lse":
         return LogSumExp(c.fresh("lse"), value)
-    if c.target_dtype is None:
+    if c.target_dtype is None:  # one target tensor shared by every TargetSelect
         c.target_dtype = draw(st.sampled_from((torch.int64, torch.int32)))
-    return TargetSelect(c.fresh("sel"), value, target="target", target_dtype=c.target_dtype)
+        c.ignore_index = draw(st.sampled_from((-100, 0, 1)))  # may be a valid column too
+    return TargetSelect(
+        c.fresh("sel"), value, target="target", ignore_index=c.ignore_index,
+        target_dtype=c.target_dtype,
+    )
 
 
 def observer(draw: DrawFn, c: Composer) -> Primitive:

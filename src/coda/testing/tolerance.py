@@ -102,8 +102,9 @@ class Comparison:
 
     def __str__(self) -> str:
         base = "" if self.baseline_err is None else f", baseline err {self.baseline_err:.3g}"
-        verdict = "ok" if self.passed else "FAIL"
-        return f"{self.name}: err {self.err:.3g} <= {self.limit:.3g}{base}: {verdict}"
+        if self.passed:
+            return f"{self.name}: err {self.err:.3g} <= limit {self.limit:.3g}{base}: ok"
+        return f"{self.name}: err {self.err:.3g} > limit {self.limit:.3g}{base}: FAIL"
 
 
 def compare(
