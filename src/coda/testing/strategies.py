@@ -14,8 +14,8 @@
 
 Built-in factories cover every kind: TileLoad (widths 1/2, 1, 2), VecLoad (row/col),
 ScalarLoad, Elementwise (unary/binary/ternary, pairwise reduce/map incl. SwiGLU and
-RoPE), TileStore, TileReduce (sum/sumsq/max, per row/col, with and without ``post``),
-LogSumExp and TargetSelect.
+RoPE, math on vectors, row x col outer combinations), TileStore, TileReduce
+(sum/sumsq/max, per row/col, with and without ``post``), LogSumExp and TargetSelect.
 """
 
 from __future__ import annotations
@@ -97,16 +97,29 @@ class Composer:
         kinds: Sequence[str] = ("tile",),
         widths: Sequence[Fraction] | None = None,
     ) -> str | None:
-        """Draw one defined value of the given kinds/widths, or None if there is none."""
-        options = self.names(kinds, widths)
-        return draw(st.sampled_from(options)) if options else None
+        """Draw one defined value of the given kinds/widths, or None if there is none.
+        The kind is drawn first (among those present), so rare kinds (vectors, scalars)
+        are picked as often as the tiles that usually outnumber them."""
+        present = [k for k in kinds if self.names((k,), widths)]
+        if not present:
+            return None
+        kind = draw(st.sampled_from(present))
+        return draw(st.sampled_from(self.names((kind,), widths)))
 
     def add(self, primitive: Primitive) -> None:
         self.epilogue = self.epilogue.add(primitive)
 
+    def add_all(self, drawn: Primitive | Sequence[Primitive] | None) -> bool:
+        """Add what a factory returned; False if it returned None."""
+        if drawn is None:
+            return False
+        self.epilogue = self.epilogue.add(*([drawn] if isinstance(drawn, Primitive) else drawn))
+        return True
 
-#: A factory draws one primitive that fits the composition so far, or returns None.
-Factory = Callable[[DrawFn, Composer], "Primitive | None"]
+
+#: A factory draws a primitive (or a short list of them) that fits the composition so far,
+#: or returns None when it cannot.
+Factory = Callable[[DrawFn, Composer], "Primitive | Sequence[Primitive] | None"]
 
 _dtypes = st.sampled_from(FLOAT_DTYPES)
 
@@ -177,6 +190,46 @@ def pair_map(draw: DrawFn, c: Composer) -> Primitive:
     return Elementwise(c.fresh("p"), draw(st.sampled_from(fns.PAIR_MAP)), (a,), "map")
 
 
+def _new_vector(draw: DrawFn, c: Composer, kind: str, width: Fraction) -> Primitive:
+    if kind == "row":
+        return VecLoad(c.fresh("r"), "row", draw(_dtypes))
+    if kind == "col":
+        return VecLoad(c.fresh("g"), "col", draw(_dtypes), width)
+    return ScalarLoad(c.fresh("s"))
+
+
+def broadcast(draw: DrawFn, c: Composer) -> list[Primitive]:
+    """A tile combined with a new row vector, col vector or scalar (a bias, a gamma, an
+    rstd, a scale), or a new row vector combined with a new col vector (outer)."""
+    kind = draw(st.sampled_from(("row", "col", "scalar", "outer")))
+    if kind == "outer":
+        w = draw(st.sampled_from(WIDTHS))
+        loads = [_new_vector(draw, c, "row", w), _new_vector(draw, c, "col", w)]
+    else:
+        a = c.pick(draw)
+        loads = [_new_vector(draw, c, kind, c.values[a].width)]
+    names = [p.writes[0] for p in loads]
+    if kind != "outer":
+        names = draw(st.permutations([a, *names]))
+    fn = draw(st.sampled_from(fns.BINARY))
+    return [*loads, Elementwise(c.fresh("v"), fn, ins=tuple(names))]
+
+
+def vector_math(draw: DrawFn, c: Composer) -> Primitive | None:
+    """Math on broadcast values: unary/binary over row, col and scalar values (a row
+    meeting a col makes a tile), or a pairwise map over a col vector."""
+    a = c.pick(draw, ("row", "col", "scalar"))
+    if a is None:
+        return None
+    spec = c.values[a]
+    if spec.kind == "col" and draw(st.booleans()):
+        return Elementwise(c.fresh("q"), draw(st.sampled_from(fns.PAIR_MAP)), (a,), "map")
+    b = c.pick(draw, ("row", "col", "scalar"), (spec.width,))
+    if b is not None and draw(st.booleans()):
+        return Elementwise(c.fresh("q"), draw(st.sampled_from(fns.BINARY)), (a, b))
+    return Elementwise(c.fresh("q"), draw(st.sampled_from(fns.UNARY)), (a,))
+
+
 def _post_mean(total: Any, n: int) -> Any:
     return total / n
 
@@ -214,7 +267,8 @@ def observer(draw: DrawFn, c: Composer) -> Primitive:
 
 
 BUILTIN_FACTORIES: tuple[Factory, ...] = (
-    tile_load, vec_load, scalar_load, unary, nary, nary, pair_reduce, pair_map, observer,
+    tile_load, vec_load, scalar_load, unary, nary, nary, broadcast, pair_reduce, pair_map,
+    vector_math, observer,
 )
 
 
@@ -233,15 +287,11 @@ def epilogues(
     used_extra = False
     for _ in range(draw(st.integers(1, max_steps))):
         f = draw(st.sampled_from(factories))
-        p = f(draw, c)
-        if p is not None:
-            c.add(p)
+        if c.add_all(f(draw, c)):
             used_extra |= f in extra
     if extra and (require_extra if require_extra is not None else True) and not used_extra:
         for f in draw(st.permutations(list(extra))):
-            p = f(draw, c)
-            if p is not None:
-                c.add(p)
+            if c.add_all(f(draw, c)):
                 break
         else:
             raise ValueError("none of the extra factories could add a primitive")
