@@ -15,7 +15,16 @@ from typing import Any
 from coda.primitives import math as cm
 from coda.primitives import ops
 
-__all__ = ["BINARY", "PAIR_MAP", "PAIR_MAP_4", "PAIR_REDUCE", "PAIR_REDUCE_3", "TERNARY", "UNARY"]
+__all__ = [
+    "BINARY",
+    "PAIR_MAP",
+    "PAIR_MAP_3",
+    "PAIR_MAP_4",
+    "PAIR_REDUCE",
+    "PAIR_REDUCE_3",
+    "TERNARY",
+    "UNARY",
+]
 
 
 def soft_clip(x: Any) -> Any:

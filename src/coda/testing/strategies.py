@@ -1,7 +1,7 @@
 """coda.testing.strategies: hypothesis strategies for epilogues, tilings and whole cases.
 
 * ``epilogues(extra=(), max_steps=6)``: random *valid* compositions. A chain is grown one
-  primitive at a time by *factories* (``Factory = (draw, Composer) -> Primitive | None``)
+  step at a time by *factories* (``Factory = (draw, Composer) -> Primitive | list | None``)
   that look at the values defined so far; then every value nobody reads is observed (a
   TileStore, TileReduce, LogSumExp or TargetSelect), so every step influences an output.
   Pass your own factories in ``extra`` to draw your primitive into compositions; with
@@ -170,7 +170,8 @@ def pair_reduce(draw: DrawFn, c: Composer) -> Primitive | None:
     extra = c.pick(draw, ("tile", "col", "row", "scalar"), (w / 2,))
     if extra is None:
         return None
-    return Elementwise(c.fresh("y"), fns.swiglu_plus, (a, extra), "reduce")
+    fn = draw(st.sampled_from(fns.PAIR_REDUCE_3))
+    return Elementwise(c.fresh("y"), fn, (a, extra), "reduce")
 
 
 def pair_map(draw: DrawFn, c: Composer) -> Primitive:
@@ -181,7 +182,8 @@ def pair_map(draw: DrawFn, c: Composer) -> Primitive:
     if arity == 3:
         angle = c.pick(draw, half, (w / 2,))
         if angle is not None:
-            return Elementwise(c.fresh("p"), fns.rotate_by, (a, angle), "map")
+            fn = draw(st.sampled_from(fns.PAIR_MAP_3))
+            return Elementwise(c.fresh("p"), fn, (a, angle), "map")
     if arity == 4:
         pos, freq = c.pick(draw, half, (w / 2,)), c.pick(draw, half, (w / 2,))
         if pos is not None and freq is not None:
