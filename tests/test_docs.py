@@ -40,3 +40,25 @@ def test_write_your_own_primitive_snippets_run():
     assert set(namespace["ref"]) == {"c", "amax"}
     assert namespace["sim"]["amax.partials"].shape == (40, 2)
     namespace["test_my_primitives"]()  # the hypothesis test defined on the page
+
+
+def test_primitive_reference_snippets_run():
+    """Every snippet of docs/primitives.md executes (inputs of the last one provided)."""
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    namespace: dict = {
+        "hidden": torch.randn(10, 16, generator=g).to(torch.bfloat16),
+        "lm_head_weight": torch.randn(40, 16, generator=g).to(torch.bfloat16),
+        "labels": torch.tensor([3, -100, 0, 39, 7, 7, -100, 1, 2, 5]),
+    }
+    for i, block in enumerate(python_blocks(ROOT / "docs" / "primitives.md")):
+        exec(compile(block, f"primitives.md[{i}]", "exec"), namespace)  # noqa: S102
+    loss = namespace["loss"]
+    expected = torch.nn.functional.cross_entropy(
+        namespace["hidden"].double() @ namespace["lm_head_weight"].double().T,
+        namespace["labels"], reduction="none",
+    )
+    keep = namespace["labels"] != -100
+    torch.testing.assert_close(loss[keep].double(), expected[keep], rtol=1e-4, atol=1e-4)
+    assert (loss[~keep] == 0).all()

@@ -8,7 +8,8 @@ The public API (importing coda never imports CuTeDSL; kernels load lazily, later
   executable specification of the fused kernel (per-tile partials, running states).
 * The primitives: ``Elementwise``, ``VecLoad``, ``ScalarLoad``, ``TileLoad``, ``TileStore``,
   ``TileReduce``, ``StateTransition`` (``LogSumExp``, ``TargetSelect``), their base
-  ``Primitive``, and ``math`` / ``ops`` for Elementwise functions.
+  ``Primitive``, and ``math`` / ``ops`` for Elementwise functions (import them by name:
+  ``from coda import math, ops``).
 * Specs and errors: ``ValueSpec``, ``TensorSpec``, ``EpilogueError`` (build time),
   ``InputError`` (call time) and ``coda.errors`` for the precise subclasses.
 * ``coda.testing`` (imported on demand): hypothesis strategies, tolerance helpers, profiles.
@@ -28,9 +29,9 @@ from coda.primitives import (
     TileReduce,
     TileStore,
     VecLoad,
-    math,
-    ops,
 )
+from coda.primitives import math as math  # noqa: PLC0414 (explicit re-export, not in __all__)
+from coda.primitives import ops as ops  # noqa: PLC0414
 from coda.simulator import simulate
 from coda.specs import TensorSpec, ValueSpec
 
@@ -55,7 +56,7 @@ __all__ = [
     "ValueSpec",
     "VecLoad",
     "__version__",
-    "math",
-    "ops",
     "simulate",
 ]
+# ``coda.math`` and ``coda.ops`` are importable (``from coda import math, ops``) but left
+# out of ``__all__`` so that ``from coda import *`` never shadows the standard ``math``.
