@@ -30,8 +30,8 @@ from coda.primitives import (
     TileStore,
     VecLoad,
 )
-from coda.primitives import math as math  # noqa: PLC0414 (explicit re-export, not in __all__)
-from coda.primitives import ops as ops  # noqa: PLC0414
+from coda.primitives import math as math  # explicit re-export, kept out of __all__
+from coda.primitives import ops as ops
 from coda.simulator import simulate
 from coda.specs import TensorSpec, ValueSpec
 
