@@ -14,13 +14,13 @@ from _independent import evaluate
 from coda.testing import Case, cases, check_case, examples
 
 
-@settings(max_examples=examples(300))
+@settings(max_examples=examples(500))
 @given(cases())
 def test_simulator_matches_reference_and_independent(case: Case) -> None:
     check_case(case, truth=evaluate)
 
 
-@settings(max_examples=examples(50))
+@settings(max_examples=examples(100))
 @given(cases(), st.sampled_from([0.0, math.inf, -math.inf, 1e30]))
 def test_oob_fill_never_matters(case: Case, fill: float) -> None:
     """Whatever the GPU reads out of bounds (zeros from TMA, or anything) never reaches an

@@ -131,7 +131,7 @@ def absmax_factory(draw, c: Composer) -> Primitive:
     return RowAbsMax(c.fresh("amax"), c.pick(draw))
 
 
-@settings(max_examples=examples(80))
+@settings(max_examples=examples(120))
 @given(cases(extra=[clamp_factory, absmax_factory]))
 def test_user_primitives_pass_the_property(case: Case) -> None:
     assert any(isinstance(p, (Clamp, RowAbsMax)) for p in case.epilogue)
