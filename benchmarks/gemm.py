@@ -18,7 +18,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
 
-from coda.gemm import gemm as coda_gemm  # noqa: E402
+from coda.matmul import gemm as coda_gemm  # noqa: E402
 
 SHAPES = [
     (8192, 8192, 8192),

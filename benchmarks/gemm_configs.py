@@ -18,8 +18,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
 from gemm import SHAPES  # noqa: E402
 
-from coda.gemm import gemm  # noqa: E402
 from coda.mainloop.config import choose_config  # noqa: E402
+from coda.matmul import gemm  # noqa: E402
 from coda.runtime.autotune import CANDIDATES  # noqa: E402
 
 

@@ -6,7 +6,7 @@ compute-sanitizer --tool racecheck python benchmarks/sanitize_gemm.py
 
 import torch
 
-from coda.gemm import gemm
+from coda.matmul import gemm
 
 m, n, k = 333, 520, 200  # ragged in M, N and K; several tiles and both warpgroups busy
 a = torch.randn(m, k, device="cuda").to(torch.bfloat16)

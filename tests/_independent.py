@@ -62,8 +62,9 @@ def _elementwise(p: Elementwise, values: dict, specs: dict, M: int, N: int) -> N
     rows = M if spec.kind in ("tile", "row") else 1
     cols = _cols(N, spec.width) if spec.kind in ("tile", "col") else 1
     if p.pairwise == "map":
-        even, odd = (torch.broadcast_to(torch.as_tensor(o, dtype=F64), (rows, cols // 2))
-                     for o in out)
+        even, odd = (
+            torch.broadcast_to(torch.as_tensor(o, dtype=F64), (rows, cols // 2)) for o in out
+        )
         values[p.out] = torch.stack([even, odd], dim=2).reshape(rows, cols)
     else:
         values[p.out] = torch.broadcast_to(torch.as_tensor(out, dtype=F64), (rows, cols)).to(F64)
@@ -117,13 +118,15 @@ def evaluate(
             else:
                 total, n = fold(v.T), M
             if p.post is not None:
-                total = torch.broadcast_to(torch.as_tensor(p.post(total, n), dtype=F64),
-                                           total.shape)
+                total = torch.broadcast_to(
+                    torch.as_tensor(p.post(total, n), dtype=F64), total.shape
+                )
             outputs[p.name] = total
             if tile is not None:
                 w = specs[p.of].width
                 outputs[f"{p.name}.partials"] = (
-                    _row_partials(v, N, tile[1], w, fold) if p.per == "row"
+                    _row_partials(v, N, tile[1], w, fold)
+                    if p.per == "row"
                     else _col_partials(v, tile[0], fold)
                 )
         elif isinstance(p, LogSumExp):

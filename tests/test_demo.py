@@ -44,11 +44,30 @@ def test_demo_detects_a_wrong_epilogue(monkeypatch):
     assert any(line.split()[:1] == ["z"] and line.endswith("FAIL") for line in lines)
 
 
-@pytest.mark.parametrize("args", [[], ["--m", "33", "--n", "40", "--k", "24", "--tile", "16x16",
-                                       "--subtile", "8x8", "--seed", "3"]])
+@pytest.mark.parametrize(
+    "args",
+    [
+        [],
+        [
+            "--m",
+            "33",
+            "--n",
+            "40",
+            "--k",
+            "24",
+            "--tile",
+            "16x16",
+            "--subtile",
+            "8x8",
+            "--seed",
+            "3",
+        ],
+    ],
+)
 def test_cli_subprocess(args):
-    run = subprocess.run([sys.executable, "-m", "coda", "demo", *args], capture_output=True,
-                         text=True)
+    run = subprocess.run(
+        [sys.executable, "-m", "coda", "demo", *args], capture_output=True, text=True
+    )
     assert run.returncode == 0, run.stdout + run.stderr
     assert run.stdout.splitlines()[-1].startswith("PASS")
 

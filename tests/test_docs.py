@@ -33,8 +33,13 @@ def test_write_your_own_primitive_snippets_run():
     from coda import Epilogue, TileStore
 
     g = torch.Generator().manual_seed(0)
-    namespace.update(coda=coda, Epilogue=Epilogue, TileStore=TileStore,
-                     A=torch.randn(40, 8, generator=g), B=torch.randn(24, 8, generator=g))
+    namespace.update(
+        coda=coda,
+        Epilogue=Epilogue,
+        TileStore=TileStore,
+        A=torch.randn(40, 8, generator=g),
+        B=torch.randn(24, 8, generator=g),
+    )
     for i, block in enumerate(blocks):
         exec(compile(block, f"write-your-own-primitive.md[{i}]", "exec"), namespace)  # noqa: S102
     assert set(namespace["ref"]) == {"c", "amax"}
@@ -57,7 +62,8 @@ def test_primitive_reference_snippets_run():
     loss = namespace["loss"]
     expected = torch.nn.functional.cross_entropy(
         namespace["hidden"].double() @ namespace["lm_head_weight"].double().T,
-        namespace["labels"], reduction="none",
+        namespace["labels"],
+        reduction="none",
     )
     keep = namespace["labels"] != -100
     torch.testing.assert_close(loss[keep].double(), expected[keep], rtol=1e-4, atol=1e-4)

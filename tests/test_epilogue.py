@@ -68,7 +68,9 @@ def test_specs():
     assert [s.name for s in epi.inputs] == ["residual", "gamma"]
     assert epi.inputs[1] == TensorSpec("gamma", "col", BF16)
     assert [(s.name, s.role, s.dtype) for s in epi.outputs] == [
-        ("x", "tile", BF16), ("h", "tile", BF16), ("ss", "row", F32),
+        ("x", "tile", BF16),
+        ("h", "tile", BF16),
+        ("ss", "row", F32),
         ("ss.partials", "partials_row", F32),
     ]
     assert all(s.direction == "out" for s in epi.outputs)
@@ -120,50 +122,77 @@ def test_input_errors(run):
             return epi.reference(A, B, **kw)
         return simulate(epi, A, B, tile=(8, 8), **kw)
 
-    check(lambda: call(residual=r), "missing: gamma: col (N,) bfloat16. This epilogue's "
-          "inputs: residual, gamma.")
-    check(lambda: call(residual=r, gamma=g, gama=g), "unexpected tensor 'gama' (did you "
-          "mean 'gamma'?). This epilogue's inputs: residual, gamma.")
-    check(lambda: call(residual=r[:, :5], gamma=g), "residual: tile (M, N) bfloat16: "
-          "expected shape (20, 12) for M=20, N=12; got (20, 5)")
-    check(lambda: call(residual=r.float(), gamma=g), "residual: tile (M, N) bfloat16: "
-          "expected dtype bfloat16; got float32")
-    check(lambda: call(residual=r, gamma=3.0), "gamma: col (N,) bfloat16: got float, not a "
-          "tensor")
-    check(lambda: call(B=B[:, :3], residual=r, gamma=g), "A is (M, K) = (20, 8) and B is "
-          "(N, K) = (12, 3) (like an nn.Linear weight): their K must agree (8 != 3)")
-    check(lambda: call(B=B.half(), residual=r, gamma=g), "A and B must have the same dtype; "
-          "got bfloat16 and float16")
+    check(
+        lambda: call(residual=r),
+        "missing: gamma: col (N,) bfloat16. This epilogue's inputs: residual, gamma.",
+    )
+    check(
+        lambda: call(residual=r, gamma=g, gama=g),
+        "unexpected tensor 'gama' (did you "
+        "mean 'gamma'?). This epilogue's inputs: residual, gamma.",
+    )
+    check(
+        lambda: call(residual=r[:, :5], gamma=g),
+        "residual: tile (M, N) bfloat16: expected shape (20, 12) for M=20, N=12; got (20, 5)",
+    )
+    check(
+        lambda: call(residual=r.float(), gamma=g),
+        "residual: tile (M, N) bfloat16: expected dtype bfloat16; got float32",
+    )
+    check(lambda: call(residual=r, gamma=3.0), "gamma: col (N,) bfloat16: got float, not a tensor")
+    check(
+        lambda: call(B=B[:, :3], residual=r, gamma=g),
+        "A is (M, K) = (20, 8) and B is "
+        "(N, K) = (12, 3) (like an nn.Linear weight): their K must agree (8 != 3)",
+    )
+    check(
+        lambda: call(B=B.half(), residual=r, gamma=g),
+        "A and B must have the same dtype; got bfloat16 and float16",
+    )
     check(lambda: call(A=A[0], residual=r, gamma=g), "A must be 2-D; got shape (8,)")
-    check(lambda: call(A=A.long(), residual=r, gamma=g), "A must be bfloat16, float16 or "
-          "float32; got int64")
+    check(
+        lambda: call(A=A.long(), residual=r, gamma=g),
+        "A must be bfloat16, float16 or float32; got int64",
+    )
     check(lambda: call(A="A", residual=r, gamma=g), "A must be a torch.Tensor; got str")
 
 
 def test_scalar_and_alignment_input_errors():
     A, B, _, _ = inputs(N=10)
-    epi = Epilogue().add(ScalarLoad("s"), Elementwise("y", ops.scale, ins=("acc", "s")),
-                         TileStore("y", F32))
-    check(lambda: epi.reference(A, B, s=torch.tensor(1.0)), "'s' is a scalar argument: pass "
-          "a Python float; got Tensor")
+    epi = Epilogue().add(
+        ScalarLoad("s"), Elementwise("y", ops.scale, ins=("acc", "s")), TileStore("y", F32)
+    )
+    check(
+        lambda: epi.reference(A, B, s=torch.tensor(1.0)),
+        "'s' is a scalar argument: pass a Python float; got Tensor",
+    )
     assert epi.reference(A, B, s=2)["y"].shape == (20, 10)
-    half = Epilogue().add(Elementwise("h", ops.swiglu, pairwise="reduce"),
-                          Elementwise("q", lambda e, o: (o, e), ins="h", pairwise="map"),
-                          TileStore("q", F32))
-    check(lambda: half.reference(A, B), "this epilogue has half-width values or column "
-          "pairs, so N must be a multiple of 4; got N=10")
+    half = Epilogue().add(
+        Elementwise("h", ops.swiglu, pairwise="reduce"),
+        Elementwise("q", lambda e, o: (o, e), ins="h", pairwise="map"),
+        TileStore("q", F32),
+    )
+    check(
+        lambda: half.reference(A, B),
+        "this epilogue has half-width values or column "
+        "pairs, so N must be a multiple of 4; got N=10",
+    )
 
 
 def test_tiling_errors():
     A, B, r, g = inputs(N=16)
     epi = Epilogue().add(Elementwise("h", ops.swiglu, pairwise="reduce"), TileStore("h", F32))
-    check(lambda: simulate(epi, A, B, tile=(8, 8), subtile=(3, 8)), "subtile (3, 8) must "
-          "divide tile (8, 8) (sm | tm and sn | tn)")
-    check(lambda: simulate(epi, A, B, tile=(8, 6), subtile=(8, 3)), "this epilogue needs "
-          "tile and subtile widths that are multiples of 2 (it has half-width values or "
-          "column pairs); got tn=6, sn=3")
-    check(lambda: simulate(epi, A, B, tile=(8, 0)), "expected a pair of positive ints, got "
-          "(8, 0)")
+    check(
+        lambda: simulate(epi, A, B, tile=(8, 8), subtile=(3, 8)),
+        "subtile (3, 8) must divide tile (8, 8) (sm | tm and sn | tn)",
+    )
+    check(
+        lambda: simulate(epi, A, B, tile=(8, 6), subtile=(8, 3)),
+        "this epilogue needs "
+        "tile and subtile widths that are multiples of 2 (it has half-width values or "
+        "column pairs); got tn=6, sn=3",
+    )
+    check(lambda: simulate(epi, A, B, tile=(8, 0)), "expected a pair of positive ints, got (8, 0)")
 
 
 def test_default_subtile_and_reference_without_partials():
@@ -178,6 +207,5 @@ def test_default_subtile_and_reference_without_partials():
 
 def test_import_coda_does_not_import_cutlass():
     code = "import sys, coda, coda.testing; print('cutlass' in sys.modules)"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         check=True)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"

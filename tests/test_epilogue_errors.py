@@ -42,9 +42,17 @@ def raises(exc: type[Exception], message: str):
 
 
 def test_errors_are_value_errors():
-    for exc in (UnknownValueError, DuplicateNameError, BindingConflictError, KindError,
-                WidthMismatchError, UseBeforeDefinitionError, ArityError, InvalidNameError,
-                InvalidArgumentError):
+    for exc in (
+        UnknownValueError,
+        DuplicateNameError,
+        BindingConflictError,
+        KindError,
+        WidthMismatchError,
+        UseBeforeDefinitionError,
+        ArityError,
+        InvalidNameError,
+        InvalidArgumentError,
+    ):
         assert issubclass(exc, EpilogueError) and issubclass(exc, ValueError)
 
 
@@ -263,7 +271,8 @@ def test_pairwise_inputs_must_be_w_or_half_w():
         "width 1/2",
     ):
         Epilogue().add(
-            TileLoad("t", width=2), TileLoad("u", width=0.5),
+            TileLoad("t", width=2),
+            TileLoad("u", width=0.5),
             Elementwise("y", ops.rope, ("t", "u", "u"), "map"),
         )
 
@@ -338,18 +347,33 @@ def test_not_a_primitive():
 @pytest.mark.parametrize(
     ("make", "message"),
     [
-        (lambda: TileLoad("1x"), "TileLoad.name must be a Python identifier (it becomes a "
-         "keyword argument or a dict key); got '1x'"),
-        (lambda: VecLoad("class", "row"), "VecLoad.name must be a Python identifier (it "
-         "becomes a keyword argument or a dict key); got 'class'"),
-        (lambda: TileLoad("tile"), "TileLoad.name 'tile' is reserved (reserved: A, B, acc, "
-         "oob_fill, subtile, tile)"),
-        (lambda: Elementwise("acc", ops.neg), "Elementwise.out 'acc' is reserved (reserved: "
-         "A, B, acc, oob_fill, subtile, tile)"),
-        (lambda: TileStore("acc", name="B"), "TileStore.name 'B' is reserved (reserved: A, B, "
-         "acc, oob_fill, subtile, tile)"),
-        (lambda: TargetSelect("p", "acc", target="my-labels"), "TargetSelect.target must be a "
-         "Python identifier (it becomes a keyword argument or a dict key); got 'my-labels'"),
+        (
+            lambda: TileLoad("1x"),
+            "TileLoad.name must be a Python identifier (it becomes a "
+            "keyword argument or a dict key); got '1x'",
+        ),
+        (
+            lambda: VecLoad("class", "row"),
+            "VecLoad.name must be a Python identifier (it "
+            "becomes a keyword argument or a dict key); got 'class'",
+        ),
+        (
+            lambda: TileLoad("tile"),
+            "TileLoad.name 'tile' is reserved (reserved: A, B, acc, oob_fill, subtile, tile)",
+        ),
+        (
+            lambda: Elementwise("acc", ops.neg),
+            "Elementwise.out 'acc' is reserved (reserved: A, B, acc, oob_fill, subtile, tile)",
+        ),
+        (
+            lambda: TileStore("acc", name="B"),
+            "TileStore.name 'B' is reserved (reserved: A, B, acc, oob_fill, subtile, tile)",
+        ),
+        (
+            lambda: TargetSelect("p", "acc", target="my-labels"),
+            "TargetSelect.target must be a "
+            "Python identifier (it becomes a keyword argument or a dict key); got 'my-labels'",
+        ),
     ],
 )
 def test_invalid_names(make, message):
@@ -360,32 +384,54 @@ def test_invalid_names(make, message):
 @pytest.mark.parametrize(
     ("make", "message"),
     [
-        (lambda: TileLoad("x", width=3), "TileLoad.width must be one of 1/2, 1, 2 (relative "
-         "to N); got 3"),
-        (lambda: VecLoad("x", "col", width="wide"), "VecLoad.width must be one of 1/2, 1, 2 "
-         "(relative to N); got 'wide'"),
-        (lambda: VecLoad("x", per="row", width=2), "VecLoad('x'): per='row' vectors have one "
-         "entry per row; width applies to per='col' vectors only (got width 2)"),
-        (lambda: VecLoad("x", per="rows"), "VecLoad.per must be one of 'row', 'col'; got "
-         "'rows'"),
-        (lambda: TileLoad("x", dtype=torch.int8), "TileLoad.dtype must be one of "
-         "torch.bfloat16, torch.float16, torch.float32; got torch.int8"),
-        (lambda: TileStore("x", torch.float64), "TileStore.dtype must be one of "
-         "torch.bfloat16, torch.float16, torch.float32; got torch.float64"),
-        (lambda: TargetSelect("p", "acc", target_dtype=torch.float32), "TargetSelect."
-         "target_dtype must be one of torch.int64, torch.int32; got torch.float32"),
-        (lambda: TileReduce("x", "acc", op="mean"), "TileReduce.op must be one of 'sum', "
-         "'sumsq', 'max'; got 'mean'"),
-        (lambda: TileReduce("x", "acc", per="tile"), "TileReduce.per must be one of 'row', "
-         "'col'; got 'tile'"),
-        (lambda: TileReduce("x", "acc", post=2.0), "TileReduce.post must be callable or "
-         "None; got 2.0"),
+        (
+            lambda: TileLoad("x", width=3),
+            "TileLoad.width must be one of 1/2, 1, 2 (relative to N); got 3",
+        ),
+        (
+            lambda: VecLoad("x", "col", width="wide"),
+            "VecLoad.width must be one of 1/2, 1, 2 (relative to N); got 'wide'",
+        ),
+        (
+            lambda: VecLoad("x", per="row", width=2),
+            "VecLoad('x'): per='row' vectors have one "
+            "entry per row; width applies to per='col' vectors only (got width 2)",
+        ),
+        (lambda: VecLoad("x", per="rows"), "VecLoad.per must be one of 'row', 'col'; got 'rows'"),
+        (
+            lambda: TileLoad("x", dtype=torch.int8),
+            "TileLoad.dtype must be one of "
+            "torch.bfloat16, torch.float16, torch.float32; got torch.int8",
+        ),
+        (
+            lambda: TileStore("x", torch.float64),
+            "TileStore.dtype must be one of "
+            "torch.bfloat16, torch.float16, torch.float32; got torch.float64",
+        ),
+        (
+            lambda: TargetSelect("p", "acc", target_dtype=torch.float32),
+            "TargetSelect.target_dtype must be one of torch.int64, torch.int32; got torch.float32",
+        ),
+        (
+            lambda: TileReduce("x", "acc", op="mean"),
+            "TileReduce.op must be one of 'sum', 'sumsq', 'max'; got 'mean'",
+        ),
+        (
+            lambda: TileReduce("x", "acc", per="tile"),
+            "TileReduce.per must be one of 'row', 'col'; got 'tile'",
+        ),
+        (
+            lambda: TileReduce("x", "acc", post=2.0),
+            "TileReduce.post must be callable or None; got 2.0",
+        ),
         (lambda: Elementwise("x", 3), "Elementwise.fn must be callable; got 3"),
-        (lambda: Elementwise("x", ops.neg, ins=()), "Elementwise.ins must name at least one "
-         "value"),
-        (lambda: Elementwise("x", ops.neg, pairwise=True), "Elementwise.pairwise must be "
-         "False/None, 'reduce' (fn returns one value, output width W/2) or 'map' (fn returns "
-         "(even, odd), output width W); got True"),
+        (lambda: Elementwise("x", ops.neg, ins=()), "Elementwise.ins must name at least one value"),
+        (
+            lambda: Elementwise("x", ops.neg, pairwise=True),
+            "Elementwise.pairwise must be "
+            "False/None, 'reduce' (fn returns one value, output width W/2) or 'map' (fn returns "
+            "(even, odd), output width W); got True",
+        ),
     ],
 )
 def test_invalid_arguments(make, message):

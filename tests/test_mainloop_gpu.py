@@ -15,8 +15,8 @@ hopper = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9,
 if not hopper:
     pytest.skip("needs an NVIDIA Hopper GPU", allow_module_level=True)
 
-from coda.gemm import gemm  # noqa: E402
 from coda.mainloop.config import GemmConfig  # noqa: E402
+from coda.matmul import gemm  # noqa: E402
 
 # (M, N, K): aligned, ragged in every dimension, tiny, tall, wide.
 SHAPES = [

@@ -7,10 +7,10 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from coda.gemm import check_gemm_operands, check_output, gemm
+from coda.errors import InputError
 from coda.mainloop.config import GemmConfig, choose_config, plan_smem
 from coda.mainloop.scheduler import host_tile_order
-from coda.runtime.checks import CodaInputError
+from coda.matmul import check_gemm_operands, check_output, gemm
 
 
 @given(st.integers(1, 40), st.integers(1, 40), st.integers(1, 12))
@@ -60,14 +60,14 @@ def test_operand_checks_accept_valid_and_return_shape():
     "a,b,exc,msg",
     [
         ([1, 2], _bf16(8, 8), TypeError, "A must be a torch.Tensor"),
-        (_bf16(8), _bf16(8, 8), CodaInputError, "A must be 2-D"),
+        (_bf16(8), _bf16(8, 8), InputError, "A must be 2-D"),
         (torch.randn(8, 8), _bf16(8, 8), TypeError, "A has dtype float32"),
         (_bf16(8, 8), torch.randn(8, 8).half(), TypeError, "same dtype"),
-        (_bf16(8, 16), _bf16(8, 24), CodaInputError, "its K must match"),
-        (_bf16(8, 12), _bf16(8, 12), CodaInputError, "multiple of 16 bytes"),
-        (_bf16(16, 8).t(), _bf16(8, 16), CodaInputError, "contiguous in its last dimension"),
-        (_bf16(4, 24)[:, 1:17], _bf16(8, 16), CodaInputError, "not 16-byte aligned"),
-        (_bf16(0, 8), _bf16(8, 8), CodaInputError, "empty"),
+        (_bf16(8, 16), _bf16(8, 24), InputError, "its K must match"),
+        (_bf16(8, 12), _bf16(8, 12), InputError, "multiple of 16 bytes"),
+        (_bf16(16, 8).t(), _bf16(8, 16), InputError, "contiguous in its last dimension"),
+        (_bf16(4, 24)[:, 1:17], _bf16(8, 16), InputError, "not 16-byte aligned"),
+        (_bf16(0, 8), _bf16(8, 8), InputError, "empty"),
     ],
 )
 def test_operand_check_errors(a, b, exc, msg):
@@ -76,12 +76,12 @@ def test_operand_check_errors(a, b, exc, msg):
 
 
 def test_output_check_errors():
-    with pytest.raises(CodaInputError, match=r"expected \(8, 16\)"):
+    with pytest.raises(InputError, match=r"expected \(8, 16\)"):
         check_output(_bf16(8, 8), 8, 16)
     with pytest.raises(TypeError, match="out has dtype int32"):
         check_output(torch.zeros(8, 16, dtype=torch.int32), 8, 16)
 
 
 def test_gemm_on_cpu_tensors_says_cuda_before_launch():
-    with pytest.raises(CodaInputError, match="CUDA tensors"):
+    with pytest.raises(InputError, match="CUDA tensors"):
         gemm(_bf16(8, 16), _bf16(24, 16))

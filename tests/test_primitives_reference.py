@@ -278,13 +278,9 @@ def test_tilereduce(op, per, tile):
     close(out["red"], fold64(acc, op, dim))
     tm, tn = tile
     if per == "row":
-        expected = torch.stack(
-            [fold64(acc[:, j : j + tn], op, 1) for j in range(0, N, tn)], dim=1
-        )
+        expected = torch.stack([fold64(acc[:, j : j + tn], op, 1) for j in range(0, N, tn)], dim=1)
     else:
-        expected = torch.stack(
-            [fold64(acc[i : i + tm], op, 0) for i in range(0, M, tm)], dim=0
-        )
+        expected = torch.stack([fold64(acc[i : i + tm], op, 0) for i in range(0, M, tm)], dim=0)
     assert out["red.partials"].shape == expected.shape
     close(out["red.partials"], expected)
 
@@ -317,17 +313,18 @@ def test_tilereduce_of_wide_value_per_col():
 def test_logsumexp_and_partials(tile):
     A, B = operands()
     shift = 40.0  # large logits: exp would overflow without the running max
-    epi = Epilogue().add(
-        Elementwise("z", lambda a: a * 8.0 + shift), LogSumExp("lse", of="z")
-    )
+    epi = Epilogue().add(Elementwise("z", lambda a: a * 8.0 + shift), LogSumExp("lse", of="z"))
     out = epi.reference(A, B, tile=tile)
     z = acc64(A, B) * 8.0 + shift
     close(out["lse"], torch.logsumexp(z, 1))
     tn = tile[1]
     pm = torch.stack([z[:, j : j + tn].max(1).values for j in range(0, N, tn)], 1)
     ps = torch.stack(
-        [torch.exp(z[:, j : j + tn] - pm[:, k : k + 1]).sum(1)
-         for k, j in enumerate(range(0, N, tn))], 1
+        [
+            torch.exp(z[:, j : j + tn] - pm[:, k : k + 1]).sum(1)
+            for k, j in enumerate(range(0, N, tn))
+        ],
+        1,
     )
     close(out["lse.partials_max"], pm)
     close(out["lse.partials_sumexp"], ps, floor=1.0)

@@ -52,8 +52,11 @@ def test_assert_reports_the_worst_element():
     truth = torch.zeros(3, 4, dtype=F64) + 1.0
     actual = truth.clone().float()
     actual[2, 1] = 1.5
-    with pytest.raises(AssertionError, match=r"x: err 0\.5 > limit 0\.01: FAIL; worst at index "
-                                             r"\(2, 1\): got 1\.5, reference 1"):
+    with pytest.raises(
+        AssertionError,
+        match=r"x: err 0\.5 > limit 0\.01: FAIL; worst at index "
+        r"\(2, 1\): got 1\.5, reference 1",
+    ):
         assert_close_to_reference(actual, truth, name="x", tol=0.01)
 
 

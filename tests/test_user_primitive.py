@@ -106,8 +106,9 @@ class RowAbsMax(Primitive):
 # ---- independent float64 formulations ---------------------------------------------------
 def clamp64(p, values, tensors, outputs, M, N, tile, specs):
     x = values[p.of]
-    values[p.out] = torch.minimum(torch.maximum(x, torch.tensor(p.lo, dtype=x.dtype)),
-                                  torch.tensor(p.hi, dtype=x.dtype))
+    values[p.out] = torch.minimum(
+        torch.maximum(x, torch.tensor(p.lo, dtype=x.dtype)), torch.tensor(p.hi, dtype=x.dtype)
+    )
 
 
 def absmax64(p, values, tensors, outputs, M, N, tile, specs):
@@ -141,10 +142,12 @@ def test_user_primitives_pass_the_property(case: Case) -> None:
 def test_user_primitive_composes_by_hand_and_is_a_value():
     A = torch.randn(50, 16, generator=torch.Generator().manual_seed(0))
     B = torch.randn(36, 16, generator=torch.Generator().manual_seed(1))
-    epi = Epilogue().add(Clamp("c", "acc", -1.0, 2.0), TileStore("c", torch.float32),
-                         RowAbsMax("amax", "acc"))
-    assert epi == Epilogue().add(Clamp("c", "acc", -1.0, 2.0), TileStore("c", torch.float32),
-                                 RowAbsMax("amax", "acc"))
+    epi = Epilogue().add(
+        Clamp("c", "acc", -1.0, 2.0), TileStore("c", torch.float32), RowAbsMax("amax", "acc")
+    )
+    assert epi == Epilogue().add(
+        Clamp("c", "acc", -1.0, 2.0), TileStore("c", torch.float32), RowAbsMax("amax", "acc")
+    )
     assert Clamp("c", "acc") != Clamp("c", "acc", hi=0.25)
     ref = epi.reference(A, B, tile=(16, 16))
     sim = simulate(epi, A, B, tile=(16, 16), subtile=(8, 8))

@@ -12,12 +12,15 @@ The public API (importing coda never imports CuTeDSL; kernels load lazily, later
   ``from coda import math, ops``).
 * Specs and errors: ``ValueSpec``, ``TensorSpec``, ``EpilogueError`` (build time),
   ``InputError`` (call time) and ``coda.errors`` for the precise subclasses.
+* ``gemm(A, B, out=None)``: the PingPong GEMM (``A @ B.T``) on a Hopper GPU; its configs
+  live in ``coda.mainloop`` (CuTeDSL is imported on the first call).
 * ``coda.testing`` (imported on demand): hypothesis strategies, tolerance helpers, profiles.
 """
 
 from coda.epilogue import Epilogue
 from coda.errors import EpilogueError, InputError
 from coda.geometry import Problem, Tiling
+from coda.matmul import gemm
 from coda.primitives import (
     Elementwise,
     LogSumExp,
@@ -56,6 +59,7 @@ __all__ = [
     "ValueSpec",
     "VecLoad",
     "__version__",
+    "gemm",
     "simulate",
 ]
 # ``coda.math`` and ``coda.ops`` are importable (``from coda import math, ops``) but left

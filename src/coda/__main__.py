@@ -21,9 +21,7 @@ def _pair(text: str) -> tuple[int, int]:
     try:
         a, b = (int(v) for v in text.lower().replace(",", "x").split("x"))
     except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected ROWSxCOLS like 128x128, got {text!r}"
-        ) from None
+        raise argparse.ArgumentTypeError(f"expected ROWSxCOLS like 128x128, got {text!r}") from None
     return a, b
 
 
@@ -33,7 +31,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     demo = commands.add_parser(
-        "demo", help="RMSNorm-forward epilogue: reference vs tile simulator vs textbook",
+        "demo",
+        help="RMSNorm-forward epilogue: reference vs tile simulator vs textbook",
         description="Compose the deferred RMSNorm forward (two GEMM epilogues), run the "
         "reference and the CPU tile simulator, and report their agreement.",
     )
@@ -54,7 +53,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         from coda.demo import run_demo
 
         report = run_demo(
-            M=args.m, N=args.n, K=args.k, N2=args.n2, tile=args.tile, subtile=args.subtile,
+            M=args.m,
+            N=args.n,
+            K=args.k,
+            N2=args.n2,
+            tile=args.tile,
+            subtile=args.subtile,
             seed=args.seed,
         )
         return 0 if report.passed else 1

@@ -32,9 +32,7 @@ def _check_operand(name: str, t: Any) -> torch.Tensor:
     if t.dim() != 2:
         raise InputError(f"{name} must be 2-D; got shape {tuple(t.shape)}")
     if t.dtype not in FLOAT_DTYPES:
-        raise InputError(
-            f"{name} must be bfloat16, float16 or float32; got {dtype_name(t.dtype)}"
-        )
+        raise InputError(f"{name} must be bfloat16, float16 or float32; got {dtype_name(t.dtype)}")
     if 0 in t.shape:
         raise InputError(f"{name} must not be empty; got shape {tuple(t.shape)}")
     return t
@@ -50,8 +48,7 @@ def bind(epilogue: Epilogue, A: Any, B: Any, tensors: Mapping[str, Any]) -> Prob
         )
     if A.dtype != B.dtype:
         raise InputError(
-            f"A and B must have the same dtype; got {dtype_name(A.dtype)} and "
-            f"{dtype_name(B.dtype)}"
+            f"A and B must have the same dtype; got {dtype_name(A.dtype)} and {dtype_name(B.dtype)}"
         )
     if A.device != B.device:
         raise InputError(f"A is on {A.device} but B is on {B.device}")

@@ -127,8 +127,13 @@ def analyze(primitives: Sequence[Primitive]) -> Dataflow:
         for name in p.reads:
             if name not in values:
                 raise _unknown_read(
-                    i, p, name, values,
-                    {n: k for n, k in later.items() if k > i}, outputs, primitives,
+                    i,
+                    p,
+                    name,
+                    values,
+                    {n: k for n, k in later.items() if k > i},
+                    outputs,
+                    primitives,
                 )
         new = tuple(p.infer(values))
         if tuple(s.name for s in new) != tuple(p.writes):
@@ -172,8 +177,10 @@ def analyze(primitives: Sequence[Primitive]) -> Dataflow:
         for spec in new:
             if spec.name in values:
                 k = producers[spec.name]
-                by = "predefined (the GEMM accumulator)" if k < 0 else (
-                    f"already defined by {_where(k, primitives[k])}"
+                by = (
+                    "predefined (the GEMM accumulator)"
+                    if k < 0
+                    else (f"already defined by {_where(k, primitives[k])}")
                 )
                 raise DuplicateNameError(
                     f"{here} defines value {spec.name!r}, which is {by}; values are "

@@ -73,8 +73,11 @@ class DemoReport:
 
 
 def _row(name: str, cells: list[str], widths: list[int]) -> str:
-    return "    " + name.ljust(widths[0]) + "".join(c.rjust(w) for c, w in zip(cells, widths[1:],
-                                                                           strict=True))
+    return (
+        "    "
+        + name.ljust(widths[0])
+        + "".join(c.rjust(w) for c, w in zip(cells, widths[1:], strict=True))
+    )
 
 
 def run_demo(
@@ -105,15 +108,19 @@ def run_demo(
     epi1, epi2 = gemm1_epilogue(eps), gemm2_epilogue()
 
     say("coda demo: RMSNorm forward, deferred (DESIGN.md section 5), on CPU")
-    say(f"  GEMM1: acc = A @ B^T, A {tuple(A.shape)} bf16, B {tuple(B.shape)} bf16 "
-        f"-> acc {(M, N)} fp32, then:")
+    say(
+        f"  GEMM1: acc = A @ B^T, A {tuple(A.shape)} bf16, B {tuple(B.shape)} bf16 "
+        f"-> acc {(M, N)} fp32, then:"
+    )
     for i, p in enumerate(epi1):
         say(f"    [{i}] {p.label}")
     n_tm, n_tn = ceil_div(M, tile[0]), ceil_div(N, tile[1])
     sm, sn = tiling.subtile
-    say(f"  tiling: {n_tm} x {n_tn} tiles of {tile[0]}x{tile[1]} (edge tiles ragged: last "
+    say(
+        f"  tiling: {n_tm} x {n_tn} tiles of {tile[0]}x{tile[1]} (edge tiles ragged: last "
         f"{M - (n_tm - 1) * tile[0]} rows, last {N - (n_tn - 1) * tile[1]} columns), each "
-        f"visited in {(tile[0] // sm) * (tile[1] // sn)} subtiles of {sm}x{sn}, row-major")
+        f"visited in {(tile[0] // sm) * (tile[1] // sn)} subtiles of {sm}x{sn}, row-major"
+    )
 
     tensors1 = {"residual": residual, "gamma": gamma}
     ref1 = epi1.reference(A, B, tile=tile, **tensors1)
@@ -170,8 +177,13 @@ def run_demo(
         c_ref = compare(r, t, baseline=e, atol=1e-4)
         ok = same.passed and c_sim.passed and c_ref.passed
         passed &= ok
-        cells = [f"{same.err:.2e}", f"{c_sim.err:.2e}", f"{c_ref.err:.2e}",
-                 f"{rel_err(e, t):.2e}", "ok" if ok else "FAIL"]
+        cells = [
+            f"{same.err:.2e}",
+            f"{c_sim.err:.2e}",
+            f"{c_ref.err:.2e}",
+            f"{rel_err(e, t):.2e}",
+            "ok" if ok else "FAIL",
+        ]
         say(_row(name, cells, widths))
     # partials: per-tile sums of x^2, simulator (subtile by subtile) vs reference (whole)
     tn = tile[1]
@@ -180,11 +192,26 @@ def run_demo(
     vs64 = compare(sims["rstd.partials"], p64, tol=tolerance(BF16))
     ok = same.passed and vs64.passed
     passed &= ok
-    say(_row("rstd.partials", [f"{same.err:.2e}", f"{vs64.err:.2e}",
-                               f"{rel_err(refs['rstd.partials'], p64):.2e}", "", "ok" if ok
-                               else "FAIL"], widths))
-    say("  rule: sim == ref within the output dtype's tolerance, and err vs f64 <= 2 x eager "
-        "bf16's + 1e-4")
-    say("PASS: the tile simulator and the reference agree, and match textbook RMSNorm"
-        if passed else "FAIL: see the rows marked FAIL above")
+    say(
+        _row(
+            "rstd.partials",
+            [
+                f"{same.err:.2e}",
+                f"{vs64.err:.2e}",
+                f"{rel_err(refs['rstd.partials'], p64):.2e}",
+                "",
+                "ok" if ok else "FAIL",
+            ],
+            widths,
+        )
+    )
+    say(
+        "  rule: sim == ref within the output dtype's tolerance, and err vs f64 <= 2 x eager "
+        "bf16's + 1e-4"
+    )
+    say(
+        "PASS: the tile simulator and the reference agree, and match textbook RMSNorm"
+        if passed
+        else "FAIL: see the rows marked FAIL above"
+    )
     return DemoReport(tuple(lines), passed)

@@ -139,8 +139,7 @@ def check_outputs(
     result: dict[str, torch.Tensor] = {}
     for spec in wanted:
         owner = next(
-            p.label for i, p in enumerate(epilogue.primitives)
-            if spec in epilogue.bindings(i)
+            p.label for i, p in enumerate(epilogue.primitives) if spec in epilogue.bindings(i)
         )
         if spec.name not in produced:
             raise RuntimeError(f"{owner} declares output {spec.name!r} but did not produce it")

@@ -71,4 +71,5 @@ class ArityError(EpilogueError):
 
 
 class InputError(ValueError):
-    """Tensors passed at call time do not match the epilogue's inputs."""
+    """Tensors passed at call time do not meet the contract: an epilogue's inputs, or a
+    kernel's (dtype, shape, strides, alignment, device). Raised before any launch."""

@@ -73,8 +73,7 @@ class Tiling:
         sm, sn = self.subtile
         if tm % sm or tn % sn:
             raise InputError(
-                f"subtile {self.subtile} must divide tile {self.tile} "
-                f"(sm | tm and sn | tn)"
+                f"subtile {self.subtile} must divide tile {self.tile} (sm | tm and sn | tn)"
             )
 
     def check_alignment(self, n_alignment: int) -> None:

@@ -68,8 +68,14 @@ def simulate(
     for i in range(n_tm):
         for j in range(n_tn):
             t = Tile(
-                problem=problem, specs=epi.values, tensors=bound, outputs=outputs,
-                index=(i, j), shape=(tm, tn), fill=oob_fill, device=device,
+                problem=problem,
+                specs=epi.values,
+                tensors=bound,
+                outputs=outputs,
+                index=(i, j),
+                shape=(tm, tn),
+                fill=oob_fill,
+                device=device,
             )
             states = [p.begin_tile(t) for p in epi.primitives]
             for a in range(tm // sm):

@@ -24,7 +24,7 @@ _best: dict[tuple, GemmConfig] = {}
 
 def time_config(config: GemmConfig, a, b, out, reps: int = 10) -> float:
     """Mean milliseconds of one launch with ``config`` (after one warm-up launch)."""
-    from ..gemm import gemm
+    from ..matmul import gemm
 
     gemm(a, b, out=out, config=config)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

@@ -114,8 +114,20 @@ def rotate_by(e: Any, o: Any, angle: Any) -> tuple[Any, Any]:
 
 
 UNARY = (
-    ops.tanh, ops.sigmoid, ops.silu, ops.gelu_tanh, ops.neg, ops.identity,
-    cm.sin, cm.cos, cm.abs, soft_clip, gauss, log1p_sq, rsqrt_1p, affine,
+    ops.tanh,
+    ops.sigmoid,
+    ops.silu,
+    ops.gelu_tanh,
+    ops.neg,
+    ops.identity,
+    cm.sin,
+    cm.cos,
+    cm.abs,
+    soft_clip,
+    gauss,
+    log1p_sq,
+    rsqrt_1p,
+    affine,
 )
 BINARY = (ops.add, ops.sub, mul_tanh, mul_sigmoid, average, hypot1, ratio, maximum, minimum)
 TERNARY = (lerp_sigmoid, fma_tanh)

@@ -74,12 +74,15 @@ def check_case(
             "out-of-bounds element leaking through a missing mask)"
         )
         tol = tolerance(r.dtype)
-        assert_close_to_reference(s, r, name=f"{name}: simulator vs reference", tol=tol,
-                                  floor=floor)
+        assert_close_to_reference(
+            s, r, name=f"{name}: simulator vs reference", tol=tol, floor=floor
+        )
         if expected is not None:
             t = expected[name]
-            assert_close_to_reference(r, t, name=f"{name}: reference vs truth", tol=tol,
-                                      floor=floor)
-            assert_close_to_reference(s, t, name=f"{name}: simulator vs truth", tol=tol,
-                                      floor=floor)
+            assert_close_to_reference(
+                r, t, name=f"{name}: reference vs truth", tol=tol, floor=floor
+            )
+            assert_close_to_reference(
+                s, t, name=f"{name}: simulator vs truth", tol=tol, floor=floor
+            )
     return CaseResult(ref, sim, expected)

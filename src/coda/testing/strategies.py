@@ -87,7 +87,8 @@ class Composer:
     ) -> list[str]:
         """Defined values of the given kinds (and widths, for tile/col values)."""
         return [
-            n for n, s in self.epilogue.values.items()
+            n
+            for n, s in self.epilogue.values.items()
             if s.kind in kinds and (widths is None or not s.has_cols or s.width in widths)
         ]
 
@@ -247,8 +248,7 @@ def observe(draw: DrawFn, c: Composer, value: str) -> Primitive:
         return TileStore(value, draw(_dtypes), name=c.fresh(f"{value}_out"))
     if choice == "reduce":
         op = draw(st.sampled_from(("sum", "sumsq", "max")))
-        posts = {"sum": (None, _post_mean), "sumsq": (None, _post_mean, _post_rstd),
-                 "max": (None,)}
+        posts = {"sum": (None, _post_mean), "sumsq": (None, _post_mean, _post_rstd), "max": (None,)}
         post = draw(st.sampled_from(posts[op]))
         per = draw(st.sampled_from(("row", "col")))
         return TileReduce(c.fresh("red"), value, op, per, post)
@@ -258,7 +258,10 @@ def observe(draw: DrawFn, c: Composer, value: str) -> Primitive:
         c.target_dtype = draw(st.sampled_from((torch.int64, torch.int32)))
         c.ignore_index = draw(st.sampled_from((-100, 0, 1)))  # may be a valid column too
     return TargetSelect(
-        c.fresh("sel"), value, target="target", ignore_index=c.ignore_index,
+        c.fresh("sel"),
+        value,
+        target="target",
+        ignore_index=c.ignore_index,
         target_dtype=c.target_dtype,
     )
 
@@ -269,8 +272,17 @@ def observer(draw: DrawFn, c: Composer) -> Primitive:
 
 
 BUILTIN_FACTORIES: tuple[Factory, ...] = (
-    tile_load, vec_load, scalar_load, unary, nary, nary, broadcast, pair_reduce, pair_map,
-    vector_math, observer,
+    tile_load,
+    vec_load,
+    scalar_load,
+    unary,
+    nary,
+    nary,
+    broadcast,
+    pair_reduce,
+    pair_map,
+    vector_math,
+    observer,
 )
 
 
@@ -316,9 +328,7 @@ def tilings(draw: DrawFn, n_alignment: int = 1, max_subtiles: int = 4) -> Tiling
     tm = draw(st.sampled_from(sizes))
     tn = draw(st.sampled_from([s for s in sizes if s % n_alignment == 0]))
     sm = draw(st.sampled_from(_divisors(tm, multiple_of=1, at_least=tm // max_subtiles)))
-    sn = draw(st.sampled_from(
-        _divisors(tn, multiple_of=n_alignment, at_least=tn // max_subtiles)
-    ))
+    sn = draw(st.sampled_from(_divisors(tn, multiple_of=n_alignment, at_least=tn // max_subtiles)))
     return Tiling((tm, tn), (sm, sn))
 
 
@@ -358,7 +368,7 @@ def make_inputs(
     """Random (A, B, tensors) for ``epi`` at (M, N, K), reproducible from ``seed``.
     Never all-zero: normal entries, acc about N(0, 1)."""
     g = torch.Generator().manual_seed(seed)
-    s = K ** -0.25
+    s = K**-0.25
     A = (torch.randn(M, K, generator=g) * s).to(dtype)
     B = (torch.randn(N, K, generator=g) * s).to(dtype)
     tensors: dict[str, Any] = {}
@@ -405,4 +415,3 @@ def cases(
     dtype = draw(_dtypes)
     seed = draw(st.integers(0, 2**32 - 1))
     return Case(epi, M, N, K, dtype, t.tile, t.subtile, seed)
-

@@ -140,7 +140,13 @@ def assert_close_to_reference(
 ) -> Comparison:
     """``compare`` and raise AssertionError (with the worst element) if it fails."""
     c = compare(
-        actual, truth, name=name, baseline=baseline, tol=tol, factor=factor, atol=atol,
+        actual,
+        truth,
+        name=name,
+        baseline=baseline,
+        tol=tol,
+        factor=factor,
+        atol=atol,
         floor=floor,
     )
     if not c.passed:
@@ -148,7 +154,6 @@ def assert_close_to_reference(
         diff = torch.where(torch.isfinite(t), (a - t).abs(), torch.zeros_like(a))
         idx = _first(diff == diff.max())
         raise AssertionError(
-            f"{c}; worst at index {idx}: got {a[idx].item():.6g}, reference "
-            f"{t[idx].item():.6g}"
+            f"{c}; worst at index {idx}: got {a[idx].item():.6g}, reference {t[idx].item():.6g}"
         )
     return c

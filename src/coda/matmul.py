@@ -1,4 +1,4 @@
-"""``coda.gemm``: the plain PingPong GEMM on torch tensors, out = A @ B^T.
+"""The plain PingPong GEMM on torch tensors, out = A @ B^T (exported as ``coda.gemm``).
 
 Sits on top of :mod:`coda.runtime.gemm_kernels`; this module owns the user-facing
 contract (validation before launch, output allocation, config choice).
@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from .errors import InputError
 from .mainloop.config import GemmConfig, choose_config
 from .runtime import checks
 from .runtime.dtypes import OPERAND_DTYPES, OUTPUT_DTYPES
@@ -25,7 +26,7 @@ def check_gemm_operands(A: torch.Tensor, B: torch.Tensor) -> tuple[int, int, int
         raise TypeError(f"A and B must have the same dtype, got {A.dtype} and {B.dtype}")
     (m, k), (n, kb) = A.shape, B.shape
     if k != kb:
-        raise checks.CodaInputError(
+        raise InputError(
             f"A is (M={m}, K={k}) but B is (N={n}, K={kb}); B is an nn.Linear weight (N, K) "
             f"and its K must match A's"
         )
@@ -39,7 +40,7 @@ def check_output(out: torch.Tensor, m: int, n: int, name: str = "out") -> None:
     checks.rank(name, out, 2, "(M, N) output")
     checks.dtype_in(name, out, OUTPUT_DTYPES)
     if tuple(out.shape) != (m, n):
-        raise checks.CodaInputError(f"{name} has shape {tuple(out.shape)}, expected ({m}, {n})")
+        raise InputError(f"{name} has shape {tuple(out.shape)}, expected ({m}, {n})")
     checks.row_major_tma(name, out)
 
 
@@ -69,7 +70,7 @@ def gemm(
         if dtype not in OUTPUT_DTYPES:
             checks.dtype_in("out_dtype", torch.empty(0, dtype=dtype), OUTPUT_DTYPES)
         if (n * torch.empty(0, dtype=dtype).element_size()) % 16:
-            raise checks.CodaInputError(
+            raise InputError(
                 f"N={n} gives an output row of {n} {dtype} elements, not a multiple of 16 bytes"
             )
         device = checks.same_device([("A", A), ("B", B)])
