@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from coda.mainloop.config import GemmConfig
+from coda.mainloop.visitor import AccStore
 from coda.runtime import gemm_kernels
 from coda.runtime.sass import count_prefix, disassemble, find_nvdisasm, opcode_counts
 
@@ -50,7 +51,7 @@ def sass_of(tmp_path_factory):
     memo = {}
 
     def get(config, ab, d):
-        key = gemm_kernels.GemmKernelKey(config, ab, d)
+        key = gemm_kernels.GemmKernelKey(config, ab, AccStore(d))
         if key not in memo:
             ptx, cubin = gemm_kernels.compile_artifacts(key, str(tmp_path_factory.mktemp("dump")))
             memo[key] = (ptx, disassemble(cubin))

@@ -159,6 +159,10 @@ def test_user_primitive_composes_by_hand_and_is_a_value():
     assert ref["amax.partials"].shape == (50, 3)
 
 
-def test_user_primitive_has_no_trace_yet():
-    with pytest.raises(NotImplementedError, match="traced into CuTeDSL in a later issue"):
-        Clamp("c", "acc").trace(None, None)
+def test_user_primitive_without_trace_cannot_be_fused():
+    from coda.runtime.fused import unsupported
+
+    with pytest.raises(NotImplementedError, match="has no CuTeDSL trace"):
+        Clamp("c", "acc").trace(None, {}, None)
+    epi = Epilogue().add(Clamp("c", "acc")).add(TileStore("c", torch.float32))
+    assert "has no CuTeDSL trace" in unsupported(epi)

@@ -97,6 +97,24 @@ class Epilogue:
         lines.append("  outputs: " + ("; ".join(s.describe() for s in self.outputs) or "none"))
         return "\n".join(lines)
 
+    # ---- the fused kernel ----------------------------------------------------------------
+    def __call__(
+        self,
+        A: torch.Tensor,
+        B: torch.Tensor,
+        *,
+        config: Any = None,
+        **tensors: torch.Tensor | float,
+    ) -> dict[str, torch.Tensor]:
+        """Run fused after the GEMM on a Hopper GPU: acc = A @ B^T, then every primitive in
+        the kernel's epilogue. Returns the same dict as ``reference`` (finalized results;
+        the per-tile partials of the kernel's tiling too). Input errors are raised before
+        anything is launched; compositions that cannot be fused yet raise
+        ``NotImplementedError`` (see ``coda.runtime.fused.unsupported``)."""
+        from coda.runtime.epilogue_kernels import run
+
+        return run(self, A, B, tensors, config=config)
+
     # ---- semantics ---------------------------------------------------------------------
     def reference(
         self,
@@ -104,12 +122,15 @@ class Epilogue:
         B: torch.Tensor,
         *,
         tile: tuple[int, int] | None = None,
+        acc: torch.Tensor | None = None,
         **tensors: torch.Tensor | float,
     ) -> dict[str, torch.Tensor]:
         """Evaluate on whole tensors in eager PyTorch: acc = A.float() @ B.float().T, then
         every primitive's ``reference`` in order. Returns {output name: tensor} in
         ``outputs`` order. Per-tile partials depend on the tiling, so they are included only
-        when ``tile=(tm, tn)`` is given."""
+        when ``tile=(tm, tn)`` is given. ``acc`` overrides the accumulator (an (M, N)
+        tensor), e.g. float64 for a high-precision truth or a bf16-rounded GEMM output to
+        model an unfused eager pipeline."""
         if not self.outputs:
             raise EpilogueError(
                 "this epilogue has no outputs: add a TileStore, TileReduce or StateTransition"
@@ -120,7 +141,9 @@ class Epilogue:
             tiling.check_alignment(self.n_alignment)
             tile = tiling.tile
         env = ReferenceEnv(problem, self.values, tensors, A.device, tile=tile)
-        env.values["acc"] = A.float() @ B.float().T
+        if acc is not None and tuple(acc.shape) != (problem.M, problem.N):
+            raise EpilogueError(f"acc must be ({problem.M}, {problem.N}); got {tuple(acc.shape)}")
+        env.values["acc"] = A.float() @ B.float().T if acc is None else acc
         for p in self.primitives:
             p.reference(env)
         wanted = [s for s in self.outputs if tile is not None or not s.is_partials]

@@ -10,6 +10,7 @@ import torch
 
 from .errors import InputError
 from .mainloop.config import GemmConfig, choose_config
+from .mainloop.visitor import AccStore
 from .runtime import checks
 from .runtime.dtypes import OPERAND_DTYPES, OUTPUT_DTYPES
 
@@ -93,6 +94,6 @@ def gemm(
         cfg = config
     else:
         raise TypeError(f"config must be a GemmConfig, None or 'autotune', got {config!r}")
-    key = gemm_kernels.GemmKernelKey(cfg, A.dtype, out.dtype, num_sms=num_sms)
-    gemm_kernels.launch(key, A, B, out)
+    key = gemm_kernels.GemmKernelKey(cfg, A.dtype, AccStore(out.dtype), num_sms=num_sms)
+    gemm_kernels.launch(key, A, B, (out,))
     return out

@@ -5,13 +5,13 @@ Importing this package does not import CuTeDSL; :mod:`coda.mainloop.kernel` and
 """
 
 from .config import GemmConfig, SmemPlan, choose_config, plan_smem
-from .visitor import IdentityVisitor, SubtileContext
+from .visitor import AccStore, SubtileContext
 
 __all__ = [
     "GemmConfig",
     "SmemPlan",
     "choose_config",
     "plan_smem",
-    "IdentityVisitor",
+    "AccStore",
     "SubtileContext",
 ]

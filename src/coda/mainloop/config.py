@@ -140,3 +140,13 @@ def choose_config(m: int, n: int, k: int, num_sms: int = DEFAULT_NUM_SMS) -> Gem
         tile_n = 128
     cluster_m = 2 if -(-m // 128) >= 2 else 1
     return GemmConfig(tile_n=tile_n, cluster_m=cluster_m)
+
+
+def choose_epilogue_config(m: int, n: int, k: int, num_sms: int = DEFAULT_NUM_SMS) -> GemmConfig:
+    """Config for a GEMM with a fused epilogue: 128x128 tiles.
+
+    A 128x192 tile keeps 192 fp32 accumulator registers per thread of the 232 a consumer
+    warpgroup has, leaving too few for epilogue values, reductions and running states
+    (the compiler spills); 128x128 leaves about 100.
+    """
+    return GemmConfig(tile_n=128, cluster_m=2 if -(-m // 128) >= 2 else 1)

@@ -16,8 +16,11 @@ Schedule (one CTA = 3 warpgroups, 384 threads, persistent over output tiles):
   epilogue hides behind the matmul. Consumers take 232 registers each.
 * the epilogue visits the 128 x tile_n accumulator in ``epi_m x epi_n`` subtiles:
   registers -> visitor -> dtype convert -> shared memory (stmatrix) -> global (TMA
-  store), with ``epi_stages`` buffers in flight. TMA clips out-of-bounds rows and
-  columns, and zero-fills out-of-bounds loads, so ragged M, N, K need no masking here.
+  store), with ``epi_stages`` buffers in flight, for every output the visitor stores.
+  M x N operands the visitor reads are loaded by the producer warpgroup's second warp,
+  subtile by subtile through TMA, into a ring of ``load_stages`` shared-memory buffers
+  ahead of the epilogue that reads them. TMA clips out-of-bounds rows and columns and
+  zero-fills out-of-bounds loads, so ragged M, N, K need no masking in the kernel.
 """
 
 from __future__ import annotations
@@ -26,23 +29,29 @@ from ..runtime.cute_env import ensure_arch
 
 ensure_arch()
 
+import attrs
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
+import torch
 from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
+from ..runtime.dtypes import to_cutlass
 from .config import DEFAULT_NUM_SMS, GemmConfig, SmemPlan, plan_smem
+from .fragment import Fragment
 from .scheduler import TileScheduler
-from .visitor import IdentityVisitor, SubtileContext
+from .visitor import AccStore, SubtileContext, TileContext
 
 THREADS_PER_WG = 128
 NUM_CONSUMER_WGS = 2
-PRODUCER_WARP = NUM_CONSUMER_WGS * 4  # first warp of warpgroup 2
+PRODUCER_WARP = NUM_CONSUMER_WGS * 4  # first warp of warpgroup 2: A/B loads
+EPI_LOAD_WARP = PRODUCER_WARP + 1  # second warp of warpgroup 2: epilogue operand loads
 REGS_PRODUCER = 40
 REGS_CONSUMER = 232
+LOAD_STAGES = 4
 
 
 class _Barrier:
@@ -53,50 +62,77 @@ class _Barrier:
     EPI_TURN = 5  # + wg: ordering of epilogues
 
 
-def _dtype_bytes(dtype) -> int:
-    return dtype.width // 8
+def _nbytes(dtype: torch.dtype) -> int:
+    return torch.empty(0, dtype=dtype).element_size()
 
 
 class PingPongGemm:
-    """Compile-time kernel object for one (config, dtypes, visitor).
+    """Compile-time kernel object for one (config, operand dtype, visitor).
 
     ``__call__`` is the ``@cute.jit`` host function: it builds TMA descriptors for the
     runtime tensors, sizes the persistent grid and launches. Shapes are dynamic, so one
     compiled kernel serves every (M, N, K) that meets the alignment contract.
+    ``stores`` / ``loads`` are tuples of M x N tensors matching the visitor's
+    ``store_dtypes`` / ``load_dtypes``; ``extras`` is passed through to the visitor.
     """
 
     def __init__(
         self,
         config: GemmConfig,
         ab_dtype,
-        d_dtype,
         visitor=None,
         num_sms: int = DEFAULT_NUM_SMS,
     ):
         self.config = config
         self.ab_dtype = ab_dtype
-        self.d_dtype = d_dtype
         self.acc_dtype = Float32
-        self.visitor = visitor if visitor is not None else IdentityVisitor()
+        self.visitor = visitor if visitor is not None else AccStore()
         self.num_sms = num_sms
         self.cluster_size = config.cluster_m * config.cluster_n
         self.num_mcast_a = config.cluster_n  # A tile shared by CTAs along N
         self.num_mcast_b = config.cluster_m  # B tile shared by CTAs along M
-        epi_bytes = config.epi_m * config.epi_n * _dtype_bytes(d_dtype)
-        self.smem: SmemPlan = plan_smem(
-            config, _dtype_bytes(ab_dtype), epi_bytes, self.visitor.smem_bytes()
-        )
+        self.store_dtypes = tuple(to_cutlass(d) for d in self.visitor.store_dtypes)
+        self.load_dtypes = tuple(to_cutlass(d) for d in self.visitor.load_dtypes)
+        self.scratch_floats = self.visitor.smem_bytes() // 4
+        self.smem, self.epi_stages, self.load_stages = self._fit_smem(config)
         self.ab_stages = self.smem.ab_stages
+
+    def _fit_smem(self, config: GemmConfig) -> tuple[SmemPlan, int, int]:
+        """Deepest epilogue store/load buffering that still leaves >= 4 A/B stages (or,
+        failing that, >= 2); raises a clear error when the visitor's tensors do not fit."""
+        sub = config.epi_m * config.epi_n
+        n_sub = config.subtiles_per_tile[0] * config.subtiles_per_tile[1]
+        store_bytes = sum(sub * _nbytes(d) for d in self.visitor.store_dtypes)
+        load_bytes = sum(sub * _nbytes(d) for d in self.visitor.load_dtypes)
+        for min_ab in (4, 2):
+            for epi_st, load_st in ((config.epi_stages, LOAD_STAGES), (2, 2), (1, 2), (1, 1)):
+                epi_st, load_st = min(epi_st, config.epi_stages), min(load_st, n_sub)
+                extra = load_bytes * load_st + 4 * self.scratch_floats
+                try:
+                    plan = plan_smem(
+                        attrs.evolve(config, epi_stages=epi_st),
+                        _nbytes(torch.bfloat16),
+                        store_bytes,
+                        extra,
+                    )
+                except ValueError:
+                    continue
+                if plan.ab_stages >= min_ab:
+                    return plan, epi_st, load_st
+        raise ValueError(
+            f"the epilogue's {len(self.visitor.store_dtypes)} stored and "
+            f"{len(self.visitor.load_dtypes)} loaded M x N tensors do not fit in shared "
+            f"memory next to the GEMM's A/B ring (tile {config.tile_m}x{config.tile_n}); "
+            f"split the epilogue or use a smaller tile_n"
+        )
 
     # ------------------------------------------------------------------ host side
     @cute.jit
-    def __call__(self, mA: cute.Tensor, mB: cute.Tensor, mD: cute.Tensor, stream):
+    def __call__(self, mA: cute.Tensor, mB: cute.Tensor, stores, loads, extras, stream):
         cfg = self.config
         tile_mnk = cfg.tile_shape_mnk
         a_layout = LayoutEnum.from_tensor(mA)
         b_layout = LayoutEnum.from_tensor(mB)
-        d_layout = LayoutEnum.from_tensor(mD)
-        self.d_layout = d_layout
 
         tiled_mma = sm90_utils.make_trivial_tiled_mma(
             self.ab_dtype,
@@ -113,8 +149,14 @@ class PingPongGemm:
         b_smem_staged = sm90_utils.make_smem_layout_b(
             b_layout, tile_mnk, self.ab_dtype, self.ab_stages
         )
-        d_smem_staged = sm90_utils.make_smem_layout_epi(
-            self.d_dtype, d_layout, cfg.epi_tile, cfg.epi_stages
+        row_major = LayoutEnum.ROW_MAJOR
+        d_smem = tuple(
+            sm90_utils.make_smem_layout_epi(dt, row_major, cfg.epi_tile, self.epi_stages)
+            for dt in self.store_dtypes
+        )
+        c_smem = tuple(
+            sm90_utils.make_smem_layout_epi(dt, row_major, cfg.epi_tile, self.load_stages)
+            for dt in self.load_dtypes
         )
 
         a_op = (
@@ -141,12 +183,28 @@ class PingPongGemm:
             (cfg.tile_n, cfg.tile_k),
             num_multicast=self.num_mcast_b,
         )
-        tma_d, tD = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileS2GOp(),
-            mD,
-            cute.slice_(d_smem_staged, (None, None, 0)),
-            cfg.epi_tile,
-        )
+        tma_d = []
+        tD = []
+        for i in cutlass.range_constexpr(len(stores)):
+            atom, t = cpasync.make_tiled_tma_atom(
+                cpasync.CopyBulkTensorTileS2GOp(),
+                stores[i],
+                cute.slice_(d_smem[i], (None, None, 0)),
+                cfg.epi_tile,
+            )
+            tma_d.append(atom)
+            tD.append(t)
+        tma_c = []
+        tC = []
+        for i in cutlass.range_constexpr(len(loads)):
+            atom, t = cpasync.make_tiled_tma_atom(
+                cpasync.CopyBulkTensorTileG2SOp(),
+                loads[i],
+                cute.slice_(c_smem[i], (None, None, 0)),
+                cfg.epi_tile,
+            )
+            tma_c.append(atom)
+            tC.append(t)
 
         M = cute.size(mA, mode=[0])
         N = cute.size(mB, mode=[0])
@@ -162,9 +220,6 @@ class PingPongGemm:
         @cute.struct
         class SharedStorage:
             ab_barriers: cute.struct.MemRange[cutlass.Int64, ab_stages * 2]
-            sD: cute.struct.Align[
-                cute.struct.MemRange[self.d_dtype, cute.cosize(d_smem_staged)], 1024
-            ]
             sA: cute.struct.Align[
                 cute.struct.MemRange[self.ab_dtype, cute.cosize(a_smem_staged)], 1024
             ]
@@ -180,13 +235,19 @@ class PingPongGemm:
             tA,
             tma_b,
             tB,
-            tma_d,
-            tD,
+            tuple(tma_d),
+            tuple(tD),
+            tuple(tma_c),
+            tuple(tC),
             a_smem_staged,
             b_smem_staged,
-            d_smem_staged,
+            d_smem,
+            c_smem,
+            M,
+            N,
             clusters_m,
             clusters_n,
+            extras,
         ).launch(
             grid=(cfg.cluster_m, cfg.cluster_n, num_clusters),
             block=(THREADS_PER_WG * (NUM_CONSUMER_WGS + 1), 1, 1),
@@ -203,35 +264,59 @@ class PingPongGemm:
         mA: cute.Tensor,
         tma_b: cute.CopyAtom,
         mB: cute.Tensor,
-        tma_d: cute.CopyAtom,
-        mD: cute.Tensor,
+        tma_d,
+        mD,
+        tma_c,
+        mC,
         a_smem_staged: cute.ComposedLayout,
         b_smem_staged: cute.ComposedLayout,
-        d_smem_staged: cute.ComposedLayout,
+        d_smem,
+        c_smem,
+        M: Int32,
+        N: Int32,
         clusters_m: Int32,
         clusters_n: Int32,
+        extras,
     ):
         cfg = self.config
         tile_mnk = cfg.tile_shape_mnk
+        n_stores = len(self.store_dtypes)
+        n_loads = len(self.load_dtypes)
+        sub_m, sub_n = cfg.subtiles_per_tile
+        n_sub = sub_m * sub_n
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
 
         if warp_idx == PRODUCER_WARP:
             cpasync.prefetch_descriptor(tma_a)
             cpasync.prefetch_descriptor(tma_b)
-            cpasync.prefetch_descriptor(tma_d)
+            for i in cutlass.range_constexpr(n_stores):
+                cpasync.prefetch_descriptor(tma_d[i])
+            for i in cutlass.range_constexpr(n_loads):
+                cpasync.prefetch_descriptor(tma_c[i])
 
         # Cluster geometry: grid is (cluster_m, cluster_n, clusters); block z is the cluster id.
         cta_layout_mnk = cute.make_layout(cfg.cluster_shape_mnk)
         cta_rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
         cta_coord = cta_layout_mnk.get_flat_coord(cta_rank)
-        bidx, bidy, bidz = cute.arch.block_idx()
+        _, _, bidz = cute.arch.block_idx()
         _, _, num_clusters = cute.arch.grid_dim()
         sched = TileScheduler(clusters_m, clusters_n, (cfg.cluster_m, cfg.cluster_n), cfg.group_m)
         cta_mn = (Int32(cta_coord[0]), Int32(cta_coord[1]))
 
         smem = cutlass.memory.SmemAllocator()
         storage = smem.allocate(self.shared_storage)
+        sD = tuple(
+            smem.allocate_tensor(self.store_dtypes[i], d_smem[i].outer, 1024, d_smem[i].inner)
+            for i in range(n_stores)
+        )
+        sC = tuple(
+            smem.allocate_tensor(self.load_dtypes[i], c_smem[i].outer, 1024, c_smem[i].inner)
+            for i in range(n_loads)
+        )
+        scratch = None
+        if const_expr(self.scratch_floats > 0):
+            scratch = smem.allocate_tensor(Float32, cute.make_layout(self.scratch_floats), 16)
 
         a_stage_layout = cute.slice_(a_smem_staged, (None, None, 0))
         b_stage_layout = cute.slice_(b_smem_staged, (None, None, 0))
@@ -250,11 +335,29 @@ class PingPongGemm:
             cta_layout_vmnk=cute.make_layout((1, *cta_layout_mnk.shape)),
             defer_sync=True,
         )
+        load_pipe = None
+        if const_expr(n_loads > 0):
+            load_tx = 0
+            for i in cutlass.range_constexpr(n_loads):
+                load_tx += cute.size_in_bytes(
+                    self.load_dtypes[i], cute.slice_(c_smem[i], (None, None, 0))
+                )
+            # CTA-local: the 4 warps of the consuming warpgroup release each stage.
+            load_pipe = pipeline.PipelineTmaAsync.create(
+                barrier_storage=smem.allocate_array(
+                    cutlass.Int64, 2 * self.load_stages, byte_alignment=8
+                ),
+                num_stages=self.load_stages,
+                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 4),
+                tx_count=load_tx,
+                cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
+                defer_sync=True,
+            )
         pipeline.pipeline_init_arrive(cluster_shape_mn=cfg.cluster_shape_mnk[:2], is_relaxed=True)
 
         sA = storage.sA.get_tensor(a_smem_staged.outer, swizzle=a_smem_staged.inner)
         sB = storage.sB.get_tensor(b_smem_staged.outer, swizzle=b_smem_staged.inner)
-        sD = storage.sD.get_tensor(d_smem_staged.outer, swizzle=d_smem_staged.inner)
 
         # (tile_m, tile_k, tiles_m, k_tiles) and (tile_n, tile_k, tiles_n, k_tiles)
         gA = cute.local_tile(mA, cute.slice_(tile_mnk, (None, 0, None)), (None, None))
@@ -264,68 +367,30 @@ class PingPongGemm:
         pipeline.pipeline_init_wait(cluster_shape_mn=cfg.cluster_shape_mnk[:2])
 
         if warp_idx >= PRODUCER_WARP:
-            # ------------------------------------------------------------ producer
+            # ------------------------------------------------------------ producers
             cute.arch.setmaxregister_decrease(REGS_PRODUCER)
             if warp_idx == PRODUCER_WARP:
-                a_mask = cute.make_layout_image_mask(cta_layout_mnk, cta_coord, mode=1)
-                b_mask = cute.make_layout_image_mask(cta_layout_mnk, cta_coord, mode=0)
-                tAsA, tAgA = cpasync.tma_partition(
+                self._produce_ab(
                     tma_a,
-                    cta_coord[1],
-                    cute.make_layout(cute.slice_(cta_layout_mnk, (0, None, 0)).shape),
-                    cute.group_modes(sA, 0, 2),
-                    cute.group_modes(gA, 0, 2),
-                )
-                tBsB, tBgB = cpasync.tma_partition(
                     tma_b,
-                    cta_coord[0],
-                    cute.make_layout(cute.slice_(cta_layout_mnk, (None, 0, 0)).shape),
-                    cute.group_modes(sB, 0, 2),
-                    cute.group_modes(gB, 0, 2),
+                    sA,
+                    sB,
+                    gA,
+                    gB,
+                    k_tiles,
+                    ab_pipe,
+                    sched,
+                    cta_layout_mnk,
+                    cta_coord,
+                    cta_mn,
+                    bidz,
+                    num_clusters,
                 )
-                state = pipeline.make_pipeline_state(
-                    pipeline.PipelineUserType.Producer, self.ab_stages
-                )
-                t = Int32(bidz)
-                while t < sched.num_work:
-                    tm, tn = sched.tile_coord(t, cta_mn)
-                    for k in cutlass.range(k_tiles, unroll=1):
-                        ab_pipe.producer_acquire(state)
-                        bar = ab_pipe.producer_get_barrier(state)
-                        if const_expr(self.num_mcast_a > 1):
-                            cute.copy(
-                                tma_a,
-                                tAgA[(None, tm, k)],
-                                tAsA[(None, state.index)],
-                                tma_bar_ptr=bar,
-                                mcast_mask=a_mask,
-                            )
-                        else:
-                            cute.copy(
-                                tma_a,
-                                tAgA[(None, tm, k)],
-                                tAsA[(None, state.index)],
-                                tma_bar_ptr=bar,
-                            )
-                        if const_expr(self.num_mcast_b > 1):
-                            cute.copy(
-                                tma_b,
-                                tBgB[(None, tn, k)],
-                                tBsB[(None, state.index)],
-                                tma_bar_ptr=bar,
-                                mcast_mask=b_mask,
-                            )
-                        else:
-                            cute.copy(
-                                tma_b,
-                                tBgB[(None, tn, k)],
-                                tBsB[(None, state.index)],
-                                tma_bar_ptr=bar,
-                            )
-                        ab_pipe.producer_commit(state)
-                        state.advance()
-                    t += num_clusters
-                ab_pipe.producer_tail(state)
+            if const_expr(n_loads > 0):
+                if warp_idx == EPI_LOAD_WARP:
+                    self._produce_epilogue_loads(
+                        tma_c, mC, sC, load_pipe, sched, cta_mn, bidz, num_clusters
+                    )
 
         if warp_idx < PRODUCER_WARP:
             # ------------------------------------------------------------ consumers
@@ -343,33 +408,62 @@ class PingPongGemm:
             k_blocks = cute.size(tCrA, mode=[2])
 
             # Epilogue partitions (fixed per warpgroup, reused for every tile).
-            r2s = self._make_r2s_copy(tiled_mma, self.d_layout)
-            thr_r2s = r2s.get_slice(wg_tidx)
-            tRS_sD = thr_r2s.partition_D(sD)
-            frag_shape = thr_r2s.partition_S(cute.make_identity_tensor(cfg.epi_tile)).shape
+            coord_copy = self._make_r2s_copy(tiled_mma, cutlass.BFloat16)
+            thr_coord = coord_copy.get_slice(wg_tidx)
+            frag_geom = Fragment(coord_copy, cfg.epi_tile)
+            frag_shape = thr_coord.partition_S(cute.make_identity_tensor(cfg.epi_tile)).shape
+            tRS_rAcc = self._acc_subtile_view(acc, coord_copy)
             tRS_rD = cute.make_rmem_tensor(frag_shape, self.acc_dtype)
-            tRS_rOut = cute.make_rmem_tensor(frag_shape, self.d_dtype)
-            tRS_rAcc = self._acc_subtile_view(acc, r2s)
+            r2s = []
+            tRS_sD = []
+            tRS_rOut = []
+            tRS_rOutView = []
+            for i in cutlass.range_constexpr(n_stores):
+                cp = self._make_r2s_copy(tiled_mma, self.store_dtypes[i])
+                thr = cp.get_slice(wg_tidx)
+                r2s.append(cp)
+                tRS_sD.append(thr.partition_D(sD[i]))
+                # the copy groups modes its own way; same elements in the same order
+                own = thr.partition_S(cute.make_identity_tensor(cfg.epi_tile)).shape
+                rout = cute.make_rmem_tensor(own, self.store_dtypes[i])
+                tRS_rOut.append(rout)
+                tRS_rOutView.append(cute.make_tensor(rout.iterator, cute.make_layout(frag_shape)))
+            s2r = []
+            tSR_sC = []
+            tSR_rC = []
+            tRS_rC = []
+            for i in cutlass.range_constexpr(n_loads):
+                cp = self._make_s2r_copy(tiled_mma, self.load_dtypes[i])
+                thr = cp.get_slice(wg_tidx)
+                s2r.append(cp)
+                tSR_sC.append(thr.partition_S(sC[i]))
+                rc = cute.make_rmem_tensor(frag_shape, self.load_dtypes[i])
+                tRS_rC.append(rc)
+                tSR_rC.append(thr.retile(rc))
             store_pipe = pipeline.PipelineTmaStore.create(
-                num_stages=cfg.epi_stages,
+                num_stages=self.epi_stages,
                 producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, THREADS_PER_WG),
             )
             epi_bar = pipeline.NamedBarrier(
                 barrier_id=_Barrier.EPI + wg, num_threads=THREADS_PER_WG
             )
-            gD_all = cute.local_tile(mD, (cfg.tile_m, cfg.tile_n), (None, None))
             idD_all = cute.local_tile(
-                cute.make_identity_tensor(mD.shape), (cfg.tile_m, cfg.tile_n), (None, None)
+                cute.make_identity_tensor((M, N)), (cfg.tile_m, cfg.tile_n), (None, None)
             )
 
             read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages)
+            lread = pipeline.make_pipeline_state(
+                pipeline.PipelineUserType.Consumer, self.load_stages
+            )
             if wg == 0:
                 # warpgroup 0 goes first: it signals its own turn barriers once.
                 self._turn_arrive(_Barrier.MMA_TURN, 0)
                 self._turn_arrive(_Barrier.EPI_TURN, 0)
-            # warpgroup 1 starts on the second tile: skip warpgroup 0's k-tiles.
+            # warpgroup 1 starts on the second tile: skip warpgroup 0's stages.
             if wg == 1:
                 read.advance(k_tiles)
+                if const_expr(n_loads > 0):
+                    lread.advance(n_sub)
 
             t = Int32(bidz) + wg * num_clusters
             while t < sched.num_work:
@@ -396,58 +490,187 @@ class PingPongGemm:
 
                 # ---- epilogue (takes its turn on the store path)
                 self._turn_wait(_Barrier.EPI_TURN, wg)
-                gD = gD_all[(None, None, tm, tn)]
-                bSG_sD, bSG_gD = cpasync.tma_partition(
-                    tma_d,
-                    0,
-                    cute.make_layout(1),
-                    cute.group_modes(sD, 0, 2),
-                    cute.zipped_divide(gD, cfg.epi_tile),
-                )
+                bSG = []
+                for i in cutlass.range_constexpr(n_stores):
+                    gD = cute.local_tile(mD[i], (cfg.tile_m, cfg.tile_n), (tm, tn))
+                    bSG.append(
+                        cpasync.tma_partition(
+                            tma_d[i],
+                            0,
+                            cute.make_layout(1),
+                            cute.group_modes(sD[i], 0, 2),
+                            cute.zipped_divide(gD, cfg.epi_tile),
+                        )
+                    )
                 tile_ids = idD_all[(None, None, tm, tn)]
-                tile_ctx = SubtileContext(
+                tctx = TileContext(
                     tile_coord=(tm, tn),
-                    subtile=(-1, -1),
-                    coords=None,
-                    shape_mn=(cute.size(mD, mode=[0]), cute.size(mD, mode=[1])),
-                    tidx=wg_tidx,
+                    shape_mn=(M, N),
+                    extras=extras,
+                    frag=frag_geom,
+                    scratch=scratch,
+                    barrier=epi_bar,
+                    config=cfg,
                 )
-                self.visitor.begin_tile(tile_ctx)
-                sub_m, sub_n = cfg.subtiles_per_tile
-                for s in cutlass.range_constexpr(sub_m * sub_n):
+                vstate = self.visitor.begin_tile(tctx)
+                for s in cutlass.range_constexpr(n_sub):
                     # subtiles row-major within the tile (n fastest)
                     sm, sn = s // sub_n, s % sub_n
-                    buf = s % cfg.epi_stages
+                    buf = s % self.epi_stages
                     cute.autovec_copy(tRS_rAcc[None, None, None, (sm, sn)], tRS_rD)
-                    coords = thr_r2s.partition_S(cute.local_tile(tile_ids, cfg.epi_tile, (sm, sn)))
-                    ctx = SubtileContext(
-                        tile_coord=(tm, tn),
-                        subtile=(sm, sn),
-                        coords=coords,
-                        shape_mn=tile_ctx.shape_mn,
-                        tidx=wg_tidx,
+                    loaded = []
+                    if const_expr(n_loads > 0):
+                        load_pipe.consumer_wait(lread)
+                        for i in cutlass.range_constexpr(n_loads):
+                            cute.copy(s2r[i], tSR_sC[i][None, None, None, lread.index], tSR_rC[i])
+                            loaded.append(tRS_rC[i].load().to(Float32))
+                        cute.arch.fence_view_async_shared()
+                        load_pipe.consumer_release(lread)
+                        lread.advance()
+                    coords = thr_coord.partition_S(
+                        cute.local_tile(tile_ids, cfg.epi_tile, (sm, sn))
                     )
-                    out = self.visitor.visit(ctx, tRS_rD.load())
-                    tRS_rOut.store(out.to(self.d_dtype))
-                    if is_store_warp:
-                        store_pipe.producer_acquire()
-                    epi_bar.arrive_and_wait()
-                    cute.copy(r2s, tRS_rOut, tRS_sD[(None, None, None, buf)])
-                    cute.arch.fence_proxy("async.shared", space="cta")
-                    epi_bar.arrive_and_wait()
-                    if is_store_warp:
-                        cute.copy(tma_d, bSG_sD[(None, buf)], bSG_gD[(None, (sm, sn))])
-                        store_pipe.producer_commit()
-                self.visitor.end_tile(tile_ctx)
+                    ctx = SubtileContext(tile=tctx, subtile=(sm, sn), coords=coords)
+                    outs = self.visitor.visit(ctx, tRS_rD.load(), tuple(loaded), vstate)
+                    if const_expr(n_stores > 0):
+                        for i in cutlass.range_constexpr(n_stores):
+                            tRS_rOutView[i].store(outs[i].to(self.store_dtypes[i]))
+                        if is_store_warp:
+                            store_pipe.producer_acquire()
+                        epi_bar.arrive_and_wait()
+                        for i in cutlass.range_constexpr(n_stores):
+                            cute.copy(r2s[i], tRS_rOut[i], tRS_sD[i][(None, None, None, buf)])
+                        cute.arch.fence_proxy("async.shared", space="cta")
+                        epi_bar.arrive_and_wait()
+                        if is_store_warp:
+                            for i in cutlass.range_constexpr(n_stores):
+                                cute.copy(
+                                    tma_d[i], bSG[i][0][(None, buf)], bSG[i][1][(None, (sm, sn))]
+                                )
+                            store_pipe.producer_commit()
+                self.visitor.end_tile(tctx, vstate)
                 # The other warpgroup reuses the epilogue buffers: drain our stores first.
-                if is_store_warp:
-                    store_pipe.producer_tail()
+                if const_expr(n_stores > 0):
+                    if is_store_warp:
+                        store_pipe.producer_tail()
                 self._turn_arrive(_Barrier.EPI_TURN, 1 - wg)
 
                 read.advance(k_tiles)  # skip the other warpgroup's tile
+                if const_expr(n_loads > 0):
+                    lread.advance(n_sub)
                 t += 2 * num_clusters
 
     # ------------------------------------------------------------------- helpers
+    @cute.jit
+    def _produce_ab(
+        self,
+        tma_a,
+        tma_b,
+        sA,
+        sB,
+        gA,
+        gB,
+        k_tiles,
+        ab_pipe,
+        sched,
+        cta_layout_mnk,
+        cta_coord,
+        cta_mn,
+        bidz,
+        num_clusters,
+    ):
+        """Producer warp: TMA loads of A/B k-tiles for every tile of this cluster."""
+        a_mask = cute.make_layout_image_mask(cta_layout_mnk, cta_coord, mode=1)
+        b_mask = cute.make_layout_image_mask(cta_layout_mnk, cta_coord, mode=0)
+        tAsA, tAgA = cpasync.tma_partition(
+            tma_a,
+            cta_coord[1],
+            cute.make_layout(cute.slice_(cta_layout_mnk, (0, None, 0)).shape),
+            cute.group_modes(sA, 0, 2),
+            cute.group_modes(gA, 0, 2),
+        )
+        tBsB, tBgB = cpasync.tma_partition(
+            tma_b,
+            cta_coord[0],
+            cute.make_layout(cute.slice_(cta_layout_mnk, (None, 0, 0)).shape),
+            cute.group_modes(sB, 0, 2),
+            cute.group_modes(gB, 0, 2),
+        )
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stages)
+        t = Int32(bidz)
+        while t < sched.num_work:
+            tm, tn = sched.tile_coord(t, cta_mn)
+            for k in cutlass.range(k_tiles, unroll=1):
+                ab_pipe.producer_acquire(state)
+                bar = ab_pipe.producer_get_barrier(state)
+                if const_expr(self.num_mcast_a > 1):
+                    cute.copy(
+                        tma_a,
+                        tAgA[(None, tm, k)],
+                        tAsA[(None, state.index)],
+                        tma_bar_ptr=bar,
+                        mcast_mask=a_mask,
+                    )
+                else:
+                    cute.copy(
+                        tma_a, tAgA[(None, tm, k)], tAsA[(None, state.index)], tma_bar_ptr=bar
+                    )
+                if const_expr(self.num_mcast_b > 1):
+                    cute.copy(
+                        tma_b,
+                        tBgB[(None, tn, k)],
+                        tBsB[(None, state.index)],
+                        tma_bar_ptr=bar,
+                        mcast_mask=b_mask,
+                    )
+                else:
+                    cute.copy(
+                        tma_b, tBgB[(None, tn, k)], tBsB[(None, state.index)], tma_bar_ptr=bar
+                    )
+                ab_pipe.producer_commit(state)
+                state.advance()
+            t += num_clusters
+        ab_pipe.producer_tail(state)
+
+    @cute.jit
+    def _produce_epilogue_loads(self, tma_c, mC, sC, load_pipe, sched, cta_mn, bidz, num_clusters):
+        """Second producer warp: TMA loads of the visitor's M x N operands, subtile by
+        subtile in the epilogue's order, for every tile of this CTA (both warpgroups')."""
+        cfg = self.config
+        n_loads = len(self.load_dtypes)
+        sub_m, sub_n = cfg.subtiles_per_tile
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.load_stages)
+        t = Int32(bidz)
+        while t < sched.num_work:
+            tm, tn = sched.tile_coord(t, cta_mn)
+            parts = []
+            for i in cutlass.range_constexpr(n_loads):
+                gC = cute.local_tile(mC[i], (cfg.tile_m, cfg.tile_n), (tm, tn))
+                parts.append(
+                    cpasync.tma_partition(
+                        tma_c[i],
+                        0,
+                        cute.make_layout(1),
+                        cute.group_modes(sC[i], 0, 2),
+                        cute.zipped_divide(gC, cfg.epi_tile),
+                    )
+                )
+            for s in cutlass.range_constexpr(sub_m * sub_n):
+                sm, sn = s // sub_n, s % sub_n
+                load_pipe.producer_acquire(state)
+                bar = load_pipe.producer_get_barrier(state)
+                for i in cutlass.range_constexpr(n_loads):
+                    cute.copy(
+                        tma_c[i],
+                        parts[i][1][(None, (sm, sn))],
+                        parts[i][0][(None, state.index)],
+                        tma_bar_ptr=bar,
+                    )
+                load_pipe.producer_commit(state)
+                state.advance()
+            t += num_clusters
+        load_pipe.producer_tail(state)
+
     def _turn_wait(self, base: int, wg):
         cute.arch.barrier(barrier_id=base + wg, number_of_threads=2 * THREADS_PER_WG)
 
@@ -474,18 +697,25 @@ class PingPongGemm:
             atom.set(warpgroup.Field.ACCUMULATE, True)
         warpgroup.commit_group()
 
-    def _make_r2s_copy(self, tiled_mma, d_layout):
-        """Register -> shared copy for one subtile: stmatrix for 16-bit D, else plain stores."""
-        cfg = self.config
+    def _c_atom_tiled(self, tiled_mma):
         c_atom = cute.make_copy_atom(
-            cute.nvgpu.warp.StMatrix8x8x16bOp(
-                d_layout.is_m_major_c(), 4 if cfg.epi_n % 16 == 0 else 2
-            ),
-            cutlass.Float16,  # only fixes the thread-value layout of the source
+            cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4),
+            cutlass.Float16,  # only fixes the thread-value layout of the fragment
         )
-        tiled_c = cute.make_tiled_copy_C_atom(c_atom, tiled_mma)
-        store_atom = sm90_utils.get_smem_store_op(d_layout, self.d_dtype, self.acc_dtype)
-        return cute.make_tiled_copy_S(store_atom, tiled_c)
+        return cute.make_tiled_copy_C_atom(c_atom, tiled_mma)
+
+    def _make_r2s_copy(self, tiled_mma, dtype):
+        """Register -> shared copy of one subtile: stmatrix for 16-bit, else plain stores."""
+        store_atom = sm90_utils.get_smem_store_op(LayoutEnum.ROW_MAJOR, dtype, self.acc_dtype)
+        return cute.make_tiled_copy_S(store_atom, self._c_atom_tiled(tiled_mma))
+
+    def _make_s2r_copy(self, tiled_mma, dtype):
+        """Shared -> register copy of one loaded subtile: ldmatrix for 16-bit, else plain."""
+        if const_expr(dtype.width == 16):
+            atom = cute.make_copy_atom(cute.nvgpu.warp.LdMatrix8x8x16bOp(False, 4), dtype)
+        else:
+            atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dtype)
+        return cute.make_tiled_copy_S(atom, self._c_atom_tiled(tiled_mma))
 
     def _acc_subtile_view(self, acc, r2s):
         """View the accumulator as (frag..., (subtile_m, subtile_n)) for the r2s copy.

@@ -1,18 +1,23 @@
 """The epilogue-visitor hook protocol of the PingPong mainloop.
 
 Sits under ``coda.mainloop`` between the fixed GEMM kernel and whatever runs in its
-epilogue. The kernel's epilogue driver walks each output tile in subtiles
-(``GemmConfig.epi_tile``); for every tile and subtile it calls the visitor's hooks at
-trace time, so the visitor emits CuTeDSL straight into the kernel:
+epilogue. A visitor is a frozen value (it is part of the kernel's compile-cache key) that
+declares the resources it needs and emits CuTeDSL through three hooks, called at trace
+time by the kernel's epilogue driver:
 
-* ``begin_tile(ctx)``   once per output tile, before the first subtile;
-* ``visit(ctx, frag)``  per subtile, on the fp32 register fragment of the accumulator;
-  returns the fragment to store as D (the kernel converts and TMA-stores it);
-* ``end_tile(ctx)``     once per output tile, after the last subtile.
+* resources: ``store_dtypes`` (one M x N output per entry, written through shared memory
+  and TMA stores), ``load_dtypes`` (one M x N operand per entry, loaded through TMA into
+  a shared-memory ring by a dedicated producer warp, ahead of the epilogue),
+  ``smem_bytes()`` (scratch for cross-warp reductions);
+* ``begin_tile(tctx) -> state`` once per output tile;
+* ``visit(ctx, acc, loaded, state) -> stores`` per subtile: ``acc`` is the fp32
+  accumulator fragment (a ``TensorSSA``), ``loaded`` one fp32 fragment per
+  ``load_dtypes`` entry; it returns one fp32 fragment per ``store_dtypes`` entry;
+* ``end_tile(tctx, state)`` after the last subtile.
 
-``smem_bytes`` declares extra shared memory the visitor needs (reserved out of the
-A/B ring by :func:`coda.mainloop.config.plan_smem`). A plain GEMM is the identity
-visitor. Visitors are frozen values: they are part of the kernel's compile-cache key.
+Extra global tensors and scalars (vectors, partial outputs, runtime floats) travel in the
+kernel's ``extras`` tuple and reach the hooks as ``ctx.extras``; the visitor reads and
+writes them directly from registers. A plain GEMM is :class:`AccStore`.
 """
 
 from __future__ import annotations
@@ -20,37 +25,60 @@ from __future__ import annotations
 from typing import Any
 
 import attrs
+import torch
+
+
+@attrs.frozen
+class TileContext:
+    """Trace-time facts about the tile being visited (device values are DSL values).
+
+    ``tile_coord``: (m, n) tile index; ``shape_mn``: the problem's (M, N); ``extras``:
+    the extra tensors/scalars; ``frag``: the :class:`coda.mainloop.fragment.Fragment`
+    geometry helper of this warpgroup; ``scratch``: the visitor's shared memory (an fp32
+    tensor) or None; ``barrier``: a named barrier over the 128 threads of the warpgroup.
+    """
+
+    tile_coord: Any
+    shape_mn: Any
+    extras: Any
+    frag: Any
+    scratch: Any
+    barrier: Any
+    config: Any
 
 
 @attrs.frozen
 class SubtileContext:
-    """What a visitor may use while tracing one subtile (trace-time objects).
+    """``TileContext`` plus the static (m, n) subtile index and the fragment's global
+    coordinates (``coords[i]`` is the (row, col) of fragment element i)."""
 
-    ``tile_coord`` is the (m, n) index of the output tile, ``subtile`` the static (m, n)
-    index of the subtile within it, ``coords`` a register tensor view of each fragment
-    element's global (row, col) (for masking and vector loads), ``shape_mn`` the
-    problem's dynamic (M, N), ``tidx`` the thread index within the warpgroup.
-    """
-
-    tile_coord: Any
+    tile: TileContext
     subtile: tuple[int, int]
     coords: Any
-    shape_mn: Any
-    tidx: Any
 
 
 @attrs.frozen
-class IdentityVisitor:
-    """The plain GEMM: D = acc."""
+class AccStore:
+    """The plain GEMM: D = acc, stored as ``dtype``."""
+
+    dtype: torch.dtype = torch.bfloat16
+
+    @property
+    def store_dtypes(self) -> tuple[torch.dtype, ...]:
+        return (self.dtype,)
+
+    @property
+    def load_dtypes(self) -> tuple[torch.dtype, ...]:
+        return ()
 
     def smem_bytes(self) -> int:
         return 0
 
-    def begin_tile(self, ctx: Any) -> None:
+    def begin_tile(self, tctx: TileContext) -> None:
         return None
 
-    def visit(self, ctx: SubtileContext, frag: Any) -> Any:
-        return frag
+    def visit(self, ctx: SubtileContext, acc: Any, loaded: tuple, state: Any) -> tuple:
+        return (acc,)
 
-    def end_tile(self, ctx: Any) -> None:
+    def end_tile(self, tctx: TileContext, state: Any) -> None:
         return None

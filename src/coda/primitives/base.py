@@ -18,9 +18,11 @@ A primitive has four faces, one per stage of its life:
    subtile (row-major inside the tile), ``end_tile(tile, state)`` (write per-tile partials),
    then ``finalize(partials, problem, specs)`` once after the last tile (combine partials
    into the final outputs). This is exactly the schedule of the fused GPU kernel, on CPU tensors.
-4. **CuTeDSL**: ``trace(ctx, values)`` emits the same computation into the fused visitor
-   on register fragments of one subtile. It arrives in a later issue; the base raises
-   ``NotImplementedError``. It will sit next to ``visit`` in every kind.
+4. **CuTeDSL**: ``trace_begin_tile(tile) -> state``, ``trace(ctx, values, state)`` per
+   subtile and ``trace_end_tile(tile, state)`` emit the same computation into the fused
+   visitor of the GEMM kernel, on register fragments of one subtile (see
+   ``coda.primitives.tracing``). They sit next to the simulator hooks in every kind; the
+   base ``trace`` raises ``NotImplementedError`` (a primitive without it cannot be fused).
 """
 
 from __future__ import annotations
@@ -129,10 +131,22 @@ class Primitive(abc.ABC):
         return {}
 
     # ---- CuTeDSL -----------------------------------------------------------------------
-    def trace(self, ctx: Any, values: Any) -> Any:
-        """Emit this primitive into the fused CuTeDSL visitor on the register fragments of
-        one subtile. Traced into CuTeDSL in a later issue; no primitive implements it yet."""
+    def trace_begin_tile(self, tile: Any) -> Any:
+        """Trace-time twin of ``begin_tile``: emit per-tile setup, return the per-tile
+        state (Python objects holding DSL values; ``None`` for stateless primitives).
+        ``tile`` is a ``coda.primitives.tracing.TraceTile``."""
+        return None
+
+    def trace(self, ctx: Any, values: dict[str, Any], state: Any) -> None:
+        """Emit this primitive into the fused CuTeDSL visitor, on one subtile: read and
+        write ``values`` (fp32 ``TensorSSA`` fragments of the subtile, vectors broadcast),
+        update ``state``; ``ctx`` is a ``coda.primitives.tracing.TraceSubtile``. The twin
+        of ``visit``; kinds that cannot be fused yet keep this default."""
         raise NotImplementedError(
-            f"{type(self).__name__}.trace: primitives are traced into CuTeDSL in a later "
-            "issue; today coda runs epilogues with Epilogue.reference and coda.simulate"
+            f"{type(self).__name__} has no CuTeDSL trace: it runs in Epilogue.reference and "
+            "coda.simulate only; implement trace() to fuse it into the GEMM kernel"
         )
+
+    def trace_end_tile(self, tile: Any, state: Any) -> None:
+        """Trace-time twin of ``end_tile`` (write what is left of the per-tile state)."""
+        return None

@@ -196,3 +196,24 @@ class Elementwise(Primitive):
     def visit(self, sub: Subtile, state: Any) -> None:
         shape = sub.shape_of(sub.specs[self.out])
         sub.values[self.out] = self.evaluate(sub.values, sub.specs, shape)
+
+    def trace(self, ctx: Any, values: dict[str, Any], state: Any) -> None:
+        from coda.primitives import tracing
+
+        layout = tracing.frag_layout(ctx)
+        if self.pairwise is None:
+            result = self.fn(*(values[n] for n in self.ins))
+            values[self.out] = tracing.as_fragment(result, layout)
+            return
+        # pairwise "map" at width 1: adjacent columns are adjacent fragment elements
+        frag = ctx.frag
+        evens = [i for i, (_, c) in enumerate(frag.offsets) if c % 2 == 0]
+        odds = [frag.pair_partner(i) for i in evens]
+        args = []
+        for name, split in zip(self.ins, self._splits(ctx.specs), strict=True):
+            src = tracing.to_rmem(values[name], layout)
+            args.append(tracing.pick(src, evens))
+            if split:
+                args.append(tracing.pick(src, odds))
+        even, odd = self.fn(*args)
+        values[self.out] = tracing.interleave(even, odd, evens, odds, layout)

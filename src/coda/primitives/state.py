@@ -144,6 +144,35 @@ class LogSumExp(StateTransition):
         lse = shift[:, 0] + torch.log((ps * torch.exp(pm - shift)).sum(1))
         return {self.name: lse}
 
+    def trace_begin_tile(self, tile: Any) -> dict:
+        return {}
+
+    def trace(self, ctx: Any, values: dict[str, Any], state: dict) -> None:
+        from coda.primitives import tracing
+
+        layout = tracing.frag_layout(ctx)
+        x = tracing.masked(values[self.of], layout, ctx.coords, ctx.shape_mn, float("-inf"))
+        sub_max = tracing.row_reduce("max", x, ctx.frag)
+        band = state.setdefault(ctx.subtile[0], {})
+        for r, smax in sub_max.items():
+            old_m, old_s = band.get(r, (None, None))
+            new_m = smax if old_m is None else tracing.fr.combine("max", old_m, smax)
+            base = tracing.finite_or_zero(new_m)
+            total = tracing.Float32(0.0)
+            for i in ctx.frag.row_members(r):
+                total = total + tracing.exp(x[i] - base)
+            total = tracing.fr.quad_allreduce("sum", total)
+            if old_s is not None:
+                total = total + old_s * tracing.exp(old_m - base)
+            band[r] = (new_m, total)
+        if ctx.band_done:
+            pmax, psum = (ctx.extra(n) for n in self.partial_names)
+            tn, rows = ctx.tile.tile_coord[1], ctx.shape_mn[0]
+            for r, (m, sumexp) in band.items():
+                row = tracing.row_of(ctx, r)
+                tracing.write_row_partial(pmax, row, tn, m, rows)
+                tracing.write_row_partial(psum, row, tn, sumexp, rows)
+
 
 @attrs.frozen
 class TargetSelect(StateTransition):
@@ -217,3 +246,28 @@ class TargetSelect(StateTransition):
         specs: Mapping[str, ValueSpec],
     ) -> dict[str, torch.Tensor]:
         return {self.name: partials[self.partial_names[0]].sum(1)}
+
+    def trace_begin_tile(self, tile: Any) -> dict:
+        return {}
+
+    def trace(self, ctx: Any, values: dict[str, Any], state: dict) -> None:
+        from coda.primitives import tracing
+
+        layout = tracing.frag_layout(ctx)
+        x = tracing.masked(values[self.of], layout, ctx.coords, ctx.shape_mn, 0.0)
+        target = ctx.extra(self.target)
+        band = state.setdefault(ctx.subtile[0], {})
+        for r in ctx.frag.rows:
+            row = tracing.row_of(ctx, r)
+            want = tracing.load_index(target, row, ctx.shape_mn[0], self.ignore_index)
+            picked = tracing.Float32(0.0)
+            for i in ctx.frag.row_members(r):
+                picked = picked + tracing.select_eq(ctx.coords[i][1], want, x[i])
+            picked = tracing.fr.quad_allreduce("sum", picked)
+            band[r] = picked if r not in band else band[r] + picked
+        if ctx.band_done:
+            partials = ctx.extra(self.partial_names[0])
+            for r, v in band.items():
+                tracing.write_row_partial(
+                    partials, tracing.row_of(ctx, r), ctx.tile.tile_coord[1], v, ctx.shape_mn[0]
+                )

@@ -55,3 +55,6 @@ class TileLoad(Primitive):
 
     def visit(self, sub: Subtile, state: Any) -> None:
         sub.values[self.name] = sub.load_tile(self.name, self.width)
+
+    def trace(self, ctx: Any, values: dict[str, Any], state: Any) -> None:
+        values[self.name] = ctx.tile.loaded[self.name]

@@ -162,3 +162,29 @@ class TileReduce(Primitive):
         else:
             total, n = self._reduce(p, 0), problem.M
         return {self.name: self._post(total, n)}
+
+    # ---- CuTeDSL (per="row"; per="col" is not traced yet) -------------------------------
+    def trace_begin_tile(self, tile: Any) -> dict:
+        return {}
+
+    def trace(self, ctx: Any, values: dict[str, Any], state: dict) -> None:
+        from coda.primitives import tracing
+
+        if self.per != "row":
+            raise NotImplementedError(f"{self.label}: per='col' reductions are not traced yet")
+        layout = tracing.frag_layout(ctx)
+        x = values[self.of]
+        if self.op == "sumsq":
+            x = x * x
+        op = "max" if self.op == "max" else "sum"
+        vals = tracing.masked(x, layout, ctx.coords, ctx.shape_mn, _IDENTITY[self.op])
+        red = tracing.row_reduce(op, vals, ctx.frag)
+        band = state.setdefault(ctx.subtile[0], {})
+        for r, v in red.items():
+            band[r] = v if r not in band else tracing.fr.combine(op, band[r], v)
+        if ctx.band_done:
+            partials = ctx.extra(self.partials_name)
+            for r, v in band.items():
+                tracing.write_row_partial(
+                    partials, tracing.row_of(ctx, r), ctx.tile.tile_coord[1], v, ctx.shape_mn[0]
+                )

@@ -73,6 +73,17 @@ class VecLoad(Primitive):
         else:
             sub.values[self.name] = sub.load_col(self.name, self.width)
 
+    def trace(self, ctx: Any, values: dict[str, Any], state: Any) -> None:
+        from coda.primitives import tracing
+
+        layout = tracing.frag_layout(ctx)
+        vec = ctx.extra(self.name)
+        M, N = ctx.shape_mn
+        if self.per == "row":
+            values[self.name] = tracing.gather_row(layout, ctx.coords, vec, M)
+        else:
+            values[self.name] = tracing.gather_col(layout, ctx.coords, vec, N)
+
 
 @attrs.frozen
 class ScalarLoad(Primitive):
@@ -99,3 +110,8 @@ class ScalarLoad(Primitive):
 
     def visit(self, sub: Subtile, state: Any) -> None:
         sub.values[self.name] = sub.load_scalar(self.name)
+
+    def trace(self, ctx: Any, values: dict[str, Any], state: Any) -> None:
+        from coda.primitives import tracing
+
+        values[self.name] = tracing.full(tracing.frag_layout(ctx), ctx.extra(self.name))

@@ -17,17 +17,20 @@ import attrs
 import torch
 
 from ..mainloop.config import GemmConfig
-from ..mainloop.visitor import IdentityVisitor
+from ..mainloop.visitor import AccStore
 from . import dtypes
 from .cute_env import dsl_version, ensure_arch
 
 
 @attrs.frozen
 class GemmKernelKey:
+    """Everything a compiled kernel depends on. The visitor declares the M x N outputs and
+    operands it stores/loads (``store_dtypes`` / ``load_dtypes``) and, through
+    ``fake_extras()``, the extra tensors and scalars it takes."""
+
     config: GemmConfig
     ab_dtype: torch.dtype
-    d_dtype: torch.dtype
-    visitor: Any = IdentityVisitor()
+    visitor: Any = AccStore()
     num_sms: int = 132
     dsl: str = attrs.field(factory=dsl_version)
 
@@ -42,15 +45,21 @@ def _fake_args(key: GemmKernelKey):
     from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
 
     ab = dtypes.to_cutlass(key.ab_dtype)
-    d = dtypes.to_cutlass(key.d_dtype)
     m = cute.sym_int32()
     n = cute.sym_int32(divisibility=8)
     k = cute.sym_int32(divisibility=8)
     row_major = {"stride_order": (1, 0), "assumed_align": 16}
+
+    def tile(dtype):
+        return make_fake_compact_tensor(dtypes.to_cutlass(dtype), (m, n), **row_major)
+
+    extras = key.visitor.fake_extras(m, n) if hasattr(key.visitor, "fake_extras") else ()
     return (
         make_fake_compact_tensor(ab, (m, k), **row_major),
         make_fake_compact_tensor(ab, (n, k), **row_major),
-        make_fake_compact_tensor(d, (m, n), **row_major),
+        tuple(tile(d) for d in key.visitor.store_dtypes),
+        tuple(tile(d) for d in key.visitor.load_dtypes),
+        extras,
         make_fake_stream(),
     )
 
@@ -62,7 +71,6 @@ def _kernel_object(key: GemmKernelKey):
     return PingPongGemm(
         key.config,
         dtypes.to_cutlass(key.ab_dtype),
-        dtypes.to_cutlass(key.d_dtype),
         visitor=key.visitor,
         num_sms=key.num_sms,
     )
@@ -114,6 +122,21 @@ def current_stream(device: torch.device):
     return cuda.CUstream(torch.cuda.current_stream(device).cuda_stream)
 
 
-def launch(key: GemmKernelKey, a: torch.Tensor, b: torch.Tensor, d: torch.Tensor) -> None:
+def launch(
+    key: GemmKernelKey,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    stores: tuple[torch.Tensor, ...],
+    loads: tuple[torch.Tensor, ...] = (),
+    extras: tuple = (),
+) -> None:
+    """Run the kernel for ``key``; ``extras`` are already CuTeDSL values (see the visitor)."""
     fn = get_kernel(key)
-    fn(as_cute_tensor(a), as_cute_tensor(b), as_cute_tensor(d), current_stream(a.device))
+    fn(
+        as_cute_tensor(a),
+        as_cute_tensor(b),
+        tuple(as_cute_tensor(t) for t in stores),
+        tuple(as_cute_tensor(t) for t in loads),
+        extras,
+        current_stream(a.device),
+    )

@@ -67,7 +67,11 @@ class Composer:
     ``fresh(prefix)`` for new names; the composer adds what they return.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, fusable: bool = False) -> None:
+        #: restrict draws to what the fused kernel traces today (width-1 values, row
+        #: reductions, no width-changing pairs): see ``coda.runtime.fused.unsupported``
+        self.fusable = fusable
+        self.widths: tuple[Fraction, ...] = (Fraction(1),) if fusable else WIDTHS
         self.epilogue = Epilogue()
         self._count = 0
         self.target_dtype: torch.dtype | None = None
@@ -126,14 +130,14 @@ _dtypes = st.sampled_from(FLOAT_DTYPES)
 
 
 def tile_load(draw: DrawFn, c: Composer) -> Primitive:
-    width = draw(st.sampled_from(WIDTHS))
+    width = draw(st.sampled_from(c.widths))
     return TileLoad(c.fresh("t"), draw(_dtypes), width)
 
 
 def vec_load(draw: DrawFn, c: Composer) -> Primitive:
     if draw(st.booleans()):
         return VecLoad(c.fresh("r"), "row", draw(_dtypes))
-    return VecLoad(c.fresh("g"), "col", draw(_dtypes), draw(st.sampled_from(WIDTHS)))
+    return VecLoad(c.fresh("g"), "col", draw(_dtypes), draw(st.sampled_from(c.widths)))
 
 
 def scalar_load(draw: DrawFn, c: Composer) -> Primitive:
@@ -162,6 +166,8 @@ def nary(draw: DrawFn, c: Composer) -> Primitive:
 
 
 def pair_reduce(draw: DrawFn, c: Composer) -> Primitive | None:
+    if c.fusable:
+        return None
     a = c.pick(draw, ("tile",), (Fraction(1), Fraction(2)))
     if a is None:
         return None
@@ -178,7 +184,7 @@ def pair_reduce(draw: DrawFn, c: Composer) -> Primitive | None:
 def pair_map(draw: DrawFn, c: Composer) -> Primitive:
     a = c.pick(draw)
     w = c.values[a].width
-    arity = draw(st.sampled_from((2, 3, 4)))
+    arity = draw(st.sampled_from((2,) if c.fusable else (2, 3, 4)))
     half = ("tile", "col", "row", "scalar")
     if arity == 3:
         angle = c.pick(draw, half, (w / 2,))
@@ -206,7 +212,7 @@ def broadcast(draw: DrawFn, c: Composer) -> list[Primitive]:
     rstd, a scale), or a new row vector combined with a new col vector (outer)."""
     kind = draw(st.sampled_from(("row", "col", "scalar", "outer")))
     if kind == "outer":
-        w = draw(st.sampled_from(WIDTHS))
+        w = draw(st.sampled_from(c.widths))
         loads = [_new_vector(draw, c, "row", w), _new_vector(draw, c, "col", w)]
     else:
         a = c.pick(draw)
@@ -250,7 +256,7 @@ def observe(draw: DrawFn, c: Composer, value: str) -> Primitive:
         op = draw(st.sampled_from(("sum", "sumsq", "max")))
         posts = {"sum": (None, _post_mean), "sumsq": (None, _post_mean, _post_rstd), "max": (None,)}
         post = draw(st.sampled_from(posts[op]))
-        per = draw(st.sampled_from(("row", "col")))
+        per = draw(st.sampled_from(("row",) if c.fusable else ("row", "col")))
         return TileReduce(c.fresh("red"), value, op, per, post)
     if choice == "lse":
         return LogSumExp(c.fresh("lse"), value)
@@ -294,9 +300,11 @@ def epilogues(
     max_steps: int = 6,
     builtins: Sequence[Factory] = BUILTIN_FACTORIES,
     require_extra: bool | None = None,
+    fusable: bool = False,
 ) -> Epilogue:
-    """Random valid epilogues (see the module doc)."""
-    c = Composer()
+    """Random valid epilogues (see the module doc). ``fusable=True`` draws only what the
+    fused GPU kernel supports today."""
+    c = Composer(fusable)
     factories = tuple(builtins) + tuple(extra)
     used_extra = False
     for _ in range(draw(st.integers(1, max_steps))):

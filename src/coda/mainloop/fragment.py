@@ -1,0 +1,106 @@
+"""Geometry of one warpgroup's epilogue fragment, and the reductions built on it (CuTeDSL).
+
+Sits under ``coda.mainloop``; used by the epilogue driver and by primitives' ``trace``.
+A subtile of ``epi_m x epi_n`` (64 x 32) is held by the 128 threads of a consumer
+warpgroup in the WGMMA accumulator layout: thread t of warp w holds rows
+``16 w + t // 4 + {0, 8}`` and columns ``2 (t % 4) + {0, 1} + 8 j``. The fragment's
+element order is fixed at trace time; this module derives, statically, each element's
+(row, column) offset from the thread's base, and checks the lane structure the shuffles
+below rely on (a different layout raises instead of silently reducing wrong values).
+
+* row reductions (over columns): thread-local over the elements of a row, then a
+  butterfly over the 4 lanes of a quad (lanes that share rows);
+* column reductions (over rows): thread-local over the elements of a column, then a
+  butterfly over the 8 lane groups (lanes that share columns); the result covers the 16
+  rows of one warp, and the 4 warps are combined through shared memory by the caller.
+"""
+
+from __future__ import annotations
+
+from ..runtime.cute_env import ensure_arch
+
+ensure_arch()
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32
+
+#: Lane-offset structure of the WGMMA accumulator: (lane delta) -> (row delta, col delta)
+_LANE_STEPS = {1: (0, 2), 4: (1, 0), 32: (16, 0)}
+
+
+def _static_coords(thr_copy_for, epi_tile, thread: int):
+    part = thr_copy_for(thread).partition_S(cute.make_identity_tensor(epi_tile))
+    return [tuple(int(v) for v in part[i]) for i in range(cute.size(part))]
+
+
+class Fragment:
+    """Static element geometry of a subtile fragment held by one warpgroup.
+
+    ``offsets[i]`` is (row, col) of element i relative to the thread's first element;
+    ``rows`` / ``cols`` list the distinct row / column offsets; ``n`` the element count.
+    """
+
+    def __init__(self, tiled_copy, epi_tile):
+        c0 = _static_coords(tiled_copy.get_slice, epi_tile, 0)
+        r0, k0 = c0[0]
+        self.offsets = [(r - r0, c - k0) for r, c in c0]
+        self.n = len(self.offsets)
+        self.rows = sorted({r for r, _ in self.offsets})
+        self.cols = sorted({c for _, c in self.offsets})
+        for lane, (dr, dc) in _LANE_STEPS.items():
+            cl = _static_coords(tiled_copy.get_slice, epi_tile, lane)
+            moved = [(r - r0 - dr, c - k0 - dc) for r, c in cl]
+            if moved != [(r, c) for r, c in self.offsets]:
+                raise NotImplementedError(
+                    f"epilogue fragment layout is not the WGMMA accumulator layout coda's "
+                    f"reductions assume (lane {lane} is not offset by {(dr, dc)})"
+                )
+
+    def row_members(self, row: int) -> list[int]:
+        return [i for i, (r, _) in enumerate(self.offsets) if r == row]
+
+    def col_members(self, col: int) -> list[int]:
+        return [i for i, (_, c) in enumerate(self.offsets) if c == col]
+
+    def pair_partner(self, i: int) -> int:
+        """Index of the element in the other column of i's (even, odd) column pair."""
+        r, c = self.offsets[i]
+        partner = (r, c ^ 1)
+        return self.offsets.index(partner)
+
+
+def combine(op: str, a, b):
+    """Binary combine of two fp32 DSL scalars for a reduction op."""
+    if op == "max":
+        return cute.arch.fmax(a, b)
+    return a + b
+
+
+def identity(op: str) -> Float32:
+    return Float32(-float("inf")) if op == "max" else Float32(0.0)
+
+
+def quad_allreduce(op: str, v):
+    """Reduce over the 4 lanes of a quad (lanes sharing rows); every lane gets the result."""
+    for off in (1, 2):
+        v = combine(op, v, cute.arch.shuffle_sync_bfly(v, offset=off))
+    return v
+
+
+def column_allreduce(op: str, v):
+    """Reduce over the 8 lanes sharing columns within a warp (lane // 4 varies)."""
+    for off in (4, 8, 16):
+        v = combine(op, v, cute.arch.shuffle_sync_bfly(v, offset=off))
+    return v
+
+
+@cute.jit
+def masked(frag_vals, coords, shape_mn, fill: cutlass.Constexpr[float]):
+    """Copy of an fp32 register tensor with out-of-bounds elements set to ``fill``."""
+    out = cute.make_rmem_tensor(frag_vals.layout, Float32)
+    for i in cutlass.range_constexpr(cute.size(frag_vals)):
+        r, c = coords[i]
+        inb = (r < shape_mn[0]) & (c < shape_mn[1])
+        out[i] = frag_vals[i] if inb else Float32(fill)
+    return out

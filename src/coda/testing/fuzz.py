@@ -1,0 +1,200 @@
+"""GPU fuzzer: random fusable compositions run fused on the GPU against eager references.
+
+    python -m coda.testing.fuzz --examples 300 [--seed 0] [--workers 8] [--out fuzz.json]
+
+Sits in ``coda.testing``; the same property the CPU suite checks, on the real kernel.
+Each example draws an epilogue (``epilogues(fusable=True)``), a ragged problem size and
+inputs, runs ``epi(A, B, **tensors)`` with every output pre-filled with NaN (an element
+the kernel never writes stays NaN), and compares each output with:
+
+* ``truth``: ``epi.reference`` with a float64 accumulator (float64 GEMM);
+* ``eager``: ``epi.reference`` with the GEMM output rounded to the operand dtype, i.e.
+  what unfused eager PyTorch computes (a bf16 ``A @ B.T`` followed by the epilogue).
+
+An output fails when ``err(coda) > 2 * err(eager) + atol`` (errors relative to
+``max(|truth|, 1)``, atol 1e-3), or holds NaN/inf where the truth is finite. Examples are
+drawn from one seeded hypothesis run; ``--workers`` processes split them (each compiles
+its own kernels) and the parent merges their JSON into one summary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+import torch
+
+ATOL = 1e-3
+
+
+def _rel_err(x: torch.Tensor, truth: torch.Tensor) -> float:
+    scale = max(truth.double().abs().max().item() if truth.numel() else 0.0, 1.0)
+    return (x.double() - truth.double()).abs().max().item() / scale if x.numel() else 0.0
+
+
+def check_example(epi, A, B, tensors, config=None) -> dict[str, Any]:
+    """Run one composition fused and compare it; returns a JSON-able record."""
+    from ..mainloop.config import choose_epilogue_config
+    from ..runtime.epilogue_kernels import run
+
+    outputs = {}
+    m, n, k = A.shape[0], B.shape[0], A.shape[1]
+    cfg = config or choose_epilogue_config(m, n, k)
+    cfg_tile = (cfg.tile_m, cfg.tile_n)
+    for spec in epi.outputs:
+        if spec.role == "tile" or spec.is_partials:
+            outputs[spec.name] = torch.full(
+                spec.shape(m, n, cfg_tile), float("nan"), dtype=spec.dtype, device=A.device
+            )
+    got = run(epi, A, B, tensors, config=cfg, outputs=outputs)
+    torch.cuda.synchronize()
+    truth = epi.reference(A, B, tile=cfg_tile, acc=A.double() @ B.double().T, **tensors)
+    eager = epi.reference(A, B, tile=cfg_tile, acc=(A @ B.T).float(), **tensors)
+    record: dict[str, Any] = {"outputs": {}, "failed": False}
+    for name, t in truth.items():
+        g = got[name]
+        bad = (~torch.isfinite(g.double())) & torch.isfinite(t.double())
+        e_coda, e_eager = _rel_err(g, t), _rel_err(eager[name], t)
+        ok = not bad.any().item() and e_coda <= 2 * e_eager + ATOL
+        record["outputs"][name] = {
+            "err": e_coda,
+            "eager_err": e_eager,
+            "ok": ok,
+            "nonfinite": int(bad.sum().item()),
+        }
+        record["failed"] |= not ok
+    return record
+
+
+def _draw_and_run(seed: int, examples: int, worker: int, workers: int, out_path: str) -> None:
+    from hypothesis import HealthCheck, Phase, given, settings
+    from hypothesis import seed as hseed
+    from hypothesis import strategies as st
+
+    from .strategies import epilogues, make_inputs
+
+    records: list[dict[str, Any]] = []
+    counter = {"i": 0}
+
+    @hseed(seed)
+    @settings(
+        max_examples=examples,
+        phases=[Phase.generate],
+        database=None,
+        deadline=None,
+        suppress_health_check=list(HealthCheck),
+    )
+    @given(st.data())
+    def body(data):
+        i = counter["i"]
+        counter["i"] += 1
+        epi = data.draw(epilogues(fusable=True))
+        m = data.draw(st.integers(1, 700))
+        n = 8 * data.draw(st.integers(1, 100))
+        k = 8 * data.draw(st.integers(1, 48))
+        dtype = data.draw(st.sampled_from((torch.bfloat16, torch.float16)))
+        ex_seed = data.draw(st.integers(0, 2**31 - 1))
+        if i % workers != worker:
+            return
+        A, B, tensors = make_inputs(epi, m, n, k, dtype, ex_seed)
+        A, B = A.cuda(), B.cuda()
+        tensors = {
+            k_: (v.cuda() if isinstance(v, torch.Tensor) else v) for k_, v in tensors.items()
+        }
+        rec = {
+            "index": i,
+            "M": m,
+            "N": n,
+            "K": k,
+            "dtype": str(dtype),
+            "seed": ex_seed,
+            "epilogue": epi.describe(),
+        }
+        t0 = time.time()
+        try:
+            rec.update(check_example(epi, A, B, tensors))
+        except Exception as e:  # a crash is a failure, recorded with its message
+            rec.update({"failed": True, "error": f"{type(e).__name__}: {e}"[:2000]})
+        rec["seconds"] = time.time() - t0
+        records.append(rec)
+
+    body()
+    with open(out_path, "w") as f:
+        json.dump(records, f)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--examples", type=int, default=300)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--workers", type=int, default=1)
+    p.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--part", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--out", default="fuzz.json")
+    args = p.parse_args(argv)
+    if args.worker is not None:
+        _draw_and_run(args.seed, args.examples, args.worker, args.workers, args.part)
+        return 0
+    t0 = time.time()
+    with tempfile.TemporaryDirectory() as tmp:
+        procs = []
+        for w in range(args.workers):
+            part = os.path.join(tmp, f"part{w}.json")
+            cmd = [
+                sys.executable,
+                "-m",
+                "coda.testing.fuzz",
+                "--examples",
+                str(args.examples),
+                "--seed",
+                str(args.seed),
+                "--workers",
+                str(args.workers),
+                "--worker",
+                str(w),
+                "--part",
+                part,
+            ]
+            procs.append((subprocess.Popen(cmd), part))
+        records = []
+        for proc, part in procs:
+            proc.wait()
+            if os.path.exists(part):
+                with open(part) as f:
+                    records += json.load(f)
+    records.sort(key=lambda r: r["index"])
+    failures = [r for r in records if r.get("failed")]
+    import cutlass
+
+    summary = {
+        "examples": len(records),
+        "failures": len(failures),
+        "seed": args.seed,
+        "command": " ".join(["python -m coda.testing.fuzz", *(argv or sys.argv[1:])]),
+        "versions": {
+            "torch": torch.__version__,
+            "nvidia-cutlass-dsl": cutlass.__version__,
+            "device": torch.cuda.get_device_name(0),
+        },
+        "seconds": time.time() - t0,
+        "failed_examples": failures[:20],
+    }
+    with open(args.out, "w") as f:
+        json.dump(summary, f, indent=1)
+    print(
+        f"fuzz: {len(records)} examples, {len(failures)} failures, seed {args.seed}, "
+        f"{summary['seconds']:.0f} s -> {args.out}"
+    )
+    for r in failures[:5]:
+        print(json.dumps(r, indent=1)[:3000])
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
