@@ -1,22 +1,77 @@
 """coda.primitives.math: backend-polymorphic math for ``Elementwise`` functions.
 
 An ``Elementwise`` ``fn`` runs on fp32 ``torch.Tensor`` blocks in ``Epilogue.reference`` and
-in the tile simulator, and (in a later issue) on CuTeDSL ``TensorSSA`` register fragments
-when traced into the fused kernel. Write ``fn`` with the operators ``+ - * /`` (which both
-backends overload), comparisons, and the functions of this module, never ``torch.*``
-directly, and the same ``fn`` will serve both::
+in the tile simulator, and on CuTeDSL register values when traced into the fused kernel.
+Write ``fn`` with the operators ``+ - * /`` (which both backends overload), comparisons, and
+the functions of this module, never ``torch.*`` or ``cute.*`` directly, and the same ``fn``
+will serve both::
 
     from coda.primitives import math as cm
     fn = lambda g, u: cm.silu(g) * u
 
-Each function dispatches on its tensor arguments: ``torch.Tensor`` -> the torch op (dtype
-preserved, so tests can also evaluate ``fn`` in float64). Python numbers are accepted next
-to a tensor. Any other type raises ``TypeError``; the CuTeDSL branch arrives with ``trace``.
+Each function dispatches on its arguments:
+
+* ``torch.Tensor`` -> the torch op (dtype preserved, so tests can also evaluate ``fn`` in
+  float64). Python numbers are accepted next to a tensor.
+* CuTeDSL values (any type from the ``cutlass`` package: ``cute.TensorSSA`` register
+  fragments, the kind the fused epilogue passes, and scalar DSL numerics such as
+  ``cutlass.Float32``), with Python numbers next to them -> CuTeDSL ops emitted at kernel
+  trace time. A scalar next to a ``TensorSSA`` is broadcast to the fragment's shape; Python
+  numbers take the dtype of the DSL values (``Float32`` when only scalars meet).
+  ``cutlass`` is imported lazily, on the first CuTeDSL call, never at module import.
+* Anything else (or only Python numbers, or torch mixed with CuTeDSL) raises ``TypeError``.
+
+CuTeDSL lowering and accuracy (fp32). Every transcendental uses the *accurate* MLIR
+``math`` op (``cute.math.*`` with ``fastmath=False``), which NVVM lowers to libdevice's fp32
+routines (``__nv_expf``, ``__nv_tanhf``, ...). The PTX ``.approx`` hardware intrinsics
+appear only where libdevice uses them inside an accurate routine (``ex2.approx`` after an
+exact two-constant range reduction in exp, ``rcp.approx`` inside tanh) or are accurate on
+their own (``ex2.approx.f32`` for exp2, ``rsqrt.approx.f32``: <= 2 ulp). The fast variants
+were rejected: ``tanh.approx.f32`` has a relative error of ~2^-11; ``sin/cos.approx.f32``
+an absolute error of ~2^-20 on [-pi, pi] only, useless for RoPE-sized angles;
+``exp(x)`` as ``ex2.approx(x * log2 e)`` loses ~|x| ulp in the product (~7e-6 relative at
+|x| = 80); ``lg2.approx`` has an absolute, not relative, error bound (bad near x = 1).
+
+Max error measured on an H200 against float64 (``tests/test_math_cute_gpu.py`` cases, 1M
+inputs incl. edge values; ulp of the exact result where it exceeds 1e-3, 0.5 = correctly
+rounded); torch's own CUDA fp32 kernels measured the same on every function:
+
+=====================  =============================================================  ========
+function               CuTeDSL implementation                                         ulp
+=====================  =============================================================  ========
+exp, exp2              ``cute.math.exp / exp2`` (libdevice; ``ex2.approx`` core)      1.9
+log, log2, log1p       ``cute.math.log / log2 / log1p`` (libdevice polynomials)       0.9
+sqrt, rsqrt            ``cute.math.sqrt`` (``sqrt.rn.f32``), ``cute.math.rsqrt``      0.5, 1.5
+                       (``rsqrt.approx.f32``)
+tanh, erf              ``cute.math.tanh / erf`` (libdevice)                           1.8
+sin, cos               ``cute.math.sin / cos`` (libdevice, Payne-Hanek reduction      1.5
+                       above 105615; ptxas kept its small PTX local array in
+                       registers in a test kernel: no LDL/STL in SASS)
+sigmoid                ``1 / (1 + exp(-x))`` (IEEE ``rcp.rn.f32``)                    2.8
+silu                   ``x / (1 + exp(-x))`` (torch's formula, IEEE ``div.rn.f32``;   2.9
+                       silu(-inf) = nan as in torch)
+softplus               ``where(x > 20, x, log1p(exp(x)))`` (torch's beta=1,           2.6
+                       threshold=20)
+gelu_tanh              ``0.5 x (1 + tanh(k (x + 0.044715 x^3)))``, k = sqrt(2/pi),   (*)
+                       in torch's evaluation order
+abs                    ``cute.math.abs`` (``abs.f32``)                                exact
+relu, maximum,         ``cute.math.max / min(..., propagate_nan=True)`` (NaN          exact
+minimum, clamp         propagates as in torch); clamp = min(max(x, lo), hi), so
+                       lo > hi gives hi as in torch
+where                  ``cute.where`` (``arith.select``) on fragments, ``select`` on  exact
+                       scalars
+=====================  =============================================================  ========
+
+(*) gelu_tanh: <= 4.4e-7 absolute; relative error grows for x < -3, where 1 + tanh(...)
+cancels (torch's fp32 kernel: the same). Signed zeros may differ from torch (relu(-0.0) is
+not guaranteed to match); NaN and +-inf follow torch.
 """
 
 from __future__ import annotations
 
+import math as _pymath
 import numbers
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -46,27 +101,53 @@ __all__ = [
     "where",
 ]
 
+_TORCH = "torch"
+_CUTE = "cute"
 
-def _tensor_arg(fname: str, args: tuple[Any, ...]) -> torch.Tensor:
-    """The first torch.Tensor among args (the dispatch key); TypeError for foreign types."""
-    first = None
+#: torch's softplus threshold (beta = 1): above it, softplus(x) = x.
+_SOFTPLUS_THRESHOLD = 20.0
+#: sqrt(2 / pi) and the cubic coefficient of the tanh-approximated GELU.
+_GELU_BETA = _pymath.sqrt(2.0 / _pymath.pi)
+_GELU_KAPPA = 0.044715
+
+
+def _is_cute_value(x: Any) -> bool:
+    """A CuTeDSL value (TensorSSA, Float32, Boolean, ...), detected without importing
+    cutlass: every DSL value type lives in the ``cutlass`` package."""
+    return type(x).__module__.split(".", 1)[0] == "cutlass"
+
+
+def _backend(fname: str, args: tuple[Any, ...]) -> str:
+    """Which backend ``args`` select: "torch" or "cute"; TypeError for foreign types."""
+    has_torch = has_cute = False
     for a in args:
         if isinstance(a, torch.Tensor):
-            if first is None:
-                first = a
+            has_torch = True
+        elif _is_cute_value(a):
+            has_cute = True
         elif not isinstance(a, numbers.Real):
             raise TypeError(
                 f"coda.primitives.math.{fname}: unsupported argument type "
-                f"{type(a).__module__}.{type(a).__qualname__}; supported today: torch.Tensor "
-                "(reference and tile simulator) and Python numbers. The CuTeDSL (TensorSSA) "
-                "backend arrives with Primitive.trace in a later issue."
+                f"{type(a).__module__}.{type(a).__qualname__}; supported: torch.Tensor "
+                "(reference and tile simulator), CuTeDSL values (cute.TensorSSA fragments "
+                "and scalar numerics such as cutlass.Float32, at kernel trace time) and "
+                "Python numbers next to either."
             )
-    if first is None:
+    if has_torch and has_cute:
         raise TypeError(
-            f"coda.primitives.math.{fname}: needs at least one torch.Tensor argument "
-            f"(got only Python numbers: {args!r}); use the math module for constants"
+            f"coda.primitives.math.{fname}: cannot mix torch.Tensor and CuTeDSL arguments "
+            f"(got {', '.join(type(a).__qualname__ for a in args)})"
         )
-    return first
+    if not (has_torch or has_cute):
+        raise TypeError(
+            f"coda.primitives.math.{fname}: needs at least one torch.Tensor or CuTeDSL "
+            f"argument (got only Python numbers: {args!r}); use the math module for constants"
+        )
+    return _TORCH if has_torch else _CUTE
+
+
+def _first_tensor(args: tuple[Any, ...]) -> torch.Tensor:
+    return next(a for a in args if isinstance(a, torch.Tensor))
 
 
 def _as_tensor(x: Any, like: torch.Tensor) -> torch.Tensor:
@@ -75,62 +156,202 @@ def _as_tensor(x: Any, like: torch.Tensor) -> torch.Tensor:
     return torch.as_tensor(x, dtype=like.dtype, device=like.device)
 
 
-def _unary(fname: str, op: Any, doc: str) -> Any:
+# ---- CuTeDSL backend (cutlass imported lazily) -----------------------------------------
+
+
+def _cute() -> Any:
+    """The ``cutlass.cute`` module (imported on first use; callers are tracing a kernel, so
+    cutlass is already imported and CUTE_DSL_ARCH already chosen)."""
+    import cutlass.cute as cute
+
+    return cute
+
+
+def _cute_promote(fname: str, args: tuple[Any, ...]) -> list[Any]:
+    """Bring DSL values and Python numbers to one kind: all ``TensorSSA`` of one shape and
+    dtype if any argument is a ``TensorSSA`` (scalars broadcast, fragments broadcast by
+    CuTe's rules), else all scalar numerics of one dtype (the first float DSL scalar's,
+    ``Float32`` if none)."""
+    import cutlass
+
+    cute = _cute()
+    tensors = [a for a in args if isinstance(a, cute.TensorSSA)]
+    if tensors:
+        dtype = next((t.dtype for t in tensors if t.dtype.is_float), tensors[0].dtype)
+        shape = tensors[0].shape
+        if any(t.shape != shape for t in tensors[1:]):
+            from cutlass.cute.tensor import _infer_broadcast_shape  # pinned DSL version
+
+            shape = _infer_broadcast_shape(*(t.shape for t in tensors))
+        out = []
+        for a in args:
+            if isinstance(a, cute.TensorSSA):
+                if a.shape != shape:
+                    a = a.broadcast_to(shape)
+                out.append(a if a.dtype is dtype else a.to(dtype))
+            else:
+                out.append(cute.full(shape, _cute_scalar(fname, a, dtype), dtype))
+        return out
+    dtype = next(
+        (type(a) for a in args if isinstance(a, cutlass.Numeric) and type(a).is_float),
+        cutlass.Float32,
+    )
+    return [_cute_scalar(fname, a, dtype) for a in args]
+
+
+def _cute_scalar(fname: str, a: Any, dtype: Any) -> Any:
+    """A Python number or DSL scalar as a scalar numeric of ``dtype``."""
+    import cutlass
+
+    if isinstance(a, cutlass.Numeric):
+        return a if type(a) is dtype else a.to(dtype)
+    if isinstance(a, numbers.Real):
+        return dtype(float(a)) if dtype.is_float else dtype(a)
+    raise TypeError(
+        f"coda.primitives.math.{fname}: unsupported CuTeDSL argument type "
+        f"{type(a).__module__}.{type(a).__qualname__}; expected cute.TensorSSA, a cutlass "
+        "numeric scalar (e.g. cutlass.Float32) or a Python number"
+    )
+
+
+def _cute_unary_arg(fname: str, x: Any) -> Any:
+    """``x`` itself if it is a value CuTeDSL math takes (``TensorSSA`` or a numeric scalar)."""
+    import cutlass
+
+    cute = _cute()
+    if isinstance(x, (cute.TensorSSA, cutlass.Numeric)):
+        return x
+    hint = " (load() a cute.Tensor into a TensorSSA first)" if isinstance(x, cute.Tensor) else ""
+    raise TypeError(
+        f"coda.primitives.math.{fname}: unsupported CuTeDSL argument type "
+        f"{type(x).__module__}.{type(x).__qualname__}; expected cute.TensorSSA or a cutlass "
+        f"numeric scalar (e.g. cutlass.Float32){hint}"
+    )
+
+
+def _cute_max(a: Any, b: Any, fname: str = "maximum") -> Any:
+    a, b = _cute_promote(fname, (a, b))
+    return _cute().math.max(a, b, propagate_nan=True)
+
+
+def _cute_min(a: Any, b: Any, fname: str = "minimum") -> Any:
+    a, b = _cute_promote(fname, (a, b))
+    return _cute().math.min(a, b, propagate_nan=True)
+
+
+def _cute_where(cond: Any, a: Any, b: Any) -> Any:
+    import cutlass
+
+    cute = _cute()
+    if isinstance(cond, numbers.Real):  # a static condition picks a branch at trace time
+        return _cute_promote("where", (a, b))[0 if cond else 1]
+    a, b = _cute_promote("where", (a, b))  # two fragments of one shape, or two scalars
+    if isinstance(a, cute.TensorSSA) or isinstance(cond, cute.TensorSSA):
+        if not isinstance(cond, cute.TensorSSA):
+            cond = cute.full(a.shape, cond, cutlass.Boolean)
+        if not isinstance(a, cute.TensorSSA):
+            a = cute.full(cond.shape, a, type(a))
+            b = cute.full(cond.shape, b, type(b))
+        return cute.where(cond, a, b)  # broadcasts cond against a and b
+    return type(a)(cutlass.select_(cond, a, b))
+
+
+def _cute_sigmoid(x: Any) -> Any:
+    return 1.0 / (1.0 + _cute().math.exp(-x))
+
+
+def _cute_silu(x: Any) -> Any:
+    return x / (1.0 + _cute().math.exp(-x))
+
+
+def _cute_softplus(x: Any) -> Any:
+    cm = _cute().math
+    return _cute_where(x > _SOFTPLUS_THRESHOLD, x, cm.log1p(cm.exp(x)))
+
+
+def _cute_gelu_tanh(x: Any) -> Any:
+    inner = _GELU_BETA * (x + _GELU_KAPPA * (x * x * x))
+    return 0.5 * x * (1.0 + _cute().math.tanh(inner))
+
+
+def _cute_math(name: str) -> Callable[[Any], Any]:
+    def op(x: Any) -> Any:
+        return getattr(_cute().math, name)(x)
+
+    return op
+
+
+# ---- the public functions --------------------------------------------------------------
+
+
+def _unary(fname: str, torch_op: Any, cute_op: Callable[[Any], Any], doc: str) -> Any:
     def fn(x: Any) -> Any:
-        _tensor_arg(fname, (x,))
-        return op(x)
+        if _backend(fname, (x,)) == _TORCH:
+            return torch_op(x)
+        return cute_op(_cute_unary_arg(fname, x))
 
     fn.__name__ = fn.__qualname__ = fname
     fn.__doc__ = doc
     return fn
 
 
-exp = _unary("exp", torch.exp, "e**x")
-exp2 = _unary("exp2", torch.exp2, "2**x")
-log = _unary("log", torch.log, "natural logarithm")
-log2 = _unary("log2", torch.log2, "base-2 logarithm")
-log1p = _unary("log1p", torch.log1p, "log(1 + x), accurate near 0")
-sqrt = _unary("sqrt", torch.sqrt, "square root")
-rsqrt = _unary("rsqrt", torch.rsqrt, "1 / sqrt(x)")
-sigmoid = _unary("sigmoid", torch.sigmoid, "1 / (1 + exp(-x))")
-silu = _unary("silu", F.silu, "x * sigmoid(x) (a.k.a. swish)")
-tanh = _unary("tanh", torch.tanh, "hyperbolic tangent")
-relu = _unary("relu", torch.relu, "max(x, 0)")
-softplus = _unary("softplus", F.softplus, "log(1 + exp(x))")
-erf = _unary("erf", torch.erf, "the error function")
-cos = _unary("cos", torch.cos, "cosine (radians)")
-sin = _unary("sin", torch.sin, "sine (radians)")
-abs = _unary("abs", torch.abs, "absolute value")  # noqa: A001 (mirrors torch/numpy naming)
+exp = _unary("exp", torch.exp, _cute_math("exp"), "e**x")
+exp2 = _unary("exp2", torch.exp2, _cute_math("exp2"), "2**x")
+log = _unary("log", torch.log, _cute_math("log"), "natural logarithm")
+log2 = _unary("log2", torch.log2, _cute_math("log2"), "base-2 logarithm")
+log1p = _unary("log1p", torch.log1p, _cute_math("log1p"), "log(1 + x), accurate near 0")
+sqrt = _unary("sqrt", torch.sqrt, _cute_math("sqrt"), "square root")
+rsqrt = _unary("rsqrt", torch.rsqrt, _cute_math("rsqrt"), "1 / sqrt(x)")
+sigmoid = _unary("sigmoid", torch.sigmoid, _cute_sigmoid, "1 / (1 + exp(-x))")
+silu = _unary("silu", F.silu, _cute_silu, "x * sigmoid(x) (a.k.a. swish)")
+tanh = _unary("tanh", torch.tanh, _cute_math("tanh"), "hyperbolic tangent")
+relu = _unary("relu", torch.relu, lambda x: _cute_max(x, 0.0, "relu"), "max(x, 0)")
+softplus = _unary(
+    "softplus", F.softplus, _cute_softplus, "log(1 + exp(x)); x itself where x > 20 (torch's)"
+)
+erf = _unary("erf", torch.erf, _cute_math("erf"), "the error function")
+cos = _unary("cos", torch.cos, _cute_math("cos"), "cosine (radians)")
+sin = _unary("sin", torch.sin, _cute_math("sin"), "sine (radians)")
+# `abs` shadows the builtin on purpose (mirrors torch/numpy naming)
+abs = _unary("abs", torch.abs, _cute_math("abs"), "absolute value")  # noqa: A001
 
 
 def gelu_tanh(x: Any) -> Any:
     """GELU, tanh approximation: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))."""
-    _tensor_arg("gelu_tanh", (x,))
-    return F.gelu(x, approximate="tanh")
+    if _backend("gelu_tanh", (x,)) == _TORCH:
+        return F.gelu(x, approximate="tanh")
+    return _cute_gelu_tanh(_cute_unary_arg("gelu_tanh", x))
 
 
 def maximum(a: Any, b: Any) -> Any:
-    """Elementwise max(a, b); either may be a Python number."""
-    t = _tensor_arg("maximum", (a, b))
-    return torch.maximum(_as_tensor(a, t), _as_tensor(b, t))
+    """Elementwise max(a, b); either may be a Python number. NaN propagates."""
+    if _backend("maximum", (a, b)) == _TORCH:
+        t = _first_tensor((a, b))
+        return torch.maximum(_as_tensor(a, t), _as_tensor(b, t))
+    return _cute_max(a, b)
 
 
 def minimum(a: Any, b: Any) -> Any:
-    """Elementwise min(a, b); either may be a Python number."""
-    t = _tensor_arg("minimum", (a, b))
-    return torch.minimum(_as_tensor(a, t), _as_tensor(b, t))
+    """Elementwise min(a, b); either may be a Python number. NaN propagates."""
+    if _backend("minimum", (a, b)) == _TORCH:
+        t = _first_tensor((a, b))
+        return torch.minimum(_as_tensor(a, t), _as_tensor(b, t))
+    return _cute_min(a, b)
 
 
 def clamp(x: Any, lo: float, hi: float) -> Any:
-    """min(max(x, lo), hi) with constant bounds."""
-    _tensor_arg("clamp", (x, lo, hi))
-    return torch.clamp(x, lo, hi)
+    """min(max(x, lo), hi) with constant bounds (hi wins if lo > hi)."""
+    if _backend("clamp", (x, lo, hi)) == _TORCH:
+        return torch.clamp(x, lo, hi)
+    return _cute_min(_cute_max(x, lo, "clamp"), hi, "clamp")
 
 
 def where(cond: Any, a: Any, b: Any) -> Any:
     """``a`` where ``cond`` else ``b`` (cond: a boolean tensor, e.g. ``x > 0``)."""
-    t = _tensor_arg("where", (cond, a, b))
-    like = a if isinstance(a, torch.Tensor) else b if isinstance(b, torch.Tensor) else None
-    if like is None:
-        like = torch.empty((), dtype=torch.float32, device=t.device)
-    return torch.where(cond, _as_tensor(a, like), _as_tensor(b, like))
+    if _backend("where", (cond, a, b)) == _TORCH:
+        t = _first_tensor((cond, a, b))
+        like = a if isinstance(a, torch.Tensor) else b if isinstance(b, torch.Tensor) else None
+        if like is None:
+            like = torch.empty((), dtype=torch.float32, device=t.device)
+        return torch.where(cond, _as_tensor(a, like), _as_tensor(b, like))
+    return _cute_where(cond, a, b)
