@@ -18,7 +18,7 @@ import torch
 
 from ..mainloop.config import GemmConfig
 from ..mainloop.visitor import AccStore
-from . import dtypes
+from . import disk_cache, dtypes
 from .cute_env import dsl_version, ensure_arch
 
 
@@ -89,14 +89,36 @@ def compile_kernel(key: GemmKernelKey, options: str | None = None):
 
 
 def get_kernel(key: GemmKernelKey):
-    """The compiled kernel for ``key``, compiled on first use and cached in memory."""
+    """The compiled kernel for ``key``: from memory, else from the disk cache, else compiled.
+
+    The disk cache (:mod:`coda.runtime.disk_cache`, ``$CODA_CACHE_DIR``) lets a new process
+    skip the compile; it is bypassed when ``key`` has no stable identity (a lambda in the
+    visitor, say).
+    """
     fn = _cache.get(key)
     if fn is None:
         with _lock:
             fn = _cache.get(key)
             if fn is None:
-                fn = compile_kernel(key)
+                fn = _load_or_compile(key)
                 _cache[key] = fn
+    return fn
+
+
+def _load_or_compile(key: GemmKernelKey):
+    canonical = None
+    if disk_cache.enabled():
+        ensure_arch()
+        canonical = disk_cache.canonical_key("gemm", key)
+        if canonical is None:
+            disk_cache.stats["bypass"] += 1
+        else:
+            fn = disk_cache.load(canonical)
+            if fn is not None:
+                return fn
+    fn = compile_kernel(key)
+    if canonical is not None:
+        disk_cache.store(canonical, fn)
     return fn
 
 
