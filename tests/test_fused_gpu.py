@@ -15,48 +15,11 @@ pytestmark = pytest.mark.gpu
 if not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)):
     pytest.skip("needs an NVIDIA Hopper GPU", allow_module_level=True)
 
-from coda import (  # noqa: E402
-    Elementwise,
-    Epilogue,
-    LogSumExp,
-    ScalarLoad,
-    TargetSelect,
-    TileLoad,
-    TileReduce,
-    TileStore,
-    VecLoad,
-    math,
-    ops,
-)
+from coda.testing.catalog import EPILOGUES  # noqa: E402
 from coda.testing.fuzz import check_example  # noqa: E402
 from coda.testing.strategies import make_inputs  # noqa: E402
 
 bf16 = torch.bfloat16
-
-EPILOGUES = {
-    "residual_store": Epilogue()
-    .add(TileLoad("residual", bf16))
-    .add(Elementwise("x", ops.add, ins=("acc", "residual")))
-    .add(TileStore("x", bf16)),
-    "rmsnorm_fwd": Epilogue()
-    .add(TileLoad("residual", bf16))
-    .add(Elementwise("x", ops.add, ins=("acc", "residual")))
-    .add(TileStore("x", bf16))
-    .add(VecLoad("gamma", per="col", dtype=bf16))
-    .add(Elementwise("h", ops.mul, ins=("x", "gamma")))
-    .add(TileStore("h", bf16))
-    .add(TileReduce("rstd", of="x", op="sumsq", post=lambda s, n: math.rsqrt(s / n + 1e-6))),
-    "row_scale": Epilogue()
-    .add(VecLoad("r", per="row", dtype=torch.float32))
-    .add(ScalarLoad("alpha"))
-    .add(Elementwise("z", lambda a, r, s: a * r * s, ins=("acc", "r", "alpha")))
-    .add(TileStore("z", torch.float32)),
-    "lse_target": Epilogue().add(LogSumExp("lse", of="acc")).add(TargetSelect("logit", of="acc")),
-    "silu_max": Epilogue()
-    .add(Elementwise("y", math.silu, ins=("acc",)))
-    .add(TileStore("y", torch.float16))
-    .add(TileReduce("mx", of="y", op="max")),
-}
 SHAPES = [(128, 128, 64), (300, 520, 264), (1000, 776, 136), (7, 8, 8), (4096, 1024, 512)]
 
 

@@ -147,6 +147,10 @@ class Epilogue:
         for p in self.primitives:
             p.reference(env)
         wanted = [s for s in self.outputs if tile is not None or not s.is_partials]
+        if acc is not None:  # a float64 acc computes in float64: report in declared dtypes
+            for spec in wanted:
+                if spec.name in env.outputs:
+                    env.outputs[spec.name] = env.outputs[spec.name].to(spec.dtype)
         return check_outputs(env.outputs, wanted, problem, tile, self)
 
 

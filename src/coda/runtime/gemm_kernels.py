@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import threading
+import warnings
 from typing import Any
 
 import attrs
@@ -83,9 +84,13 @@ def compile_kernel(key: GemmKernelKey, options: str | None = None):
 
     args = _fake_args(key)
     kernel = _kernel_object(key)
-    if options:
-        return cute.compile(kernel, *args, options=options)
-    return cute.compile(kernel, *args)
+    with warnings.catch_warnings():
+        # tuples of tensors (stores, loads, extras) are flattened by CuTeDSL into dynamic
+        # arguments; it still warns that a tuple is "not a JitArgument".
+        warnings.filterwarnings("ignore", message=".*cannot be converted to a JitArgument.*")
+        if options:
+            return cute.compile(kernel, *args, options=options)
+        return cute.compile(kernel, *args)
 
 
 def get_kernel(key: GemmKernelKey):

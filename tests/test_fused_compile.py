@@ -1,0 +1,45 @@
+"""CPU CI for fused epilogues: compositions trace into the PingPong kernel and compile for
+sm_90a; SASS checks on the catalogue's representative epilogues."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+
+from coda.mainloop.config import GemmConfig
+from coda.runtime import gemm_kernels
+from coda.runtime.fused import FusedVisitor, unsupported
+from coda.runtime.sass import count_prefix, disassemble, find_nvdisasm, opcode_counts
+from coda.testing.catalog import EPILOGUES
+from coda.testing.strategies import epilogues
+
+pytestmark = pytest.mark.compile
+CONFIG = GemmConfig(tile_n=128, cluster_m=2)
+
+
+def _compile(epi, tmp_path):
+    key = gemm_kernels.GemmKernelKey(CONFIG, torch.bfloat16, FusedVisitor(epi))
+    return gemm_kernels.compile_artifacts(key, str(tmp_path))
+
+
+@pytest.mark.parametrize("name", list(EPILOGUES))
+def test_catalogue_epilogue_sass(name, tmp_path):
+    if find_nvdisasm() is None:
+        pytest.skip("nvdisasm not installed")
+    epi = EPILOGUES[name]
+    assert unsupported(epi) is None
+    _, cubin = _compile(epi, tmp_path)
+    ops = opcode_counts(disassemble(cubin))
+    assert count_prefix(ops, "HGMMA") > 0
+    assert count_prefix(ops, "LDL") == 0 and count_prefix(ops, "STL") == 0, "spills"
+    stores = sum(1 for p in epi.primitives if type(p).__name__ == "TileStore")
+    assert (count_prefix(ops, "UTMASTG") > 0) == (stores > 0)
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck))
+@given(epilogues(fusable=True))
+def test_drawn_compositions_compile_for_sm90(tmp_path_factory, epi):
+    assert unsupported(epi) is None, unsupported(epi)
+    ptx, cubin = _compile(epi, tmp_path_factory.mktemp("k"))
+    assert "wgmma.mma_async" in ptx and len(cubin) > 0
