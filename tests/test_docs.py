@@ -9,6 +9,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def python_blocks(path: Path) -> list[str]:
+    """The ```python blocks of a page; blocks fenced ```python gpu need a GPU and are
+    exercised by the GPU tests instead (e.g. tests/test_user_primitive_gpu.py)."""
     return re.findall(r"```python\n(.*?)```", path.read_text(), flags=re.S)
 
 
