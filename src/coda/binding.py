@@ -38,8 +38,12 @@ def _check_operand(name: str, t: Any) -> torch.Tensor:
     return t
 
 
-def bind(epilogue: Epilogue, A: Any, B: Any, tensors: Mapping[str, Any]) -> Problem:
-    """Check the call's arguments against ``epilogue``; return the Problem (M, N, K)."""
+def bind(
+    epilogue: Epilogue, A: Any, B: Any, tensors: Mapping[str, Any], *, contents: bool = True
+) -> Problem:
+    """Check the call's arguments against ``epilogue``; return the Problem (M, N, K).
+    ``contents=False`` skips the primitives' checks of tensor *values* (``check_tensors``,
+    e.g. targets in range), which read GPU memory and so synchronize with the device."""
     A, B = _check_operand("A", A), _check_operand("B", B)
     if A.shape[1] != B.shape[1]:
         raise InputError(
@@ -95,6 +99,7 @@ def bind(epilogue: Epilogue, A: Any, B: Any, tensors: Mapping[str, Any]) -> Prob
             )
         if value.device != A.device:
             raise InputError(f"{name!r} is on {value.device} but A is on {A.device}")
-    for p in epilogue.primitives:
-        p.check_tensors(tensors, problem, epilogue.values)
+    if contents:
+        for p in epilogue.primitives:
+            p.check_tensors(tensors, problem, epilogue.values)
     return problem

@@ -104,16 +104,20 @@ class Epilogue:
         B: torch.Tensor,
         *,
         config: Any = None,
+        check_contents: bool = False,
         **tensors: torch.Tensor | float,
     ) -> dict[str, torch.Tensor]:
         """Run fused after the GEMM on a Hopper GPU: acc = A @ B^T, then every primitive in
         the kernel's epilogue. Returns the same dict as ``reference`` (finalized results;
-        the per-tile partials of the kernel's tiling too). Input errors are raised before
-        anything is launched; compositions that cannot be fused yet raise
-        ``NotImplementedError`` (see ``coda.runtime.fused.unsupported``)."""
+        the per-tile partials of the kernel's tiling too). Input errors (names, shapes,
+        dtypes, strides, devices) are raised before anything is launched; compositions
+        that cannot be fused yet raise ``NotImplementedError`` (see
+        ``coda.runtime.fused.unsupported``). Tensor *values* (e.g. targets in range) are
+        checked only with ``check_contents=True``: reading them synchronizes with the GPU.
+        Unchecked, a target that is neither a column nor ``ignore_index`` selects 0."""
         from coda.runtime.epilogue_kernels import run
 
-        return run(self, A, B, tensors, config=config)
+        return run(self, A, B, tensors, config=config, check_contents=check_contents)
 
     # ---- semantics ---------------------------------------------------------------------
     def reference(

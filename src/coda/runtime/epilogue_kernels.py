@@ -45,6 +45,7 @@ def run(
     tensors: Mapping[str, Any],
     config: GemmConfig | None = None,
     outputs: Mapping[str, torch.Tensor] | None = None,
+    check_contents: bool = False,
 ) -> dict[str, torch.Tensor]:
     """Fused ``epi(A, B, **tensors)``. ``outputs`` may pre-supply output tensors (e.g.
     NaN-poisoned ones in tests); they must have the declared shapes and dtypes."""
@@ -55,7 +56,7 @@ def run(
         raise NotImplementedError(f"this epilogue cannot be fused yet: {reason}")
     if not epi.outputs:
         raise InputError("this epilogue has no outputs: add a TileStore, TileReduce or ...")
-    problem: Problem = bind(epi, A, B, tensors)
+    problem: Problem = bind(epi, A, B, tensors, contents=check_contents)
     m, n, k = check_gemm_operands(A, B)
     for spec in epi.inputs:
         if spec.role == "tile":

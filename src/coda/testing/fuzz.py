@@ -52,7 +52,7 @@ def check_example(epi, A, B, tensors, config=None) -> dict[str, Any]:
             outputs[spec.name] = torch.full(
                 spec.shape(m, n, cfg_tile), float("nan"), dtype=spec.dtype, device=A.device
             )
-    got = run(epi, A, B, tensors, config=cfg, outputs=outputs)
+    got = run(epi, A, B, tensors, config=cfg, outputs=outputs, check_contents=True)
     torch.cuda.synchronize()
     truth = epi.reference(A, B, tile=cfg_tile, acc=A.double() @ B.double().T, **tensors)
     eager = epi.reference(A, B, tile=cfg_tile, acc=(A @ B.T).float(), **tensors)
