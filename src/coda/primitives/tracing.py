@@ -102,26 +102,15 @@ def full(layout, value):
 
 
 @cute.jit
-def gather_row(layout, coords, vec, rows):
-    """Fragment of ``vec[row]`` (fp32) for every element; 0 for rows >= ``rows``."""
+def gather(layout, coords, vec, axis: cutlass.Constexpr[int], limit):
+    """Fragment of ``vec[coord[axis]]`` (fp32) for every element: a row vector broadcast
+    over columns (axis 0) or a column vector over rows (axis 1); 0 past ``limit``."""
     t = cute.make_rmem_tensor(layout, Float32)
     for i in cutlass.range_constexpr(cute.size(layout)):
-        r = coords[i][0]
+        j = coords[i][axis]
         t[i] = Float32(0.0)
-        if r < rows:
-            t[i] = Float32(vec[r])
-    return t.load()
-
-
-@cute.jit
-def gather_col(layout, coords, vec, cols):
-    """Fragment of ``vec[col]`` (fp32) for every element; 0 for cols >= ``cols``."""
-    t = cute.make_rmem_tensor(layout, Float32)
-    for i in cutlass.range_constexpr(cute.size(layout)):
-        c = coords[i][1]
-        t[i] = Float32(0.0)
-        if c < cols:
-            t[i] = Float32(vec[c])
+        if j < limit:
+            t[i] = Float32(vec[j])
     return t.load()
 
 

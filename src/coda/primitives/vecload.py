@@ -79,10 +79,8 @@ class VecLoad(Primitive):
         layout = tracing.frag_layout(ctx)
         vec = ctx.extra(self.name)
         M, N = ctx.shape_mn
-        if self.per == "row":
-            values[self.name] = tracing.gather_row(layout, ctx.coords, vec, M)
-        else:
-            values[self.name] = tracing.gather_col(layout, ctx.coords, vec, N)
+        axis, limit = (0, M) if self.per == "row" else (1, N)
+        values[self.name] = tracing.gather(layout, ctx.coords, vec, axis, limit)
 
 
 @attrs.frozen
