@@ -165,13 +165,7 @@ class LogSumExp(StateTransition):
             if old_s is not None:
                 total = total + old_s * tracing.exp(old_m - base)
             band[r] = (new_m, total)
-        if ctx.band_done:
-            pmax, psum = (ctx.extra(n) for n in self.partial_names)
-            tn, rows = ctx.tile.tile_coord[1], ctx.shape_mn[0]
-            for r, (m, sumexp) in band.items():
-                row = tracing.row_of(ctx, r)
-                tracing.write_row_partial(pmax, row, tn, m, rows)
-                tracing.write_row_partial(psum, row, tn, sumexp, rows)
+        tracing.flush_band(ctx, band, self.partial_names)
 
 
 @attrs.frozen
@@ -265,9 +259,4 @@ class TargetSelect(StateTransition):
                 picked = picked + tracing.select_eq(ctx.coords[i][1], want, x[i])
             picked = tracing.fr.quad_allreduce("sum", picked)
             band[r] = picked if r not in band else band[r] + picked
-        if ctx.band_done:
-            partials = ctx.extra(self.partial_names[0])
-            for r, v in band.items():
-                tracing.write_row_partial(
-                    partials, tracing.row_of(ctx, r), ctx.tile.tile_coord[1], v, ctx.shape_mn[0]
-                )
+        tracing.flush_band(ctx, band, self.partial_names)

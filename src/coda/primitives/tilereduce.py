@@ -182,9 +182,4 @@ class TileReduce(Primitive):
         band = state.setdefault(ctx.subtile[0], {})
         for r, v in red.items():
             band[r] = v if r not in band else tracing.fr.combine(op, band[r], v)
-        if ctx.band_done:
-            partials = ctx.extra(self.partials_name)
-            for r, v in band.items():
-                tracing.write_row_partial(
-                    partials, tracing.row_of(ctx, r), ctx.tile.tile_coord[1], v, ctx.shape_mn[0]
-                )
+        tracing.flush_band(ctx, band, (self.partials_name,))

@@ -187,6 +187,20 @@ def write_row_partial(partials, row, col, value, rows):
         partials[row, col] = value
 
 
+def flush_band(ctx: TraceSubtile, band: dict, names: tuple[str, ...]) -> None:
+    """On the last subtile of a 64-row band, write each row's state into the per-tile
+    partials ``names`` (one value per name: a scalar, or a tuple for several)."""
+    if not ctx.band_done:
+        return
+    outs = [ctx.extra(n) for n in names]
+    tn, rows = ctx.tile.tile_coord[1], ctx.shape_mn[0]
+    for r, vals in band.items():
+        vals = vals if isinstance(vals, tuple) else (vals,)
+        row = row_of(ctx, r)
+        for out, v in zip(outs, vals, strict=True):
+            write_row_partial(out, row, tn, v, rows)
+
+
 def lane_is_quad_leader():
     return cute.arch.lane_idx() % 4 == Int32(0)
 
