@@ -56,9 +56,7 @@ disk_cache.canonical_key = timed("key_ms", disk_cache.canonical_key)
 disk_cache.load = timed("disk_load_ms", disk_cache.load)
 
 cfg = GemmConfig(tile_n=128, cluster_m=1)
-old_api = "d_dtype" in {f.name for f in attrs.fields(gk.GemmKernelKey)}
-key = (gk.GemmKernelKey(cfg, torch.bfloat16, torch.bfloat16) if old_api
-       else gk.GemmKernelKey(cfg, torch.bfloat16))
+key = gk.GemmKernelKey(cfg, torch.bfloat16)
 t = time.perf_counter()
 fn = gk.get_kernel(key)
 get_s = time.perf_counter() - t

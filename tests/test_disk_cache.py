@@ -28,17 +28,14 @@ from coda.runtime import gemm_kernels as gk
 
 SRC = str(Path(coda.__file__).resolve().parent.parent)
 
-# Builds the test's kernel key in this process and in the subprocesses below (GemmKernelKey
-# has lost its d_dtype field in a pending change; the key is the same plain bf16 GEMM).
+# Builds the test's kernel key (a plain bf16 GEMM) in this process and in the subprocesses.
 KEY_SNIPPET = """
-import attrs, torch
+import torch
 from coda.mainloop.config import GemmConfig
 from coda.runtime import gemm_kernels as gk
 
 def gemm_key(**kw):
     cfg = GemmConfig(tile_n=128, cluster_m=1)
-    if "d_dtype" in {f.name for f in attrs.fields(gk.GemmKernelKey)}:
-        return gk.GemmKernelKey(cfg, torch.bfloat16, torch.bfloat16, **kw)
     return gk.GemmKernelKey(cfg, torch.bfloat16, **kw)
 """
 _ns: dict = {}
@@ -284,10 +281,7 @@ a = torch.zeros(256, 64, dtype=torch.bfloat16)
 b = torch.zeros(128, 64, dtype=torch.bfloat16)
 d = torch.zeros(256, 128, dtype=torch.bfloat16)
 t_ = gk.as_cute_tensor
-if "d_dtype" in {f.name for f in attrs.fields(gk.GemmKernelKey)}:
-    args = (t_(a), t_(b), t_(d), cuda.CUstream(0))
-else:
-    args = (t_(a), t_(b), (t_(d),), (), (), cuda.CUstream(0))
+args = (t_(a), t_(b), (t_(d),), (), (), cuda.CUstream(0))
 packed, _ = fn.execution_args.generate_execution_args(args, {})
 print(json.dumps({
     "load_ms": load_ms, "stats": dict(dc.stats), "compiles": len(compiles),

@@ -21,7 +21,6 @@ from ..runtime.cute_env import ensure_arch
 
 ensure_arch()
 
-import cutlass
 import cutlass.cute as cute
 from cutlass import Float32
 
@@ -93,14 +92,3 @@ def column_allreduce(op: str, v):
     for off in (4, 8, 16):
         v = combine(op, v, cute.arch.shuffle_sync_bfly(v, offset=off))
     return v
-
-
-@cute.jit
-def masked(frag_vals, coords, shape_mn, fill: cutlass.Constexpr[float]):
-    """Copy of an fp32 register tensor with out-of-bounds elements set to ``fill``."""
-    out = cute.make_rmem_tensor(frag_vals.layout, Float32)
-    for i in cutlass.range_constexpr(cute.size(frag_vals)):
-        r, c = coords[i]
-        inb = (r < shape_mn[0]) & (c < shape_mn[1])
-        out[i] = frag_vals[i] if inb else Float32(fill)
-    return out

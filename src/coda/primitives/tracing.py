@@ -201,10 +201,6 @@ def flush_band(ctx: TraceSubtile, band: dict, names: tuple[str, ...]) -> None:
             write_row_partial(out, row, tn, v, rows)
 
 
-def lane_is_quad_leader():
-    return cute.arch.lane_idx() % 4 == Int32(0)
-
-
 def exp(x):
     return cute.math.exp(x)
 
