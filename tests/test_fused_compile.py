@@ -38,7 +38,7 @@ def test_catalogue_epilogue_sass(name, tmp_path):
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck))
-@given(epilogues(fusable=True))
+@given(epilogues())
 def test_drawn_compositions_compile_for_sm90(tmp_path_factory, epi):
     assert unsupported(epi) is None, unsupported(epi)
     ptx, cubin = _compile(epi, tmp_path_factory.mktemp("k"))

@@ -15,6 +15,10 @@ pytestmark = pytest.mark.gpu
 if not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)):
     pytest.skip("needs an NVIDIA Hopper GPU", allow_module_level=True)
 
+from coda import Epilogue  # noqa: E402
+from coda.primitives import Elementwise, TileLoad, TileReduce, TileStore, VecLoad, ops  # noqa: E402
+from coda.runtime.fused import n_multiple  # noqa: E402
+from coda.testing import fns  # noqa: E402
 from coda.testing.catalog import EPILOGUES  # noqa: E402
 from coda.testing.fuzz import check_example  # noqa: E402
 from coda.testing.strategies import make_inputs  # noqa: E402
@@ -26,9 +30,45 @@ SHAPES = [(128, 128, 64), (300, 520, 264), (1000, 776, 136), (7, 8, 8), (4096, 1
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("name", list(EPILOGUES))
 def test_fused_matches_reference(name, shape):
-    epi = EPILOGUES[name]
+    _check(EPILOGUES[name], shape)
+
+
+def _check(epi, shape):
     m, n, k = shape
+    step = n_multiple(epi)
+    n = -(-n // step) * step  # N rounded up to what the epilogue's tensors need
     A, B, tensors = make_inputs(epi, m, n, k, bf16, seed=m + n + k)
     tensors = {key: (v.cuda() if isinstance(v, torch.Tensor) else v) for key, v in tensors.items()}
     record = check_example(epi, A.cuda(), B.cuda(), tensors)
     assert not record["failed"], record
+
+
+def _swap(a, b):
+    return b, a
+
+
+# Width and layout corners the catalogue does not reach: a pair map at width 1/2 (the
+# pair's columns sit in neighbouring lanes), column reductions of width-1/2 and width-2
+# values, a width-2 col vector, a width-2 fp32 store.
+CORNERS = {
+    "half_width_pair_map": Epilogue()
+    .add(Elementwise("y", ops.swiglu, ins=("acc",), pairwise="reduce"))
+    .add(Elementwise("z", _swap, ins=("y",), pairwise="map"))
+    .add(TileStore("z", bf16))
+    .add(TileReduce("zc", of="z", op="sumsq", per="col"))
+    .add(TileReduce("zr", of="z", op="max")),
+    "double_width_cols": Epilogue()
+    .add(TileLoad("gu", bf16, width=2))
+    .add(VecLoad("g2", per="col", dtype=bf16, width=2))
+    .add(Elementwise("p", ops.mul, ins=("gu", "g2")))
+    .add(TileReduce("pc", of="p", op="max", per="col"))
+    .add(Elementwise("q", fns.swiglu_plus, ins=("p", "acc"), pairwise="reduce"))
+    .add(TileReduce("qc", of="q", op="sum", per="col"))
+    .add(TileStore("p", torch.float32)),
+}
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("name", list(CORNERS))
+def test_width_corners_match_reference(name, shape):
+    _check(CORNERS[name], shape)

@@ -13,9 +13,22 @@ below rely on (a different layout raises instead of silently reducing wrong valu
 * column reductions (over rows): thread-local over the elements of a column, then a
   butterfly over the 8 lane groups (lanes that share columns); the result covers the 16
   rows of one warp, and the 4 warps are combined through shared memory by the caller.
+
+Values of other widths (relative to N: 1/2 or 2) live in fragments derived from the
+accumulator's, in a fixed canonical order that the primitives' traces and the kernel's
+stores and loads share (:meth:`Fragment.at_width`, :meth:`Fragment.points`):
+
+* width 2: element ``2 i + k`` is column ``2 c_i + k`` of element i's row (32 per thread);
+* width 1/2: one element per (even, odd) column pair of the accumulator, in the order of
+  the pairs' even elements, at column ``c_i / 2`` (8 per thread).
+
+A (even, odd) column pair of a width-1 or width-2 value is held by one thread
+(:meth:`Fragment.pairs`); at width 1/2 the partner column is in the neighbouring lane.
 """
 
 from __future__ import annotations
+
+from fractions import Fraction
 
 from ..runtime.cute_env import ensure_arch
 
@@ -43,10 +56,7 @@ class Fragment:
     def __init__(self, tiled_copy, epi_tile):
         c0 = _static_coords(tiled_copy.get_slice, epi_tile, 0)
         r0, k0 = c0[0]
-        self.offsets = [(r - r0, c - k0) for r, c in c0]
-        self.n = len(self.offsets)
-        self.rows = sorted({r for r, _ in self.offsets})
-        self.cols = sorted({c for _, c in self.offsets})
+        self._set_offsets([(r - r0, c - k0) for r, c in c0], Fraction(1))
         for lane, (dr, dc) in _LANE_STEPS.items():
             cl = _static_coords(tiled_copy.get_slice, epi_tile, lane)
             moved = [(r - r0 - dr, c - k0 - dc) for r, c in cl]
@@ -55,6 +65,49 @@ class Fragment:
                     f"epilogue fragment layout is not the WGMMA accumulator layout coda's "
                     f"reductions assume (lane {lane} is not offset by {(dr, dc)})"
                 )
+
+    def _set_offsets(self, offsets: list[tuple[int, int]], width: Fraction) -> None:
+        self.offsets = offsets
+        self.width = width
+        self.n = len(offsets)
+        self.rows = sorted({r for r, _ in offsets})
+        self.cols = sorted({c for _, c in offsets})
+
+    def points(self, points: list, width: Fraction) -> list:
+        """(row, col) of every element of a width-``width`` fragment, in canonical order,
+        from ``points`` of this (width-1) fragment's elements: static offsets, or a
+        thread's global / subtile-local coordinates (DSL integers)."""
+        if self.width != 1:
+            raise ValueError("points() derives other widths from the width-1 fragment")
+        if width == 1:
+            return list(points)
+        if width == 2:
+            return [(r, 2 * c + k) for r, c in points for k in (0, 1)]
+        if width == Fraction(1, 2):
+            # columns of the accumulator fragment are 2 (lane % 4) + even offsets, so the
+            # elements at even offsets are exactly the even (first) columns of pairs
+            return [
+                (r, c >> 1 if not isinstance(c, int) else c // 2)
+                for (r, c), (_, off) in zip(points, self.offsets, strict=True)
+                if off % 2 == 0
+            ]
+        raise ValueError(f"no fragment for width {width}")
+
+    def at_width(self, width: Fraction) -> Fragment:
+        """The geometry of a width-``width`` value's fragment (see the module doc)."""
+        if width == self.width:
+            return self
+        geom = object.__new__(Fragment)
+        geom._set_offsets(self.points(self.offsets, width), Fraction(width))
+        return geom
+
+    def pairs(self) -> list[tuple[int, int]] | None:
+        """(even, odd) element indices of the column pairs this thread holds, in the
+        canonical order of the half-width fragment; None when pairs span two lanes
+        (width 1/2: the thread's first column is odd in every other lane)."""
+        if self.width == Fraction(1, 2):
+            return None
+        return [(i, self.pair_partner(i)) for i, (_, c) in enumerate(self.offsets) if c % 2 == 0]
 
     def row_members(self, row: int) -> list[int]:
         return [i for i, (r, _) in enumerate(self.offsets) if r == row]

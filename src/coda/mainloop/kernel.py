@@ -17,6 +17,9 @@ Schedule (one CTA = 3 warpgroups, 384 threads, persistent over output tiles):
 * the epilogue visits the 128 x tile_n accumulator in ``epi_m x epi_n`` subtiles:
   registers -> visitor -> dtype convert -> shared memory (stmatrix) -> global (TMA
   store), with ``epi_stages`` buffers in flight, for every output the visitor stores.
+  Outputs and operands of width w != 1 (M x N*w: a SwiGLU output, an interleaved
+  gate/up operand) use a (epi_m, epi_n*w) box and move between registers and shared
+  memory element by element in the fragment order of :mod:`coda.mainloop.fragment`.
   M x N operands the visitor reads are loaded by the producer warpgroup's second warp,
   subtile by subtile through TMA, into a ring of ``load_stages`` shared-memory buffers
   ahead of the epilogue that reads them. TMA clips out-of-bounds rows and columns and
@@ -24,6 +27,8 @@ Schedule (one CTA = 3 warpgroups, 384 threads, persistent over output tiles):
 """
 
 from __future__ import annotations
+
+from fractions import Fraction
 
 from ..runtime.cute_env import ensure_arch
 
@@ -66,6 +71,14 @@ def _nbytes(dtype: torch.dtype) -> int:
     return torch.empty(0, dtype=dtype).element_size()
 
 
+def _widths(visitor, attr: str, count: int) -> tuple[Fraction, ...]:
+    """The visitor's widths (relative to N) of its stores or loads; 1 when undeclared."""
+    widths = tuple(Fraction(w) for w in getattr(visitor, attr, (1,) * count))
+    if len(widths) != count or any(w not in (Fraction(1, 2), 1, 2) for w in widths):
+        raise ValueError(f"visitor {attr} must give 1/2, 1 or 2 for each of {count}: {widths}")
+    return widths
+
+
 class PingPongGemm:
     """Compile-time kernel object for one (config, operand dtype, visitor).
 
@@ -93,7 +106,9 @@ class PingPongGemm:
         self.num_mcast_b = config.cluster_m  # B tile shared by CTAs along M
         self.store_dtypes = tuple(to_cutlass(d) for d in self.visitor.store_dtypes)
         self.load_dtypes = tuple(to_cutlass(d) for d in self.visitor.load_dtypes)
-        self.scratch_floats = self.visitor.smem_bytes() // 4
+        self.store_widths = _widths(self.visitor, "store_widths", len(self.store_dtypes))
+        self.load_widths = _widths(self.visitor, "load_widths", len(self.load_dtypes))
+        self.scratch_floats = self.visitor.smem_bytes(config) // 4
         self.smem, self.epi_stages, self.load_stages = self._fit_smem(config)
         self.ab_stages = self.smem.ab_stages
 
@@ -102,8 +117,14 @@ class PingPongGemm:
         failing that, >= 2); raises a clear error when the visitor's tensors do not fit."""
         sub = config.epi_m * config.epi_n
         n_sub = config.subtiles_per_tile[0] * config.subtiles_per_tile[1]
-        store_bytes = sum(sub * _nbytes(d) for d in self.visitor.store_dtypes)
-        load_bytes = sum(sub * _nbytes(d) for d in self.visitor.load_dtypes)
+        store_bytes = sum(
+            int(sub * w) * _nbytes(d)
+            for d, w in zip(self.visitor.store_dtypes, self.store_widths, strict=True)
+        )
+        load_bytes = sum(
+            int(sub * w) * _nbytes(d)
+            for d, w in zip(self.visitor.load_dtypes, self.load_widths, strict=True)
+        )
         for min_ab in (4, 2):
             for epi_st, load_st in ((config.epi_stages, LOAD_STAGES), (2, 2), (1, 2), (1, 1)):
                 epi_st, load_st = min(epi_st, config.epi_stages), min(load_st, n_sub)
@@ -151,12 +172,12 @@ class PingPongGemm:
         )
         row_major = LayoutEnum.ROW_MAJOR
         d_smem = tuple(
-            sm90_utils.make_smem_layout_epi(dt, row_major, cfg.epi_tile, self.epi_stages)
-            for dt in self.store_dtypes
+            sm90_utils.make_smem_layout_epi(dt, row_major, self._box(w), self.epi_stages)
+            for dt, w in zip(self.store_dtypes, self.store_widths, strict=True)
         )
         c_smem = tuple(
-            sm90_utils.make_smem_layout_epi(dt, row_major, cfg.epi_tile, self.load_stages)
-            for dt in self.load_dtypes
+            sm90_utils.make_smem_layout_epi(dt, row_major, self._box(w), self.load_stages)
+            for dt, w in zip(self.load_dtypes, self.load_widths, strict=True)
         )
 
         a_op = (
@@ -190,7 +211,7 @@ class PingPongGemm:
                 cpasync.CopyBulkTensorTileS2GOp(),
                 stores[i],
                 cute.slice_(d_smem[i], (None, None, 0)),
-                cfg.epi_tile,
+                self._box(self.store_widths[i]),
             )
             tma_d.append(atom)
             tD.append(t)
@@ -201,7 +222,7 @@ class PingPongGemm:
                 cpasync.CopyBulkTensorTileG2SOp(),
                 loads[i],
                 cute.slice_(c_smem[i], (None, None, 0)),
-                cfg.epi_tile,
+                self._box(self.load_widths[i]),
             )
             tma_c.append(atom)
             tC.append(t)
@@ -418,28 +439,53 @@ class PingPongGemm:
             tRS_sD = []
             tRS_rOut = []
             tRS_rOutView = []
+            # subtile-local (row, col) of each element, for values of width != 1
+            local = thr_coord.partition_S(cute.make_identity_tensor(cfg.epi_tile))
+            local_points = [local[j] for j in range(cute.size(local))]
             for i in cutlass.range_constexpr(n_stores):
-                cp = self._make_r2s_copy(tiled_mma, self.store_dtypes[i])
-                thr = cp.get_slice(wg_tidx)
-                r2s.append(cp)
-                tRS_sD.append(thr.partition_D(sD[i]))
-                # the copy groups modes its own way; same elements in the same order
-                own = thr.partition_S(cute.make_identity_tensor(cfg.epi_tile)).shape
-                rout = cute.make_rmem_tensor(own, self.store_dtypes[i])
-                tRS_rOut.append(rout)
-                tRS_rOutView.append(cute.make_tensor(rout.iterator, cute.make_layout(frag_shape)))
+                w = self.store_widths[i]
+                if const_expr(w == 1):
+                    cp = self._make_r2s_copy(tiled_mma, self.store_dtypes[i])
+                    thr = cp.get_slice(wg_tidx)
+                    r2s.append(cp)
+                    tRS_sD.append(thr.partition_D(sD[i]))
+                    # the copy groups modes its own way; same elements in the same order
+                    own = thr.partition_S(cute.make_identity_tensor(cfg.epi_tile)).shape
+                    rout = cute.make_rmem_tensor(own, self.store_dtypes[i])
+                    tRS_rOut.append(rout)
+                    tRS_rOutView.append(
+                        cute.make_tensor(rout.iterator, cute.make_layout(frag_shape))
+                    )
+                else:
+                    r2s.append(frag_geom.points(local_points, w))
+                    tRS_sD.append(None)
+                    rout = cute.make_rmem_tensor(
+                        cute.make_layout(frag_geom.at_width(w).n), self.store_dtypes[i]
+                    )
+                    tRS_rOut.append(rout)
+                    tRS_rOutView.append(rout)
             s2r = []
             tSR_sC = []
             tSR_rC = []
             tRS_rC = []
             for i in cutlass.range_constexpr(n_loads):
-                cp = self._make_s2r_copy(tiled_mma, self.load_dtypes[i])
-                thr = cp.get_slice(wg_tidx)
-                s2r.append(cp)
-                tSR_sC.append(thr.partition_S(sC[i]))
-                rc = cute.make_rmem_tensor(frag_shape, self.load_dtypes[i])
-                tRS_rC.append(rc)
-                tSR_rC.append(thr.retile(rc))
+                w = self.load_widths[i]
+                if const_expr(w == 1):
+                    cp = self._make_s2r_copy(tiled_mma, self.load_dtypes[i])
+                    thr = cp.get_slice(wg_tidx)
+                    s2r.append(cp)
+                    tSR_sC.append(thr.partition_S(sC[i]))
+                    rc = cute.make_rmem_tensor(frag_shape, self.load_dtypes[i])
+                    tRS_rC.append(rc)
+                    tSR_rC.append(thr.retile(rc))
+                else:
+                    s2r.append(frag_geom.points(local_points, w))
+                    tSR_sC.append(None)
+                    rc = cute.make_rmem_tensor(
+                        cute.make_layout(frag_geom.at_width(w).n), self.load_dtypes[i]
+                    )
+                    tRS_rC.append(rc)
+                    tSR_rC.append(None)
             store_pipe = pipeline.PipelineTmaStore.create(
                 num_stages=self.epi_stages,
                 producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, THREADS_PER_WG),
@@ -492,14 +538,14 @@ class PingPongGemm:
                 self._turn_wait(_Barrier.EPI_TURN, wg)
                 bSG = []
                 for i in cutlass.range_constexpr(n_stores):
-                    gD = cute.local_tile(mD[i], (cfg.tile_m, cfg.tile_n), (tm, tn))
+                    gD = cute.local_tile(mD[i], self._tile(self.store_widths[i]), (tm, tn))
                     bSG.append(
                         cpasync.tma_partition(
                             tma_d[i],
                             0,
                             cute.make_layout(1),
                             cute.group_modes(sD[i], 0, 2),
-                            cute.zipped_divide(gD, cfg.epi_tile),
+                            cute.zipped_divide(gD, self._box(self.store_widths[i])),
                         )
                     )
                 tile_ids = idD_all[(None, None, tm, tn)]
@@ -516,13 +562,22 @@ class PingPongGemm:
                 for s in cutlass.range_constexpr(n_sub):
                     # subtiles row-major within the tile (n fastest)
                     sm, sn = s // sub_n, s % sub_n
-                    buf = s % self.epi_stages
+                    # A runtime buffer index (it varies with the tile): a static one lets
+                    # the compiler hoist every (output, buffer) smem address out of the
+                    # persistent loop, and those registers spill in heavy epilogues.
+                    buf = (t + s) % self.epi_stages
                     cute.autovec_copy(tRS_rAcc[None, None, None, (sm, sn)], tRS_rD)
                     loaded = []
                     if const_expr(n_loads > 0):
                         load_pipe.consumer_wait(lread)
                         for i in cutlass.range_constexpr(n_loads):
-                            cute.copy(s2r[i], tSR_sC[i][None, None, None, lread.index], tSR_rC[i])
+                            if const_expr(self.load_widths[i] == 1):
+                                cute.copy(
+                                    s2r[i], tSR_sC[i][None, None, None, lread.index], tSR_rC[i]
+                                )
+                            else:
+                                for j, (r, c) in enumerate(s2r[i]):
+                                    tRS_rC[i][j] = sC[i][(r, c, lread.index)]
                             loaded.append(tRS_rC[i].load().to(Float32))
                         cute.arch.fence_view_async_shared()
                         load_pipe.consumer_release(lread)
@@ -539,7 +594,11 @@ class PingPongGemm:
                             store_pipe.producer_acquire()
                         epi_bar.arrive_and_wait()
                         for i in cutlass.range_constexpr(n_stores):
-                            cute.copy(r2s[i], tRS_rOut[i], tRS_sD[i][(None, None, None, buf)])
+                            if const_expr(self.store_widths[i] == 1):
+                                cute.copy(r2s[i], tRS_rOut[i], tRS_sD[i][(None, None, None, buf)])
+                            else:
+                                for j, (r, c) in enumerate(r2s[i]):
+                                    sD[i][(r, c, buf)] = tRS_rOut[i][j]
                         cute.arch.fence_proxy("async.shared", space="cta")
                         epi_bar.arrive_and_wait()
                         if is_store_warp:
@@ -645,14 +704,15 @@ class PingPongGemm:
             tm, tn = sched.tile_coord(t, cta_mn)
             parts = []
             for i in cutlass.range_constexpr(n_loads):
-                gC = cute.local_tile(mC[i], (cfg.tile_m, cfg.tile_n), (tm, tn))
+                w = self.load_widths[i]
+                gC = cute.local_tile(mC[i], self._tile(w), (tm, tn))
                 parts.append(
                     cpasync.tma_partition(
                         tma_c[i],
                         0,
                         cute.make_layout(1),
                         cute.group_modes(sC[i], 0, 2),
-                        cute.zipped_divide(gC, cfg.epi_tile),
+                        cute.zipped_divide(gC, self._box(w)),
                     )
                 )
             for s in cutlass.range_constexpr(sub_m * sub_n):
@@ -670,6 +730,14 @@ class PingPongGemm:
                 state.advance()
             t += num_clusters
         load_pipe.producer_tail(state)
+
+    def _box(self, width: Fraction) -> tuple[int, int]:
+        """TMA box (= one subtile) of a width-``width`` output or operand."""
+        return (self.config.epi_m, int(self.config.epi_n * width))
+
+    def _tile(self, width: Fraction) -> tuple[int, int]:
+        """The part of a width-``width`` M x N*w tensor that one output tile covers."""
+        return (self.config.tile_m, int(self.config.tile_n * width))
 
     def _turn_wait(self, base: int, wg):
         cute.arch.barrier(barrier_id=base + wg, number_of_threads=2 * THREADS_PER_WG)

@@ -7,8 +7,11 @@ time by the kernel's epilogue driver:
 
 * resources: ``store_dtypes`` (one M x N output per entry, written through shared memory
   and TMA stores), ``load_dtypes`` (one M x N operand per entry, loaded through TMA into
-  a shared-memory ring by a dedicated producer warp, ahead of the epilogue),
-  ``smem_bytes()`` (scratch for cross-warp reductions);
+  a shared-memory ring by a dedicated producer warp, ahead of the epilogue), optional
+  ``store_widths`` / ``load_widths`` (1/2, 1 or 2 per entry: the tensor is M x N*w and
+  its fragments follow :mod:`coda.mainloop.fragment`'s order; 1 when absent),
+  ``smem_bytes(config)`` (scratch for cross-warp reductions, shared by the two consumer
+  warpgroups, whose epilogues take turns);
 * ``begin_tile(tctx) -> state`` once per output tile;
 * ``visit(ctx, acc, loaded, state) -> stores`` per subtile: ``acc`` is the fp32
   accumulator fragment (a ``TensorSSA``), ``loaded`` one fp32 fragment per
@@ -71,7 +74,7 @@ class AccStore:
     def load_dtypes(self) -> tuple[torch.dtype, ...]:
         return ()
 
-    def smem_bytes(self) -> int:
+    def smem_bytes(self, config: Any) -> int:
         return 0
 
     def begin_tile(self, tctx: TileContext) -> None:

@@ -131,6 +131,12 @@ class Primitive(abc.ABC):
         return {}
 
     # ---- CuTeDSL -----------------------------------------------------------------------
+    def smem_floats(self, values: Mapping[str, ValueSpec], tile_n: int) -> int:
+        """fp32 words of shared-memory scratch the trace needs (e.g. to combine the 4
+        warps of a warpgroup in a column reduction) for output tiles ``tile_n`` columns
+        wide; reached in the trace through ``tile.scratch_for(self)``. Default: none."""
+        return 0
+
     def trace_begin_tile(self, tile: Any) -> Any:
         """Trace-time twin of ``begin_tile``: emit per-tile setup, return the per-tile
         state (Python objects holding DSL values; ``None`` for stateless primitives).

@@ -200,20 +200,18 @@ class Elementwise(Primitive):
     def trace(self, ctx: Any, values: dict[str, Any], state: Any) -> None:
         from coda.primitives import tracing
 
-        layout = tracing.frag_layout(ctx)
+        specs = ctx.specs
         if self.pairwise is None:
-            result = self.fn(*(values[n] for n in self.ins))
-            values[self.out] = tracing.as_fragment(result, layout)
+            view = ctx.view_of(self.out)
+            args = [
+                values[n] if specs[n].has_cols else tracing.broadcast(ctx, values[n], view.width)
+                for n in self.ins
+            ]
+            values[self.out] = tracing.as_fragment(self.fn(*args), view.layout)
             return
-        # pairwise "map" at width 1: adjacent columns are adjacent fragment elements
-        frag = ctx.frag
-        evens = [i for i, (_, c) in enumerate(frag.offsets) if c % 2 == 0]
-        odds = [frag.pair_partner(i) for i in evens]
-        args = []
-        for name, split in zip(self.ins, self._splits(ctx.specs), strict=True):
-            src = tracing.to_rmem(values[name], layout)
-            args.append(tracing.pick(src, evens))
-            if split:
-                args.append(tracing.pick(src, odds))
-        even, odd = self.fn(*args)
-        values[self.out] = tracing.interleave(even, odd, evens, odds, layout)
+        args = [
+            (values[n], specs[n], split)
+            for n, split in zip(self.ins, self._splits(specs), strict=True)
+        ]
+        width = self._pair_width(specs)
+        values[self.out] = tracing.pairwise(ctx, self.fn, self.pairwise, args, width)

@@ -150,16 +150,16 @@ class LogSumExp(StateTransition):
     def trace(self, ctx: Any, values: dict[str, Any], state: dict) -> None:
         from coda.primitives import tracing
 
-        layout = tracing.frag_layout(ctx)
-        x = tracing.masked(values[self.of], layout, ctx.coords, ctx.shape_mn, float("-inf"))
-        sub_max = tracing.row_reduce("max", x, ctx.frag)
+        v = ctx.view_of(self.of)
+        x = tracing.masked(values[self.of], v.layout, v.coords, v.shape_mn, float("-inf"))
+        sub_max = tracing.row_reduce("max", x, v.frag)
         band = state.setdefault(ctx.subtile[0], {})
         for r, smax in sub_max.items():
             old_m, old_s = band.get(r, (None, None))
             new_m = smax if old_m is None else tracing.fr.combine("max", old_m, smax)
             base = tracing.finite_or_zero(new_m)
             total = tracing.Float32(0.0)
-            for i in ctx.frag.row_members(r):
+            for i in v.frag.row_members(r):
                 total = total + tracing.exp(x[i] - base)
             total = tracing.fr.quad_allreduce("sum", total)
             if old_s is not None:
@@ -247,16 +247,16 @@ class TargetSelect(StateTransition):
     def trace(self, ctx: Any, values: dict[str, Any], state: dict) -> None:
         from coda.primitives import tracing
 
-        layout = tracing.frag_layout(ctx)
-        x = tracing.masked(values[self.of], layout, ctx.coords, ctx.shape_mn, 0.0)
+        v = ctx.view_of(self.of)
+        x = tracing.masked(values[self.of], v.layout, v.coords, v.shape_mn, 0.0)
         target = ctx.extra(self.target)
         band = state.setdefault(ctx.subtile[0], {})
-        for r in ctx.frag.rows:
+        for r in v.frag.rows:
             row = tracing.row_of(ctx, r)
             want = tracing.load_index(target, row, ctx.shape_mn[0], self.ignore_index)
             picked = tracing.Float32(0.0)
-            for i in ctx.frag.row_members(r):
-                picked = picked + tracing.select_eq(ctx.coords[i][1], want, x[i])
+            for i in v.frag.row_members(r):
+                picked = picked + tracing.select_eq(v.coords[i][1], want, x[i])
             picked = tracing.fr.quad_allreduce("sum", picked)
             band[r] = picked if r not in band else band[r] + picked
         tracing.flush_band(ctx, band, self.partial_names)

@@ -163,23 +163,41 @@ class TileReduce(Primitive):
             total, n = self._reduce(p, 0), problem.M
         return {self.name: self._post(total, n)}
 
-    # ---- CuTeDSL (per="row"; per="col" is not traced yet) -------------------------------
+    # ---- CuTeDSL ------------------------------------------------------------------------
+    # per="row": each thread's rows reduce over a quad, per 64-row band (flush_band).
+    # per="col": each column reduces over a warp's 16 rows (lane butterflies), the 4 warps
+    # meet in shared scratch (4 x tile columns fp32) and the tile's row of partials is
+    # written after its last subtile.
+    def smem_floats(self, values: Mapping[str, ValueSpec], tile_n: int) -> int:
+        if self.per == "row":
+            return 0
+        return 4 * int(tile_n * values[self.of].width)
+
     def trace_begin_tile(self, tile: Any) -> dict:
         return {}
 
     def trace(self, ctx: Any, values: dict[str, Any], state: dict) -> None:
         from coda.primitives import tracing
 
-        if self.per != "row":
-            raise NotImplementedError(f"{self.label}: per='col' reductions are not traced yet")
-        layout = tracing.frag_layout(ctx)
+        v = ctx.view_of(self.of)
         x = values[self.of]
         if self.op == "sumsq":
             x = x * x
         op = "max" if self.op == "max" else "sum"
-        vals = tracing.masked(x, layout, ctx.coords, ctx.shape_mn, _IDENTITY[self.op])
-        red = tracing.row_reduce(op, vals, ctx.frag)
+        vals = tracing.masked(x, v.layout, v.coords, v.shape_mn, _IDENTITY[self.op])
+        if self.per == "col":
+            tracing.col_accumulate(ctx, op, vals, v, self)
+            return
+        red = tracing.row_reduce(op, vals, v.frag)
         band = state.setdefault(ctx.subtile[0], {})
-        for r, v in red.items():
-            band[r] = v if r not in band else tracing.fr.combine(op, band[r], v)
+        for r, s in red.items():
+            band[r] = s if r not in band else tracing.fr.combine(op, band[r], s)
         tracing.flush_band(ctx, band, (self.partials_name,))
+
+    def trace_end_tile(self, tile: Any, state: dict) -> None:
+        if self.per == "col":
+            from coda.primitives import tracing
+
+            op = "max" if self.op == "max" else "sum"
+            width = tile.specs[self.of].width
+            tracing.flush_cols(tile, self, width, op, tile.extra(self.partials_name))

@@ -12,6 +12,12 @@ primitive receives:
 * ``TraceSubtile`` (``trace``): the same plus the static subtile index and ``coords``,
   the global (row, col) of every fragment element.
 
+Values have widths (relative to N): a tile or col value of width w is a fragment of
+16 w elements in the canonical order of :mod:`coda.mainloop.fragment`; row values and
+scalars are width-1 fragments, converted with :func:`broadcast` where they meet values of
+another width. ``ctx.view(w)`` gives the geometry, global coordinates and layout of a
+width-w fragment (``ctx.view(1)``: the accumulator's).
+
 Row-wise state (reductions, online log-sum-exp, target selection) lives per 64-row band
 of the tile: subtiles are visited row-major, so a band is complete after its last
 subtile, when the partial for those rows is written (one lane per quad writes).
@@ -19,6 +25,7 @@ subtile, when the partial for those rows is written (one lane per quad writes).
 
 from __future__ import annotations
 
+from fractions import Fraction
 from typing import Any
 
 import attrs
@@ -41,6 +48,7 @@ class TraceTile:
     specs: Any  # the epilogue's value specs
     loaded: dict = attrs.Factory(dict)  # TileLoad name -> fragment (per subtile)
     stored: dict = attrs.Factory(dict)  # TileStore output name -> fragment (per subtile)
+    scratch_offsets: dict = attrs.Factory(dict)  # primitive -> its first scratch float
 
     @property
     def tile_coord(self):
@@ -61,15 +69,54 @@ class TraceTile:
     def extra(self, name: str):
         return self.mainloop.extras[self.extras_index[name]]
 
+    def scratch_for(self, key) -> tuple[Any, int]:
+        """(the visitor's fp32 shared scratch, the first float of ``key``'s part)."""
+        return self.mainloop.scratch, self.scratch_offsets[key]
+
+
+@attrs.frozen
+class View:
+    """A width-``width`` fragment of this thread: ``frag`` its static geometry,
+    ``coords[i]`` the global (row, col) of element i (col in the value's own N*w
+    columns), ``layout`` its register layout, ``shape_mn`` the value's (M, N*w)."""
+
+    width: Fraction
+    frag: fr.Fragment
+    coords: Any
+    layout: Any
+    shape_mn: tuple
+
 
 @attrs.define
 class TraceSubtile:
     tile: TraceTile
     subtile: tuple[int, int]
     coords: Any
+    _views: dict = attrs.Factory(dict)
 
     def extra(self, name: str):
         return self.tile.extra(name)
+
+    def view(self, width: Fraction = Fraction(1)) -> View:
+        """The fragment geometry of width-``width`` values in this subtile."""
+        width = Fraction(width)
+        if width not in self._views:
+            frag = self.frag
+            if width == 1:
+                coords, layout = self.coords, cute.make_layout(self.coords.shape)
+            else:
+                base = [self.coords[i] for i in range(frag.n)]
+                coords = frag.points(base, width)
+                layout = cute.make_layout(len(coords))
+            M, N = self.shape_mn
+            shape = (M, value_cols(N, width))
+            self._views[width] = View(width, frag.at_width(width), coords, layout, shape)
+        return self._views[width]
+
+    def view_of(self, name: str) -> View:
+        """The view of value ``name``'s width (width 1 for row values and scalars)."""
+        spec = self.specs[name]
+        return self.view(spec.width if spec.has_cols else Fraction(1))
 
     @property
     def specs(self):
@@ -89,8 +136,38 @@ class TraceSubtile:
         return self.subtile[1] == self.tile.config.subtiles_per_tile[1] - 1
 
 
+def value_cols(n, width: Fraction):
+    """N * width for a DSL (or Python) integer N (N is even whenever width is 1/2)."""
+    if width == 1:
+        return n
+    return n * 2 if width == 2 else n // 2
+
+
 def frag_layout(ctx: TraceSubtile):
-    return cute.make_layout(ctx.coords.shape)
+    return ctx.view(1).layout
+
+
+def broadcast(ctx: TraceSubtile, value, width: Fraction):
+    """A row value or scalar (a width-1 fragment) as a width-``width`` fragment."""
+    width = Fraction(width)
+    if width == 1:
+        return value
+    frag = ctx.frag
+    src = to_rmem(value, frag_layout(ctx))
+    # every element of a width-w fragment sits in the row of some accumulator element
+    rows = frag.points(frag.offsets, width)
+    idx = [frag.row_members(r)[0] for r, _ in rows]
+    return place(pick(src, idx), ctx.view(width).layout)
+
+
+def place(flat, layout):
+    """A flat fragment re-laid out as ``layout`` (same element order and count)."""
+    src = cute.make_rmem_tensor(cute.make_layout(cute.size(layout)), Float32)
+    src.store(flat)
+    out = cute.make_rmem_tensor(layout, Float32)
+    for i in range(cute.size(layout)):
+        out[i] = src[i]
+    return out.load()
 
 
 @cute.jit
@@ -233,3 +310,141 @@ def select_eq(a, b, value):
     if a == b:
         out = value
     return out
+
+
+# ---- pairs of adjacent columns ---------------------------------------------------------
+def pairwise(ctx: TraceSubtile, fn, mode: str, args: list, width: Fraction):
+    """Apply ``fn`` to (even, odd) column pairs of width-``width`` values (``Elementwise``
+    with ``pairwise=mode``). ``args``: (fragment, spec, split) per input; split inputs
+    pass their even and odd columns, width/2 inputs one element per pair, row values and
+    scalars their row's value. Returns the output fragment (width/2 for "reduce")."""
+    view = ctx.view(width)
+    pairs = view.frag.pairs()
+    if pairs is None:
+        return _pairwise_across_lanes(ctx, fn, args, view)
+    evens = [e for e, _ in pairs]
+    odds = [o for _, o in pairs]
+    call = []
+    for value, spec, split in args:
+        if split:
+            src = to_rmem(value, view.layout)
+            call += [pick(src, evens), pick(src, odds)]
+        elif spec.has_cols:  # width/2: its canonical order is the pairs' order
+            half = ctx.view(width / 2)
+            call.append(pick(to_rmem(value, half.layout), list(range(half.frag.n))))
+        else:
+            src = to_rmem(value, frag_layout(ctx))
+            rows = [view.frag.offsets[e][0] for e in evens]
+            call.append(pick(src, [ctx.frag.row_members(r)[0] for r in rows]))
+    result = fn(*call)
+    if mode == "reduce":
+        flat = as_fragment(result, cute.make_layout(len(evens)))
+        return place(flat, ctx.view(width / 2).layout)
+    even, odd = result
+    return interleave(even, odd, evens, odds, view.layout)
+
+
+def _pairwise_across_lanes(ctx: TraceSubtile, fn, args: list, view: View):
+    """``pairwise="map"`` at width 1/2: a pair's columns sit in lanes l and l ^ 1. Both
+    lanes exchange their elements, evaluate ``fn`` on the pair and keep their half."""
+    call = []
+    for value, _spec, split in args:
+        if split:
+            even, odd = lane_pairs(to_rmem(value, view.layout), view.frag.n)
+            call += [even, odd]
+        else:  # row values and scalars (no width-1/4 values exist)
+            call.append(broadcast(ctx, value, view.width))
+    even, odd = fn(*call)
+    return keep_lane_half(
+        as_fragment(even, view.layout), as_fragment(odd, view.layout), view.layout
+    )
+
+
+@cute.jit
+def lane_pairs(src, n: cutlass.Constexpr[int]):
+    """(even, odd) column fragments of a pair split across lanes l, l ^ 1 (the odd lane
+    of the two holds the odd column)."""
+    odd_lane = cute.arch.lane_idx() % 2
+    e = cute.make_rmem_tensor(cute.make_layout(n), Float32)
+    o = cute.make_rmem_tensor(cute.make_layout(n), Float32)
+    for k in cutlass.range_constexpr(n):
+        mine = src[k]
+        other = cute.arch.shuffle_sync_bfly(mine, offset=1)
+        e[k] = mine
+        o[k] = other
+        if odd_lane == 1:
+            e[k] = other
+            o[k] = mine
+    return e.load(), o.load()
+
+
+@cute.jit
+def keep_lane_half(even, odd, layout):
+    """This lane's column of each pair: ``even`` in even lanes, ``odd`` in odd lanes."""
+    odd_lane = cute.arch.lane_idx() % 2
+    e = cute.make_rmem_tensor(layout, Float32)
+    e.store(even)
+    o = cute.make_rmem_tensor(layout, Float32)
+    o.store(odd)
+    out = cute.make_rmem_tensor(layout, Float32)
+    for k in cutlass.range_constexpr(cute.size(layout)):
+        out[k] = e[k]
+        if odd_lane == 1:
+            out[k] = o[k]
+    return out.load()
+
+
+# ---- column reductions (over the rows of a tile) ---------------------------------------
+def col_accumulate(ctx: TraceSubtile, op: str, vals, view: View, key) -> None:
+    """Reduce each column of this subtile over its 64 rows down to one value per warp
+    (thread-local, then across the 8 lane groups) and combine it into the warp's slot of
+    the tile's column scratch (written by the first row of subtiles, combined after)."""
+    tile = ctx.tile
+    scratch, base = tile.scratch_for(key)
+    tile_cols = int(tile.config.tile_n * view.width)
+    col0 = tile.tile_coord[1] * tile_cols
+    first = ctx.subtile[0] == 0
+    for c in view.frag.cols:
+        members = view.frag.col_members(c)
+        v = vals[members[0]]
+        for i in members[1:]:
+            v = fr.combine(op, v, vals[i])
+        v = fr.column_allreduce(op, v)
+        col = view.coords[members[0]][1] - col0
+        _col_slot(scratch, base, tile_cols, col, v, op, first)
+
+
+@cute.jit
+def _col_slot(scratch, base, tile_cols, col, v, op: cutlass.Constexpr[str], first):
+    warp = cute.arch.make_warp_uniform(cute.arch.warp_idx()) % 4
+    if cute.arch.lane_idx() < 4:
+        idx = base + warp * tile_cols + col
+        if cutlass.const_expr(first):
+            scratch[idx] = v
+        else:
+            scratch[idx] = fr.combine(op, scratch[idx], v)
+
+
+def flush_cols(tile: TraceTile, key, width: Fraction, op: str, partials) -> None:
+    """After a tile's last subtile: combine the 4 warps' column values in a fixed order
+    and write the tile's row of column partials (in-bounds columns only)."""
+    scratch, base = tile.scratch_for(key)
+    tile_cols = int(tile.config.tile_n * width)
+    limit = value_cols(tile.shape_mn[1], width)
+    tile.mainloop.barrier.arrive_and_wait()
+    _write_cols(scratch, base, tile_cols, op, partials, tile.tile_coord, limit)
+
+
+@cute.jit
+def _write_cols(scratch, base, tile_cols: cutlass.Constexpr[int], op: cutlass.Constexpr[str],
+                partials, tile_coord, limit):
+    tid = cute.arch.thread_idx()[0] % 128
+    tm, tn = tile_coord
+    for k in cutlass.range_constexpr((tile_cols + 127) // 128):
+        col = tid + 128 * k
+        gcol = tn * tile_cols + col
+        if col < tile_cols and gcol < limit:
+            total = scratch[base + col]
+            for w in cutlass.range_constexpr(1, 4):
+                total = fr.combine(op, total, scratch[base + w * tile_cols + col])
+            partials[tm, gcol] = total

@@ -76,11 +76,11 @@ class VecLoad(Primitive):
     def trace(self, ctx: Any, values: dict[str, Any], state: Any) -> None:
         from coda.primitives import tracing
 
-        layout = tracing.frag_layout(ctx)
+        view = ctx.view_of(self.name)
+        axis = 0 if self.per == "row" else 1
         vec = ctx.extra(self.name)
-        M, N = ctx.shape_mn
-        axis, limit = (0, M) if self.per == "row" else (1, N)
-        values[self.name] = tracing.gather(layout, ctx.coords, vec, axis, limit)
+        limit = view.shape_mn[axis]
+        values[self.name] = tracing.gather(view.layout, view.coords, vec, axis, limit)
 
 
 @attrs.frozen

@@ -24,7 +24,7 @@ from ..errors import InputError
 from ..geometry import Problem
 from ..mainloop.config import GemmConfig, choose_epilogue_config
 from . import checks, gemm_kernels
-from .fused import FusedVisitor, unsupported
+from .fused import FusedVisitor, n_multiple, unsupported
 
 
 def _cute_extra(spec, value: Any):
@@ -63,12 +63,13 @@ def run(
             checks.row_major_tma(spec.name, tensors[spec.name])
         elif spec.role in ("row", "col") and not tensors[spec.name].is_contiguous():
             raise InputError(f"{spec.name!r} must be a contiguous vector")
-    for spec in epi.outputs:
-        if spec.role == "tile" and (n * torch.empty(0, dtype=spec.dtype).element_size()) % 16:
-            raise InputError(
-                f"output {spec.name!r} ({spec.dtype}) needs N*elem_size to be a multiple of "
-                f"16 bytes for TMA; N={n}"
-            )
+    need = n_multiple(epi)
+    if n % need:
+        raise InputError(
+            f"N={n}: this epilogue needs N to be a multiple of {need} (TMA moves every "
+            f"M x N*width tensor in rows of a multiple of 16 bytes, and column pairs must "
+            f"not straddle the edge)"
+        )
     checks.hopper_device(A.device)
     device = A.device
     num_sms = torch.cuda.get_device_properties(device).multi_processor_count

@@ -16,6 +16,7 @@ yet (the reference and simulator still run it).
 
 from __future__ import annotations
 
+import math
 from fractions import Fraction
 from typing import Any
 
@@ -23,27 +24,29 @@ import attrs
 import torch
 
 from ..epilogue import Epilogue
-from ..primitives import Elementwise, TileLoad, TileReduce, TileStore
+from ..primitives import TileLoad, TileStore
 from ..primitives.base import Primitive
 from ..specs import TensorSpec
 
 
 def unsupported(epi: Epilogue) -> str | None:
     """Why ``epi`` cannot be traced into the kernel today (None when it can)."""
-    for name, spec in epi.values.items():
-        if spec.has_cols and spec.width != Fraction(1):
-            return (
-                f"value {name!r} has width {spec.width}: only width-1 values (M x N) are "
-                f"fused today; half- and double-width values run in the reference/simulator"
-            )
     for p in epi.primitives:
         if type(p).trace is Primitive.trace:
             return f"{p.label} has no CuTeDSL trace (it defines only the reference/simulator)"
-        if isinstance(p, TileReduce) and p.per == "col":
-            return f"{p.label}: per='col' reductions are not fused yet"
-        if isinstance(p, Elementwise) and p.pairwise == "reduce":
-            return f"{p.label}: pairwise='reduce' (width-halving) is not fused yet"
     return None
+
+
+def n_multiple(epi: Epilogue) -> int:
+    """N must be a multiple of this for ``epi`` to run fused: column pairs never straddle
+    the edge (``epi.n_alignment``) and every M x N*w tensor's rows are a multiple of 16
+    bytes (TMA), as are B's and a plain output's (N a multiple of 8)."""
+    need = math.lcm(8, epi.n_alignment)
+    for spec in (*epi.inputs, *epi.outputs):
+        if spec.role == "tile":
+            row_bytes = spec.width * torch.empty(0, dtype=spec.dtype).element_size()
+            need = math.lcm(need, (Fraction(16) / row_bytes).numerator)
+    return need
 
 
 def _extra_specs(epi: Epilogue) -> tuple[TensorSpec, ...]:
@@ -75,11 +78,30 @@ class FusedVisitor:
         return tuple(p.dtype for p in self.loads)
 
     @property
+    def store_widths(self) -> tuple[Fraction, ...]:
+        return tuple(self.epilogue.values[p.value].width for p in self.stores)
+
+    @property
+    def load_widths(self) -> tuple[Fraction, ...]:
+        return tuple(p.width for p in self.loads)
+
+    @property
     def extras_specs(self) -> tuple[TensorSpec, ...]:
         return _extra_specs(self.epilogue)
 
-    def smem_bytes(self) -> int:
-        return 0
+    def scratch_offsets(self, config: Any) -> dict[Primitive, int]:
+        """Each primitive's first float in the shared scratch (those that need some)."""
+        out, at = {}, 0
+        for p in self.epilogue.primitives:
+            n = p.smem_floats(self.epilogue.values, config.tile_n)
+            if n:
+                out[p] = at
+                at += n
+        return out
+
+    def smem_bytes(self, config: Any) -> int:
+        values = self.epilogue.values
+        return 4 * sum(p.smem_floats(values, config.tile_n) for p in self.epilogue.primitives)
 
     # ---- compile-time description of extras ------------------------------------------
     def fake_extras(self, m, n) -> tuple:
@@ -92,14 +114,19 @@ class FusedVisitor:
 
         out = []
         for spec in self.extras_specs:
+            # columns: N itself at width 1, else its own symbol (N*w is not affine in N)
+            cols = n if spec.width == 1 else cute.sym_int32()
             if spec.role == "scalar":
                 out.append(cutlass.Float32(0.0))
             elif spec.role == "row":
                 out.append(make_fake_compact_tensor(dtypes.to_cutlass(spec.dtype), (m,)))
             elif spec.role == "col":
-                out.append(make_fake_compact_tensor(dtypes.to_cutlass(spec.dtype), (n,)))
-            elif spec.role == "partials_row":
-                shape = (m, cute.sym_int32())
+                out.append(make_fake_compact_tensor(dtypes.to_cutlass(spec.dtype), (cols,)))
+            elif spec.role in ("partials_row", "partials_col"):
+                shape = (m, cute.sym_int32()) if spec.role == "partials_row" else (
+                    cute.sym_int32(),
+                    cols,
+                )
                 out.append(make_fake_compact_tensor(cutlass.Float32, shape, stride_order=(1, 0)))
             else:
                 raise NotImplementedError(f"extras role {spec.role!r} is not fused yet")
@@ -110,7 +137,12 @@ class FusedVisitor:
         from ..primitives.tracing import TraceTile
 
         index = {s.name: i for i, s in enumerate(self.extras_specs)}
-        tile = TraceTile(mainloop=tctx, extras_index=index, specs=self.epilogue.values)
+        tile = TraceTile(
+            mainloop=tctx,
+            extras_index=index,
+            specs=self.epilogue.values,
+            scratch_offsets=self.scratch_offsets(tctx.config),
+        )
         return tile, [p.trace_begin_tile(tile) for p in self.epilogue.primitives]
 
     def visit(self, ctx: Any, acc: Any, loaded: tuple, vstate: Any) -> tuple:

@@ -8,6 +8,14 @@ epilogue-overhead benchmark share (so all three exercise the same compositions).
 * ``lse_target``: online log-sum-exp per row and the target logit, nothing M x N written
   (the LM-head cross-entropy forward).
 * ``silu_max``: y = silu(acc) stored as fp16, and its per-row max.
+* ``swiglu_fwd``: y = silu(g) * u over interleaved (gate, up) column pairs of acc; y has
+  width 1/2 (M x N/2).
+* ``swiglu_bwd``: dy = acc (width 1) and the saved interleaved gate/up (width 2): store
+  (dg, du) interleaved (width 2) and the ZdZ row partial sum(g dg + u du).
+* ``rope``: rotate adjacent column pairs by pos * freq (positions per row, frequencies
+  per pair: a col vector of width 1/2), store the result.
+* ``dgamma_colsum``: column sums over M of acc * x_hat (RMSNorm's dgamma partials) and
+  a column max.
 """
 
 from __future__ import annotations
@@ -42,6 +50,11 @@ def _row_scale(a, r, s):
     return a * r * s
 
 
+def pair_dot(a, b, da, db):
+    """a da + b db for a pair (the ZdZ terms of a pairwise op)."""
+    return a * da + b * db
+
+
 EPILOGUES: dict[str, Epilogue] = {
     "residual_store": Epilogue()
     .add(TileLoad("residual", bf16))
@@ -65,4 +78,23 @@ EPILOGUES: dict[str, Epilogue] = {
     .add(Elementwise("y", cm.silu, ins=("acc",)))
     .add(TileStore("y", torch.float16))
     .add(TileReduce("mx", of="y", op="max")),
+    "swiglu_fwd": Epilogue()
+    .add(Elementwise("y", ops.swiglu, ins=("acc",), pairwise="reduce"))
+    .add(TileStore("y", bf16)),
+    "swiglu_bwd": Epilogue()
+    .add(TileLoad("gu", bf16, width=2))
+    .add(Elementwise("dgu", ops.swiglu_backward, ins=("gu", "acc"), pairwise="map"))
+    .add(TileStore("dgu", bf16))
+    .add(Elementwise("zdz_terms", pair_dot, ins=("gu", "dgu"), pairwise="reduce"))
+    .add(TileReduce("zdz", of="zdz_terms", op="sum")),
+    "rope": Epilogue()
+    .add(VecLoad("pos", per="row", dtype=torch.float32))
+    .add(VecLoad("freq", per="col", dtype=torch.float32, width="1/2"))
+    .add(Elementwise("y", ops.rope, ins=("acc", "pos", "freq"), pairwise="map"))
+    .add(TileStore("y", bf16)),
+    "dgamma_colsum": Epilogue()
+    .add(TileLoad("x_hat", bf16))
+    .add(Elementwise("gx", ops.mul, ins=("acc", "x_hat")))
+    .add(TileReduce("dgamma", of="gx", op="sum", per="col"))
+    .add(TileReduce("colmax", of="acc", op="max", per="col")),
 }

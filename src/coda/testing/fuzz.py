@@ -1,9 +1,9 @@
-"""GPU fuzzer: random fusable compositions run fused on the GPU against eager references.
+"""GPU fuzzer: random compositions run fused on the GPU against eager references.
 
     python -m coda.testing.fuzz --examples 300 [--seed 0] [--workers 8] [--out fuzz.json]
 
 Sits in ``coda.testing``; the same property the CPU suite checks, on the real kernel.
-Each example draws an epilogue (``epilogues(fusable=True)``), a ragged problem size and
+Each example draws an epilogue (``epilogues()``), a ragged problem size and
 inputs, runs ``epi(A, B, **tensors)`` with every output pre-filled with NaN (an element
 the kernel never writes stays NaN), and compares each output with:
 
@@ -70,6 +70,7 @@ def _draw_and_run(seed: int, examples: int, worker: int, workers: int, out_path:
     from hypothesis import seed as hseed
     from hypothesis import strategies as st
 
+    from ..runtime.fused import n_multiple
     from .strategies import epilogues, make_inputs
 
     records: list[dict[str, Any]] = []
@@ -87,9 +88,10 @@ def _draw_and_run(seed: int, examples: int, worker: int, workers: int, out_path:
     def body(data):
         i = counter["i"]
         counter["i"] += 1
-        epi = data.draw(epilogues(fusable=True))
+        epi = data.draw(epilogues())
         m = data.draw(st.integers(1, 700))
-        n = 8 * data.draw(st.integers(1, 100))
+        step = n_multiple(epi)
+        n = step * data.draw(st.integers(1, 800 // step))
         k = 8 * data.draw(st.integers(1, 48))
         dtype = data.draw(st.sampled_from((torch.bfloat16, torch.float16)))
         ex_seed = data.draw(st.integers(0, 2**31 - 1))

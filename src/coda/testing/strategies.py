@@ -67,11 +67,8 @@ class Composer:
     ``fresh(prefix)`` for new names; the composer adds what they return.
     """
 
-    def __init__(self, fusable: bool = False) -> None:
-        #: restrict draws to what the fused kernel traces today (width-1 values, row
-        #: reductions, no width-changing pairs): see ``coda.runtime.fused.unsupported``
-        self.fusable = fusable
-        self.widths: tuple[Fraction, ...] = (Fraction(1),) if fusable else WIDTHS
+    def __init__(self) -> None:
+        self.widths: tuple[Fraction, ...] = WIDTHS
         self.epilogue = Epilogue()
         self._count = 0
         self.target_dtype: torch.dtype | None = None
@@ -166,8 +163,6 @@ def nary(draw: DrawFn, c: Composer) -> Primitive:
 
 
 def pair_reduce(draw: DrawFn, c: Composer) -> Primitive | None:
-    if c.fusable:
-        return None
     a = c.pick(draw, ("tile",), (Fraction(1), Fraction(2)))
     if a is None:
         return None
@@ -184,7 +179,7 @@ def pair_reduce(draw: DrawFn, c: Composer) -> Primitive | None:
 def pair_map(draw: DrawFn, c: Composer) -> Primitive:
     a = c.pick(draw)
     w = c.values[a].width
-    arity = draw(st.sampled_from((2,) if c.fusable else (2, 3, 4)))
+    arity = draw(st.sampled_from((2, 3, 4)))
     half = ("tile", "col", "row", "scalar")
     if arity == 3:
         angle = c.pick(draw, half, (w / 2,))
@@ -256,7 +251,7 @@ def observe(draw: DrawFn, c: Composer, value: str) -> Primitive:
         op = draw(st.sampled_from(("sum", "sumsq", "max")))
         posts = {"sum": (None, _post_mean), "sumsq": (None, _post_mean, _post_rstd), "max": (None,)}
         post = draw(st.sampled_from(posts[op]))
-        per = draw(st.sampled_from(("row",) if c.fusable else ("row", "col")))
+        per = draw(st.sampled_from(("row", "col")))
         return TileReduce(c.fresh("red"), value, op, per, post)
     if choice == "lse":
         return LogSumExp(c.fresh("lse"), value)
@@ -300,11 +295,10 @@ def epilogues(
     max_steps: int = 6,
     builtins: Sequence[Factory] = BUILTIN_FACTORIES,
     require_extra: bool | None = None,
-    fusable: bool = False,
 ) -> Epilogue:
-    """Random valid epilogues (see the module doc). ``fusable=True`` draws only what the
-    fused GPU kernel supports today."""
-    c = Composer(fusable)
+    """Random valid epilogues (see the module doc); the built-in factories draw only
+    primitives that also trace into the fused GPU kernel."""
+    c = Composer()
     factories = tuple(builtins) + tuple(extra)
     used_extra = False
     for _ in range(draw(st.integers(1, max_steps))):
