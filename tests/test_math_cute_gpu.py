@@ -5,12 +5,16 @@ One kernel applies every case of ``tests/test_math_cute.py::CASES`` (every funct
 ``__all__``, composed and scalar-mixing cases) to 64K fp32 inputs, random and edge values,
 on ``TensorSSA`` fragments and on ``Float32`` scalars, and each result is compared with the
 torch branch evaluated in float64 on the same fp32 inputs and rounded to fp32: relative
-2e-6 + absolute 1e-6, NaN where torch has NaN, the same infinities. No function needs a
-looser tolerance: every transcendental is the accurate libdevice routine (a few ulp; see
-the module doc of ``coda.primitives.math``), and the absolute term covers the results that
-fp32 evaluation cannot get relatively right (cancellation in gelu_tanh's 1 + tanh near
--1, underflow of exp/sigmoid/silu/softplus into denormals, which the ftz exp2 core of
-libdevice's expf flushes to zero).
+2e-6 + absolute 1e-6, NaN where torch has NaN (and for sin/cos where |x| is past their
+range, ~3.29e6: ``test_math_cute.expected``), the same infinities. No function needs a
+looser tolerance: every other transcendental is the accurate libdevice routine (a few ulp;
+see the module doc of ``coda.primitives.math``); sin/cos, coda's own Cody-Waite reduction
+and Cephes polynomials, are within ~1e-7 absolute up to |x| ~ 8.2e5 and ~7e-7 up to the
+range end (float32 emulation, ``tests/test_math_cute.py``), inside the absolute 1e-6; and
+the absolute term covers the results that fp32 evaluation cannot get relatively right
+(cancellation in gelu_tanh's 1 + tanh near -1, sin/cos near their zeros, underflow of
+exp/sigmoid/silu/softplus into denormals, which the ftz exp2 core of libdevice's expf
+flushes to zero). sin/cos are also compared with their float32 emulation: bit for bit.
 """
 
 import pytest
@@ -22,7 +26,15 @@ hopper = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9,
 if not hopper:
     pytest.skip("needs an NVIDIA Hopper GPU", allow_module_level=True)
 
-from test_math_cute import CASES, SCALARS, compile_kernel, inputs, torch_reference  # noqa: E402
+from test_math_cute import (  # noqa: E402
+    CASES,
+    SCALARS,
+    SINCOS_CASES,
+    compile_kernel,
+    expected,
+    inputs,
+    sincos_emulated,
+)
 
 N = 1 << 16
 
@@ -56,6 +68,18 @@ def device_results(tmp_path_factory):
 def test_device_cute_matches_torch_branch(device_results, name, s):
     x, y, results = device_results
     vec, scal = results[name, s]
-    ref = torch_reference(name, x, y, s, torch.float64)
+    ref = expected(name, x, y, s, torch.float64)
     torch.testing.assert_close(vec, ref, rtol=2e-6, atol=1e-6, equal_nan=True)
     torch.testing.assert_close(scal, ref, rtol=2e-6, atol=1e-6, equal_nan=True)
+
+
+@pytest.mark.parametrize("name", list(SINCOS_CASES))
+def test_device_sincos_match_emulation(device_results, name):
+    """The GPU runs exactly the emulated float32 steps (fma.rn, cvt.rni, mul.f32 without
+    .ftz are IEEE operations): the same bits, so the emulation's accuracy results (measured
+    on the CPU in tests/test_math_cute.py) are the kernel's."""
+    x, _, results = device_results
+    emu = sincos_emulated(x, SINCOS_CASES[name])
+    for got in results[name, SCALARS[0]]:  # (fragment path, scalar path)
+        same = (got.view(torch.int32) == emu.view(torch.int32)) | (got.isnan() & emu.isnan())
+        assert same.all(), (x[~same][:8], got[~same][:8], emu[~same][:8])

@@ -21,11 +21,12 @@ Each function dispatches on its arguments:
   ``cutlass`` is imported lazily, on the first CuTeDSL call, never at module import.
 * Anything else (or only Python numbers, or torch mixed with CuTeDSL) raises ``TypeError``.
 
-CuTeDSL lowering and accuracy (fp32). Every transcendental uses the *accurate* MLIR
-``math`` op (``cute.math.*`` with ``fastmath=False``), which NVVM lowers to libdevice's fp32
-routines (``__nv_expf``, ``__nv_tanhf``, ...). The PTX ``.approx`` hardware intrinsics
-appear only where libdevice uses them inside an accurate routine (``ex2.approx`` after an
-exact two-constant range reduction in exp, ``rcp.approx`` inside tanh) or are accurate on
+CuTeDSL lowering and accuracy (fp32). Every transcendental but sin/cos uses the *accurate*
+MLIR ``math`` op (``cute.math.*`` with ``fastmath=False``), which NVVM lowers to libdevice's
+fp32 routines (``__nv_expf``, ``__nv_tanhf``, ...); sin/cos are coda's own code (libdevice's
+needs local memory, see the table). The PTX ``.approx`` hardware intrinsics appear only
+where libdevice uses them inside an accurate routine (``ex2.approx`` after an exact
+two-constant range reduction in exp, ``rcp.approx`` inside tanh) or are accurate on
 their own (``ex2.approx.f32`` for exp2, ``rsqrt.approx.f32``: <= 2 ulp). The fast variants
 were rejected: ``tanh.approx.f32`` has a relative error of ~2^-11; ``sin/cos.approx.f32``
 an absolute error of ~2^-20 on [-pi, pi] only, useless for RoPE-sized angles;
@@ -34,7 +35,8 @@ an absolute error of ~2^-20 on [-pi, pi] only, useless for RoPE-sized angles;
 
 Max error measured on an H200 against float64 (``tests/test_math_cute_gpu.py`` cases, 1M
 inputs incl. edge values; ulp of the exact result where it exceeds 1e-3, 0.5 = correctly
-rounded); torch's own CUDA fp32 kernels measured the same on every function:
+rounded); torch's own CUDA fp32 kernels measured the same on every function (sin/cos: not
+yet measured on a GPU since their reimplementation):
 
 =====================  =============================================================  ========
 function               CuTeDSL implementation                                         ulp
@@ -44,9 +46,12 @@ log, log2, log1p       ``cute.math.log / log2 / log1p`` (libdevice polynomials) 
 sqrt, rsqrt            ``cute.math.sqrt`` (``sqrt.rn.f32``), ``cute.math.rsqrt``      0.5, 1.5
                        (``rsqrt.approx.f32``)
 tanh, erf              ``cute.math.tanh / erf`` (libdevice)                           1.8
-sin, cos               ``cute.math.sin / cos`` (libdevice, Payne-Hanek reduction      1.5
-                       above 105615; ptxas kept its small PTX local array in
-                       registers in a test kernel: no LDL/STL in SASS)
+sin, cos               coda's own, registers only (libdevice's Payne-Hanek array      measured
+                       became LDL/STL in the fused kernel): j = rint(x 2/pi),         on GPU
+                       r = x - j pi/2 in three FMAs (Cody-Waite split of pi/2),       pending
+                       Cephes minimax polynomials for sin r, cos r on [-pi/4, pi/4],
+                       the quadrant j mod 4 by select; NaN for +-inf, NaN and past
+                       the range |x| <= 2^21 pi/2 ~ 3.29e6 (see ``_cute_sincos``)
 sigmoid                ``1 / (1 + exp(-x))`` (IEEE ``rcp.rn.f32``)                    2.8
 silu                   ``x / (1 + exp(-x))`` (torch's formula, IEEE ``div.rn.f32``;   2.9
                        silu(-inf) = nan as in torch)
@@ -64,7 +69,8 @@ where                  ``cute.where`` (``arith.select``) on fragments, ``select`
 
 (*) gelu_tanh: <= 4.4e-7 absolute; relative error grows for x < -3, where 1 + tanh(...)
 cancels (torch's fp32 kernel: the same). Signed zeros may differ from torch (relu(-0.0) is
-not guaranteed to match); NaN and +-inf follow torch.
+not guaranteed to match); NaN and +-inf follow torch. sin/cos are NaN past |x| ~ 3.29e6,
+where torch's are still accurate.
 """
 
 from __future__ import annotations
@@ -274,6 +280,112 @@ def _cute_gelu_tanh(x: Any) -> Any:
     return 0.5 * x * (1.0 + _cute().math.tanh(inner))
 
 
+# ---- sin / cos: Cody-Waite range reduction + minimax polynomials, no local memory -------
+#
+# libdevice's __nv_sinf / __nv_cosf fall back to a Payne-Hanek reduction for |x| > 105615
+# that indexes a small array in local memory; inside a large fused kernel ptxas keeps it in
+# local memory (hundreds of LDL/STL). This version uses registers only:
+#
+#   j = rint(x * 2/pi)                     (the nearest quarter turn, fp32)
+#   r = x - j * pi/2                       (three FMA steps, pi/2 = C1 + C2 + C3)
+#   sin x = +-sin r or +-cos r             (quadrant j mod 4; |r| <= ~pi/4)
+#
+# C1 = fp32(pi/2), C2 = fp32(pi/2 - C1), C3 = fp32(pi/2 - C1 - C2), each rounded to nearest
+# from exact rational arithmetic (fractions.Fraction) on a 110-digit decimal of pi;
+# pi/2 - (C1 + C2 + C3) = 1.06e-23 (tests/test_math_cute.py re-derives them). Each FMA
+# rounds only its sum, never the product j * Ck, so r is accurate to a few fp32 ulp of
+# |r| + |j| 4.4e-8, plus |j| * 1.1e-23 from the split's own error.
+_SINCOS_TWO_OVER_PI = 0.6366197466850281  # fp32(2/pi), 0x3F22F983
+_SINCOS_PIO2_C1 = 1.5707963705062866  # 0x3FC90FDB
+_SINCOS_PIO2_C2 = -4.371138828673793e-08  # 0xB33BBD2E
+_SINCOS_PIO2_C3 = -1.7151245100058819e-15  # 0xA6F72CED
+#: Accepted range of |x * 2/pi| (|x| <= 2^21 pi/2 ~= 3.29e6); beyond it sin/cos return NaN.
+#: x * 2/pi in fp32 is off by up to ~0.15 quarter turn at 2^21 (its rounding, 2^-4, plus
+#: fp32(2/pi)'s relative error 4e-8 times 2^21), so rint may pick a neighbouring quarter turn
+#: and |r| grows past pi/4 (max |r|: 0.79 up to |x| = 1e5, 0.84 up to 8.2e5, 1.02 at the
+#: range end), where the polynomials slowly lose accuracy. float32 emulation, abs error:
+#: <= 1e-7 up to |x| ~ 8.2e5, <= 7e-7 up to the range end, ~1e-4 at |x| ~ 1e7 and unbounded
+#: garbage (|r| >> 1, even inf) from |x| ~ 3e7 on, hence NaN past the range.
+_SINCOS_MAX_QUARTER_TURNS = 2.0**21
+#: Cephes sinf.c minimax coefficients on [-pi/4, pi/4], highest power first (rounded to fp32):
+#: sin r = r + r z (S0 z^2 + S1 z + S2), cos r = 1 + z (-1/2 + z (C0 z^2 + C1 z + C2)), z = r^2.
+_SIN_COEFFS = (-1.9515295891e-4, 8.3321608736e-3, -1.6666654611e-1)
+_COS_COEFFS = (2.443315711809948e-05, -1.388731625493765e-03, 4.166664568298827e-02)
+
+
+def _cute_fma(a: Any, b: Any, c: Any) -> Any:
+    """a * b + c with one rounding (``math.fma``: ``fma.rn.f32``); Python numbers promoted."""
+    a, b, c = _cute_promote("sin/cos", (a, b, c))
+    return _cute().math.fma(a, b, c)
+
+
+def _cute_horner(z: Any, coeffs: tuple[float, ...]) -> Any:
+    """coeffs[0] z^(n-1) + ... + coeffs[n-1] by Horner's rule, one FMA per step."""
+    p = coeffs[0]
+    for c in coeffs[1:]:
+        p = _cute_fma(p, z, c)
+    return p
+
+
+def _cute_sin_poly(r: Any, z: Any) -> Any:
+    """sin r for |r| <= ~pi/4, z = r * r."""
+    return _cute_fma(r * z, _cute_horner(z, _SIN_COEFFS), r)
+
+
+def _cute_cos_poly(z: Any) -> Any:
+    """cos r for |r| <= ~pi/4, z = r * r."""
+    return _cute_fma(_cute_horner(z, (*_COS_COEFFS, -0.5)), z, 1.0)
+
+
+def _cute_sincos(x: Any, quadrant_shift: int) -> Any:
+    """sin x (``quadrant_shift`` 0) or cos x = sin(x + pi/2) (``quadrant_shift`` 1).
+
+    With x = j pi/2 + r and q = (j + quadrant_shift) mod 4, the result is sin r, cos r,
+    -sin r, -cos r for q = 0, 1, 2, 3 (cos x: q = j + 1 gives cos r, -sin r, -cos r, sin r).
+    NaN for NaN, +-inf and |x| beyond the reduction's range (``_SINCOS_MAX_QUARTER_TURNS``).
+    """
+    import cutlass
+
+    cm = _cute().math
+    quarter_turns = x * _SINCOS_TWO_OVER_PI
+    j = cm.roundeven(quarter_turns)  # cvt.rni: round half to even
+    r = _cute_fma(-j, _SINCOS_PIO2_C1, x)  # |r| ~ |x - j pi/2| + |j| 4.4e-8
+    r = _cute_fma(-j, _SINCOS_PIO2_C2, r)
+    r = _cute_fma(-j, _SINCOS_PIO2_C3, r)
+    z = r * r
+    q = j.to(cutlass.Int32) + quadrant_shift  # two's complement: q & 3 = j mod 4 for j < 0
+    value = _cute_where((q & 1) != 0, _cute_cos_poly(z), _cute_sin_poly(r, z))
+    value = _cute_where((q & 2) != 0, -value, value)
+    # NaN, +-inf (|quarter_turns| is NaN or inf) and out-of-range |x| fail the test: NaN.
+    return _cute_where(cm.abs(quarter_turns) <= _SINCOS_MAX_QUARTER_TURNS, value, _pymath.nan)
+
+
+def _cute_in_fp32(fn: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """``fn`` (written for fp32: its constants are fp32) evaluated in fp32 on a value of any
+    numeric dtype, the result converted back to that dtype."""
+
+    def op(x: Any) -> Any:
+        import cutlass
+
+        dtype = x.dtype if isinstance(x, _cute().TensorSSA) else type(x)
+        if dtype is cutlass.Float32:
+            return fn(x)
+        return fn(x.to(cutlass.Float32)).to(dtype)
+
+    return op
+
+
+@_cute_in_fp32
+def _cute_sin(x: Any) -> Any:
+    # The reduction turns x = -0.0 into r = +0.0; keep sin(-0) = -0 as torch does.
+    return _cute_where(x == 0.0, x, _cute_sincos(x, 0))
+
+
+@_cute_in_fp32
+def _cute_cos(x: Any) -> Any:
+    return _cute_sincos(x, 1)
+
+
 def _cute_math(name: str) -> Callable[[Any], Any]:
     def op(x: Any) -> Any:
         return getattr(_cute().math, name)(x)
@@ -310,8 +422,8 @@ softplus = _unary(
     "softplus", F.softplus, _cute_softplus, "log(1 + exp(x)); x itself where x > 20 (torch's)"
 )
 erf = _unary("erf", torch.erf, _cute_math("erf"), "the error function")
-cos = _unary("cos", torch.cos, _cute_math("cos"), "cosine (radians)")
-sin = _unary("sin", torch.sin, _cute_math("sin"), "sine (radians)")
+cos = _unary("cos", torch.cos, _cute_cos, "cosine (radians)")
+sin = _unary("sin", torch.sin, _cute_sin, "sine (radians)")
 # `abs` shadows the builtin on purpose (mirrors torch/numpy naming)
 abs = _unary("abs", torch.abs, _cute_math("abs"), "absolute value")  # noqa: A001
 
