@@ -1,5 +1,6 @@
-"""CPU CI for fused epilogues: compositions trace into the PingPong kernel and compile for
-sm_90a; SASS checks on the catalogue's representative epilogues."""
+"""CPU CI for fused epilogues: the catalogue's representative epilogues and 30 hypothesis-
+drawn compositions trace into the PingPong kernel, compile for sm_90a, and their SASS
+shows HGMMA and no local-memory traffic (LDL/STL)."""
 
 from __future__ import annotations
 
@@ -39,7 +40,16 @@ def test_catalogue_epilogue_sass(name, tmp_path):
 
 @settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck))
 @given(epilogues())
-def test_drawn_compositions_compile_for_sm90(tmp_path_factory, epi):
+def test_drawn_compositions_compile_for_sm90_without_spills(tmp_path_factory, epi):
+    """30 random compositions (all widths, pairs, row/col reductions, states) per run:
+    they compile, and the SASS runs the GEMM on HGMMA with no local memory (LDL/STL)."""
     assert unsupported(epi) is None, unsupported(epi)
     ptx, cubin = _compile(epi, tmp_path_factory.mktemp("k"))
     assert "wgmma.mma_async" in ptx and len(cubin) > 0
+    if find_nvdisasm() is None:
+        pytest.skip("nvdisasm not installed")
+    ops = opcode_counts(disassemble(cubin))
+    # an epilogue that never reads acc leaves the GEMM's result dead: ptxas drops it
+    if any("acc" in p.reads for p in epi.primitives):
+        assert count_prefix(ops, "HGMMA") > 0
+    assert count_prefix(ops, "LDL") == 0 and count_prefix(ops, "STL") == 0, "spills"

@@ -436,8 +436,15 @@ def flush_cols(tile: TraceTile, key, width: Fraction, op: str, partials) -> None
 
 
 @cute.jit
-def _write_cols(scratch, base, tile_cols: cutlass.Constexpr[int], op: cutlass.Constexpr[str],
-                partials, tile_coord, limit):
+def _write_cols(
+    scratch,
+    base,
+    tile_cols: cutlass.Constexpr[int],
+    op: cutlass.Constexpr[str],
+    partials,
+    tile_coord,
+    limit,
+):
     tid = cute.arch.thread_idx()[0] % 128
     tm, tn = tile_coord
     for k in cutlass.range_constexpr((tile_cols + 127) // 128):

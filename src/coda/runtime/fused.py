@@ -123,9 +123,13 @@ class FusedVisitor:
             elif spec.role == "col":
                 out.append(make_fake_compact_tensor(dtypes.to_cutlass(spec.dtype), (cols,)))
             elif spec.role in ("partials_row", "partials_col"):
-                shape = (m, cute.sym_int32()) if spec.role == "partials_row" else (
-                    cute.sym_int32(),
-                    cols,
+                shape = (
+                    (m, cute.sym_int32())
+                    if spec.role == "partials_row"
+                    else (
+                        cute.sym_int32(),
+                        cols,
+                    )
                 )
                 out.append(make_fake_compact_tensor(cutlass.Float32, shape, stride_order=(1, 0)))
             else:
