@@ -24,6 +24,7 @@ import torch
 import coda
 from coda.mainloop.config import GemmConfig
 from coda.runtime import disk_cache as dc
+from coda.runtime import elf
 from coda.runtime import gemm_kernels as gk
 
 SRC = str(Path(coda.__file__).resolve().parent.parent)
@@ -325,8 +326,11 @@ def test_loaded_fused_kernel_takes_the_same_arguments(tmp_path, monkeypatch):
     assert canonical is not None
     compiled_fn = gk.compile_kernel(key)
     assert dc.store(canonical, compiled_fn)
-    loaded_fn = dc.load(canonical)
-    assert loaded_fn is not None
+    hit = dc.load(canonical)
+    assert hit is not None
+    loaded_fn = hit.fn
+    # the stored code object embeds the cubin: its local memory (none) reads back
+    assert elf.local_memory_bytes(hit.code) == elf.local_memory_bytes(compiled_fn.__cubin__) == 0
 
     a, b = torch.zeros(256, 64, dtype=torch.bfloat16), torch.zeros(128, 64, dtype=torch.bfloat16)
     z, r = torch.zeros(256, 128), torch.zeros(256)

@@ -10,6 +10,7 @@ from hypothesis import HealthCheck, given, settings
 
 from coda.mainloop.config import GemmConfig
 from coda.runtime import gemm_kernels
+from coda.runtime.epilogue_kernels import epilogue_config
 from coda.runtime.fused import FusedVisitor, unsupported
 from coda.runtime.sass import count_prefix, disassemble, find_nvdisasm, opcode_counts
 from coda.testing.catalog import EPILOGUES
@@ -41,10 +42,13 @@ def test_catalogue_epilogue_sass(name, tmp_path):
 @settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck))
 @given(epilogues())
 def test_drawn_compositions_compile_for_sm90_without_spills(tmp_path_factory, epi):
-    """30 random compositions (all widths, pairs, row/col reductions, states) per run:
-    they compile, and the SASS runs the GEMM on HGMMA with no local memory (LDL/STL)."""
+    """30 random compositions (all widths, pairs, row/col reductions, states) per run, in
+    the config ``epi(A, B)`` would pick (``epilogue_config``: 128 x 128 tiles, narrower if
+    those spill): they compile, and the SASS runs the GEMM on HGMMA with no local memory."""
     assert unsupported(epi) is None, unsupported(epi)
-    ptx, cubin = _compile(epi, tmp_path_factory.mktemp("k"))
+    cfg = epilogue_config(epi, torch.bfloat16, 8192, 8192, 8192, num_sms=132)
+    key = gemm_kernels.GemmKernelKey(cfg, torch.bfloat16, FusedVisitor(epi))
+    ptx, cubin = gemm_kernels.compile_artifacts(key, str(tmp_path_factory.mktemp("k")))
     assert "wgmma.mma_async" in ptx and len(cubin) > 0
     if find_nvdisasm() is None:
         pytest.skip("nvdisasm not installed")

@@ -71,6 +71,11 @@ def _nbytes(dtype: torch.dtype) -> int:
     return torch.empty(0, dtype=dtype).element_size()
 
 
+def _packed(dtype, width: Fraction) -> bool:
+    """A width-2 tensor of 16-bit elements moves as 32-bit (column pair) elements."""
+    return width == 2 and dtype.width == 16
+
+
 def _widths(visitor, attr: str, count: int) -> tuple[Fraction, ...]:
     """The visitor's widths (relative to N) of its stores or loads; 1 when undeclared."""
     widths = tuple(Fraction(w) for w in getattr(visitor, attr, (1,) * count))
@@ -327,14 +332,9 @@ class PingPongGemm:
 
         smem = cutlass.memory.SmemAllocator()
         storage = smem.allocate(self.shared_storage)
-        sD = tuple(
-            smem.allocate_tensor(self.store_dtypes[i], d_smem[i].outer, 1024, d_smem[i].inner)
-            for i in range(n_stores)
-        )
-        sC = tuple(
-            smem.allocate_tensor(self.load_dtypes[i], c_smem[i].outer, 1024, c_smem[i].inner)
-            for i in range(n_loads)
-        )
+        # (TMA view, register-copy view) of every output's and operand's buffers
+        sD, sD_rs = self._allocate_epi(smem, self.store_dtypes, self.store_widths, d_smem)
+        sC, sC_sr = self._allocate_epi(smem, self.load_dtypes, self.load_widths, c_smem)
         scratch = None
         if const_expr(self.scratch_floats > 0):
             scratch = smem.allocate_tensor(Float32, cute.make_layout(self.scratch_floats), 16)
@@ -444,17 +444,25 @@ class PingPongGemm:
             local_points = [local[j] for j in range(cute.size(local))]
             for i in cutlass.range_constexpr(n_stores):
                 w = self.store_widths[i]
-                if const_expr(w == 1):
-                    cp = self._make_r2s_copy(tiled_mma, self.store_dtypes[i])
+                if const_expr(_packed(self.store_dtypes[i], w) or w == 1):
+                    # width 2 at 16 bits: a column pair is one 32-bit element of an fp32
+                    # view of the buffer, laid out like the accumulator
+                    unit = Float32 if const_expr(w != 1) else self.store_dtypes[i]
+                    cp = self._make_r2s_copy(tiled_mma, unit)
                     thr = cp.get_slice(wg_tidx)
                     r2s.append(cp)
-                    tRS_sD.append(thr.partition_D(sD[i]))
+                    tRS_sD.append(thr.partition_D(sD_rs[i]))
                     # the copy groups modes its own way; same elements in the same order
                     own = thr.partition_S(cute.make_identity_tensor(cfg.epi_tile)).shape
-                    rout = cute.make_rmem_tensor(own, self.store_dtypes[i])
+                    rout = cute.make_rmem_tensor(own, unit)
                     tRS_rOut.append(rout)
+                    view = cute.make_layout(frag_shape)
+                    if const_expr(w != 1):
+                        view = cute.make_layout(frag_geom.at_width(w).n)
                     tRS_rOutView.append(
-                        cute.make_tensor(rout.iterator, cute.make_layout(frag_shape))
+                        cute.make_tensor(
+                            cute.recast_ptr(rout.iterator, dtype=self.store_dtypes[i]), view
+                        )
                     )
                 else:
                     r2s.append(frag_geom.points(local_points, w))
@@ -470,14 +478,20 @@ class PingPongGemm:
             tRS_rC = []
             for i in cutlass.range_constexpr(n_loads):
                 w = self.load_widths[i]
-                if const_expr(w == 1):
-                    cp = self._make_s2r_copy(tiled_mma, self.load_dtypes[i])
+                if const_expr(_packed(self.load_dtypes[i], w) or w == 1):
+                    unit = Float32 if const_expr(w != 1) else self.load_dtypes[i]
+                    cp = self._make_s2r_copy(tiled_mma, unit)
                     thr = cp.get_slice(wg_tidx)
                     s2r.append(cp)
-                    tSR_sC.append(thr.partition_S(sC[i]))
-                    rc = cute.make_rmem_tensor(frag_shape, self.load_dtypes[i])
-                    tRS_rC.append(rc)
+                    tSR_sC.append(thr.partition_S(sC_sr[i]))
+                    rc = cute.make_rmem_tensor(frag_shape, unit)
                     tSR_rC.append(thr.retile(rc))
+                    if const_expr(w != 1):
+                        rc = cute.make_tensor(
+                            cute.recast_ptr(rc.iterator, dtype=self.load_dtypes[i]),
+                            cute.make_layout(frag_geom.at_width(w).n),
+                        )
+                    tRS_rC.append(rc)
                 else:
                     s2r.append(frag_geom.points(local_points, w))
                     tSR_sC.append(None)
@@ -571,7 +585,7 @@ class PingPongGemm:
                     if const_expr(n_loads > 0):
                         load_pipe.consumer_wait(lread)
                         for i in cutlass.range_constexpr(n_loads):
-                            if const_expr(self.load_widths[i] == 1):
+                            if const_expr(tSR_rC[i] is not None):
                                 cute.copy(
                                     s2r[i], tSR_sC[i][None, None, None, lread.index], tSR_rC[i]
                                 )
@@ -594,7 +608,7 @@ class PingPongGemm:
                             store_pipe.producer_acquire()
                         epi_bar.arrive_and_wait()
                         for i in cutlass.range_constexpr(n_stores):
-                            if const_expr(self.store_widths[i] == 1):
+                            if const_expr(tRS_sD[i] is not None):
                                 cute.copy(r2s[i], tRS_rOut[i], tRS_sD[i][(None, None, None, buf)])
                             else:
                                 for j, (r, c) in enumerate(r2s[i]):
@@ -730,6 +744,30 @@ class PingPongGemm:
                 state.advance()
             t += num_clusters
         load_pipe.producer_tail(state)
+
+    def _allocate_epi(self, smem, dtypes, widths, layouts):
+        """Shared buffers of the epilogue's outputs (or operands): for each, the view TMA
+        uses and the view the register copies use (the same tensor, except for packed
+        width-2 16-bit buffers, also seen as fp32 column pairs: a 128-byte row either
+        way, so the same 128B swizzle)."""
+        tma_views, reg_views = [], []
+        for i in range(len(dtypes)):
+            lay = layouts[i]
+            raw = smem.allocate(cute.cosize(lay.outer) * dtypes[i].width // 8, 1024)
+            tma_views.append(
+                cute.make_tensor(cute.recast_ptr(raw, lay.inner, dtype=dtypes[i]), lay.outer)
+            )
+            if _packed(dtypes[i], widths[i]):
+                stages = cute.size(lay.outer, mode=[2])
+                pairs = sm90_utils.make_smem_layout_epi(
+                    Float32, LayoutEnum.ROW_MAJOR, self.config.epi_tile, stages
+                )
+                reg_views.append(
+                    cute.make_tensor(cute.recast_ptr(raw, pairs.inner, dtype=Float32), pairs.outer)
+                )
+            else:
+                reg_views.append(tma_views[-1])
+        return tuple(tma_views), tuple(reg_views)
 
     def _box(self, width: Fraction) -> tuple[int, int]:
         """TMA box (= one subtile) of a width-``width`` output or operand."""

@@ -519,7 +519,15 @@ def _atomic_write(path: Path, data: bytes) -> None:
         raise
 
 
-def load(canonical: str) -> Any | None:
+@attrs.frozen
+class Hit:
+    """A loaded entry: the compiled function and the bytes of its code object."""
+
+    fn: Any
+    code: bytes
+
+
+def load(canonical: str) -> Hit | None:
     """The compiled function stored under ``canonical``, or None (miss or unusable entry)."""
     h = digest(canonical)
     directory = cache_dir()
@@ -557,7 +565,7 @@ def load(canonical: str) -> Any | None:
     except Exception as e:  # missing object file, bad JSON, DSL refusing the object, ...
         return _corrupt(meta_path, f"{type(e).__name__}: {e}")
     stats["hit"] += 1
-    return fn
+    return Hit(fn, data)
 
 
 def _corrupt(path: Path, why: str) -> None:

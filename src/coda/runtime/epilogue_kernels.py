@@ -6,7 +6,9 @@ Sits in ``coda.runtime`` under :meth:`coda.Epilogue.__call__`. The order of work
    shapes, dtypes, devices, target values), TMA's contract for every M x N tensor
    (contiguous rows, 16-byte row strides and pointers), a Hopper GPU, and whether the
    composition can be fused today (:func:`coda.runtime.fused.unsupported`);
-2. allocate outputs (TileStore tensors, per-tile partials for the kernel's tile shape);
+2. pick the config (:func:`epilogue_config`: 128 x 128 tiles, narrower when the epilogue
+   would spill registers there) and allocate outputs (TileStore tensors, per-tile
+   partials for the kernel's tile shape);
 3. launch the kernel compiled for (config, A's dtype, the fused visitor);
 4. finalize: each primitive combines its partials into its outputs (tiny torch ops).
 """
@@ -16,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+import attrs
 import torch
 
 from ..binding import bind
@@ -36,6 +39,28 @@ def _cute_extra(spec, value: Any):
     if spec.is_partials:
         return gemm_kernels.as_cute_tensor(value)
     return from_dlpack(value, assumed_align=value.element_size()).mark_layout_dynamic()
+
+
+#: Output-tile widths tried in order for a fused epilogue: the first whose kernel keeps
+#: everything in registers (no local memory) is used. A narrower tile holds fewer
+#: accumulator registers (tile_n per thread) and leaves more to the epilogue's values.
+TILE_N_FALLBACKS = (96, 64)
+
+
+def epilogue_config(
+    epi: Epilogue, ab_dtype: torch.dtype, m: int, n: int, k: int, num_sms: int
+) -> GemmConfig:
+    """The config ``epi(A, B, ...)`` runs with when none is given: the heuristic's
+    (128 x 128), or a narrower tile when that kernel would spill registers. Compiles (or
+    loads from the caches) the candidates it inspects; the answer is cached with them."""
+    base = choose_epilogue_config(m, n, k, num_sms)
+    visitor = FusedVisitor(epi)
+    for tile_n in (base.tile_n, *TILE_N_FALLBACKS):
+        cfg = attrs.evolve(base, tile_n=tile_n)
+        key = gemm_kernels.GemmKernelKey(cfg, ab_dtype, visitor, num_sms=num_sms)
+        if gemm_kernels.local_memory_bytes(key) == 0:
+            return cfg
+    return cfg  # every candidate spills: the narrowest, which spills least
 
 
 def run(
@@ -73,7 +98,7 @@ def run(
     checks.hopper_device(A.device)
     device = A.device
     num_sms = torch.cuda.get_device_properties(device).multi_processor_count
-    cfg = config or choose_epilogue_config(m, n, k, num_sms)
+    cfg = config or epilogue_config(epi, A.dtype, m, n, k, num_sms)
     tile = (cfg.tile_m, cfg.tile_n)
 
     given = dict(outputs or {})

@@ -19,7 +19,7 @@ import torch
 
 from ..mainloop.config import GemmConfig
 from ..mainloop.visitor import AccStore
-from . import disk_cache, dtypes
+from . import disk_cache, dtypes, elf
 from .cute_env import dsl_version, ensure_arch
 
 
@@ -37,6 +37,7 @@ class GemmKernelKey:
 
 
 _cache: dict[GemmKernelKey, Any] = {}
+_local_bytes: dict[GemmKernelKey, int] = {}  # per-thread local memory (spills) of each
 _lock = threading.Lock()
 
 
@@ -51,15 +52,24 @@ def _fake_args(key: GemmKernelKey):
     k = cute.sym_int32(divisibility=8)
     row_major = {"stride_order": (1, 0), "assumed_align": 16}
 
-    def tile(dtype):
-        return make_fake_compact_tensor(dtypes.to_cutlass(dtype), (m, n), **row_major)
+    def tile(dtype, width=1):
+        cols = n
+        if width != 1:  # N * width columns: a symbol of its own, rows of 16-byte multiples
+            elem = torch.empty(0, dtype=dtype).element_size()
+            cols = cute.sym_int32(divisibility=16 // elem)
+        return make_fake_compact_tensor(dtypes.to_cutlass(dtype), (m, cols), **row_major)
+
+    def tiles(kind):
+        dts = getattr(key.visitor, f"{kind}_dtypes")
+        widths = getattr(key.visitor, f"{kind}_widths", (1,) * len(dts))
+        return tuple(tile(d, w) for d, w in zip(dts, widths, strict=True))
 
     extras = key.visitor.fake_extras(m, n) if hasattr(key.visitor, "fake_extras") else ()
     return (
         make_fake_compact_tensor(ab, (m, k), **row_major),
         make_fake_compact_tensor(ab, (n, k), **row_major),
-        tuple(tile(d) for d in key.visitor.store_dtypes),
-        tuple(tile(d) for d in key.visitor.load_dtypes),
+        tiles("store"),
+        tiles("load"),
         extras,
         make_fake_stream(),
     )
@@ -77,8 +87,9 @@ def _kernel_object(key: GemmKernelKey):
     )
 
 
-def compile_kernel(key: GemmKernelKey, options: str | None = None):
-    """Compile (uncached) for sm_90a. Works on a GPU-less machine."""
+def compile_kernel(key: GemmKernelKey, options: str | None = "--keep-cubin"):
+    """Compile (uncached) for sm_90a. Works on a GPU-less machine. By default the cubin is
+    kept (``__cubin__``) so the cache can read the kernel's local-memory use."""
     ensure_arch()
     import cutlass.cute as cute
 
@@ -105,12 +116,19 @@ def get_kernel(key: GemmKernelKey):
         with _lock:
             fn = _cache.get(key)
             if fn is None:
-                fn = _load_or_compile(key)
+                fn, _local_bytes[key] = _load_or_compile(key)
                 _cache[key] = fn
     return fn
 
 
-def _load_or_compile(key: GemmKernelKey):
+def local_memory_bytes(key: GemmKernelKey) -> int:
+    """Per-thread local memory of the kernel for ``key`` (compiled or loaded if needed):
+    0 unless registers spill (or code keeps arrays in local memory)."""
+    get_kernel(key)
+    return _local_bytes[key]
+
+
+def _load_or_compile(key: GemmKernelKey) -> tuple[Any, int]:
     canonical = None
     if disk_cache.enabled():
         ensure_arch()
@@ -118,13 +136,13 @@ def _load_or_compile(key: GemmKernelKey):
         if canonical is None:
             disk_cache.stats["bypass"] += 1
         else:
-            fn = disk_cache.load(canonical)
-            if fn is not None:
-                return fn
+            hit = disk_cache.load(canonical)
+            if hit is not None:
+                return hit.fn, elf.local_memory_bytes(hit.code)
     fn = compile_kernel(key)
     if canonical is not None:
         disk_cache.store(canonical, fn)
-    return fn
+    return fn, elf.local_memory_bytes(fn.__cubin__)
 
 
 def compile_artifacts(key: GemmKernelKey, dump_dir: str) -> tuple[str, bytes]:
