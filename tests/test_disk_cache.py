@@ -330,7 +330,8 @@ def test_loaded_fused_kernel_takes_the_same_arguments(tmp_path, monkeypatch):
     assert hit is not None
     loaded_fn = hit.fn
     # the stored code object embeds the cubin: its local memory (none) reads back
-    assert elf.local_memory_bytes(hit.code) == elf.local_memory_bytes(compiled_fn.__cubin__) == 0
+    fresh = compiled_fn.dump_to_object("probe")
+    assert elf.local_memory_bytes(hit.code) == elf.local_memory_bytes(fresh) == 0
 
     a, b = torch.zeros(256, 64, dtype=torch.bfloat16), torch.zeros(128, 64, dtype=torch.bfloat16)
     z, r = torch.zeros(256, 128), torch.zeros(256)

@@ -87,9 +87,8 @@ def _kernel_object(key: GemmKernelKey):
     )
 
 
-def compile_kernel(key: GemmKernelKey, options: str | None = "--keep-cubin"):
-    """Compile (uncached) for sm_90a. Works on a GPU-less machine. By default the cubin is
-    kept (``__cubin__``) so the cache can read the kernel's local-memory use."""
+def compile_kernel(key: GemmKernelKey, options: str | None = None):
+    """Compile (uncached) for sm_90a. Works on a GPU-less machine."""
     ensure_arch()
     import cutlass.cute as cute
 
@@ -142,7 +141,8 @@ def _load_or_compile(key: GemmKernelKey) -> tuple[Any, int]:
     fn = compile_kernel(key)
     if canonical is not None:
         disk_cache.store(canonical, fn)
-    return fn, elf.local_memory_bytes(fn.__cubin__)
+    # the host object embeds the cubin (in memory: no files written)
+    return fn, elf.local_memory_bytes(fn.dump_to_object("coda_probe"))
 
 
 def compile_artifacts(key: GemmKernelKey, dump_dir: str) -> tuple[str, bytes]:
