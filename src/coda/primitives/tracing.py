@@ -257,10 +257,11 @@ def row_of(ctx: TraceSubtile, r: int):
 
 
 @cute.jit
-def write_row_partial(partials, row, col, value, rows):
-    """partials[row, col] = value, by lane 0 of each quad, for in-bounds rows."""
+def write_row_partial(partials, row, col, value, rows, live):
+    """partials[row, col] = value, by lane 0 of each quad, for in-bounds rows of a live
+    tile (a cluster may own a tile past the last column: it has no partials column)."""
     lane = cute.arch.lane_idx()
-    if lane % 4 == 0 and row < rows:
+    if live and lane % 4 == 0 and row < rows:
         partials[row, col] = value
 
 
@@ -271,11 +272,12 @@ def flush_band(ctx: TraceSubtile, band: dict, names: tuple[str, ...]) -> None:
         return
     outs = [ctx.extra(n) for n in names]
     tn, rows = ctx.tile.tile_coord[1], ctx.shape_mn[0]
+    live = tn * ctx.tile.config.tile_n < ctx.shape_mn[1]
     for r, vals in band.items():
         vals = vals if isinstance(vals, tuple) else (vals,)
         row = row_of(ctx, r)
         for out, v in zip(outs, vals, strict=True):
-            write_row_partial(out, row, tn, v, rows)
+            write_row_partial(out, row, tn, v, rows, live)
 
 
 def exp(x):
@@ -432,7 +434,10 @@ def flush_cols(tile: TraceTile, key, width: Fraction, op: str, partials) -> None
     tile_cols = int(tile.config.tile_n * width)
     limit = value_cols(tile.shape_mn[1], width)
     tile.mainloop.barrier.arrive_and_wait()
-    _write_cols(scratch, base, tile_cols, op, partials, tile.tile_coord, limit)
+    # a cluster may own a tile past the last row (M not a multiple of the cluster's
+    # rows): it has no row of partials
+    live = tile.tile_coord[0] * tile.config.tile_m < tile.shape_mn[0]
+    _write_cols(scratch, base, tile_cols, op, partials, tile.tile_coord, limit, live)
 
 
 @cute.jit
@@ -444,13 +449,14 @@ def _write_cols(
     partials,
     tile_coord,
     limit,
+    live,
 ):
     tid = cute.arch.thread_idx()[0] % 128
     tm, tn = tile_coord
     for k in cutlass.range_constexpr((tile_cols + 127) // 128):
         col = tid + 128 * k
         gcol = tn * tile_cols + col
-        if col < tile_cols and gcol < limit:
+        if live and col < tile_cols and gcol < limit:
             total = scratch[base + col]
             for w in cutlass.range_constexpr(1, 4):
                 total = fr.combine(op, total, scratch[base + w * tile_cols + col])
