@@ -124,6 +124,30 @@ def _draw_and_run(seed: int, examples: int, worker: int, workers: int, out_path:
         json.dump(records, f)
 
 
+#: What the drawn compositions exercised: feature -> marker in ``Epilogue.describe()``.
+_FEATURES = {
+    "width_1/2_value": "width 1/2)",
+    "width_2_value": "width 2)",
+    "pairwise_reduce": "pairwise='reduce'",
+    "pairwise_map": "pairwise='map'",
+    "tile_load": "TileLoad(",
+    "tile_store": "TileStore(",
+    "col_vector": "per='col'",
+    "row_vector": "per='row'",
+    "row_reduce": " per row",
+    "col_reduce": " per col",
+    "log_sum_exp": "LogSumExp(",
+    "target_select": "TargetSelect(",
+}
+
+
+def coverage(records: list[dict[str, Any]]) -> dict[str, int]:
+    """How many examples used each feature, and how many had ragged M or N."""
+    out = {f: sum(marker in r["epilogue"] for r in records) for f, marker in _FEATURES.items()}
+    out["ragged_M_or_N"] = sum(r["M"] % 128 != 0 or r["N"] % 128 != 0 for r in records)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--examples", type=int, default=300)
@@ -178,6 +202,7 @@ def main(argv: list[str] | None = None) -> int:
             "device": torch.cuda.get_device_name(0),
         },
         "seconds": time.time() - t0,
+        "coverage": coverage(records),
         "failed_examples": failures[:20],
     }
     with open(args.out, "w") as f:
