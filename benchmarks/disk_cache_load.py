@@ -72,10 +72,7 @@ if torch.cuda.is_available():
     torch.cuda.synchronize()
 
     def launch():
-        if old_api:
-            gk.launch(key, a, b, d)
-        else:
-            gk.launch(key, a, b, (d,))
+        gk.launch(key, a, b, (d,))
 
     t = time.perf_counter()
     launch()
