@@ -76,6 +76,19 @@ def _packed(dtype, width: Fraction) -> bool:
     return width == 2 and dtype.width == 16
 
 
+def _value_layout(frag_shape, frag_geom: Fragment, width: Fraction):
+    """Register layout of a width-``width`` value's fragment (the accumulator's at 1)."""
+    if width == 1:
+        return cute.make_layout(frag_shape)
+    return cute.make_layout(frag_geom.at_width(width).n)
+
+
+def _as_values(rmem, dtype, layout):
+    """A register buffer seen as ``dtype`` elements in ``layout`` (it may hold them packed
+    two to a 32-bit element, or be the very tensor)."""
+    return cute.make_tensor(cute.recast_ptr(rmem.iterator, dtype=dtype), layout)
+
+
 def _widths(visitor, attr: str, count: int) -> tuple[Fraction, ...]:
     """The visitor's widths (relative to N) of its stores or loads; 1 when undeclared."""
     widths = tuple(Fraction(w) for w in getattr(visitor, attr, (1,) * count))
@@ -444,10 +457,10 @@ class PingPongGemm:
             local_points = [local[j] for j in range(cute.size(local))]
             for i in cutlass.range_constexpr(n_stores):
                 w = self.store_widths[i]
+                unit = self.store_dtypes[i] if const_expr(w == 1) else Float32
                 if const_expr(_packed(self.store_dtypes[i], w) or w == 1):
                     # width 2 at 16 bits: a column pair is one 32-bit element of an fp32
                     # view of the buffer, laid out like the accumulator
-                    unit = Float32 if const_expr(w != 1) else self.store_dtypes[i]
                     cp = self._make_r2s_copy(tiled_mma, unit)
                     thr = cp.get_slice(wg_tidx)
                     r2s.append(cp)
@@ -455,23 +468,16 @@ class PingPongGemm:
                     # the copy groups modes its own way; same elements in the same order
                     own = thr.partition_S(cute.make_identity_tensor(cfg.epi_tile)).shape
                     rout = cute.make_rmem_tensor(own, unit)
-                    tRS_rOut.append(rout)
-                    view = cute.make_layout(frag_shape)
-                    if const_expr(w != 1):
-                        view = cute.make_layout(frag_geom.at_width(w).n)
-                    tRS_rOutView.append(
-                        cute.make_tensor(
-                            cute.recast_ptr(rout.iterator, dtype=self.store_dtypes[i]), view
-                        )
-                    )
                 else:
                     r2s.append(frag_geom.points(local_points, w))
                     tRS_sD.append(None)
                     rout = cute.make_rmem_tensor(
-                        cute.make_layout(frag_geom.at_width(w).n), self.store_dtypes[i]
+                        _value_layout(frag_shape, frag_geom, w), self.store_dtypes[i]
                     )
-                    tRS_rOut.append(rout)
-                    tRS_rOutView.append(rout)
+                tRS_rOut.append(rout)
+                tRS_rOutView.append(
+                    _as_values(rout, self.store_dtypes[i], _value_layout(frag_shape, frag_geom, w))
+                )
             s2r = []
             tSR_sC = []
             tSR_rC = []
@@ -479,27 +485,23 @@ class PingPongGemm:
             for i in cutlass.range_constexpr(n_loads):
                 w = self.load_widths[i]
                 if const_expr(_packed(self.load_dtypes[i], w) or w == 1):
-                    unit = Float32 if const_expr(w != 1) else self.load_dtypes[i]
+                    unit = self.load_dtypes[i] if const_expr(w == 1) else Float32
                     cp = self._make_s2r_copy(tiled_mma, unit)
                     thr = cp.get_slice(wg_tidx)
                     s2r.append(cp)
                     tSR_sC.append(thr.partition_S(sC_sr[i]))
                     rc = cute.make_rmem_tensor(frag_shape, unit)
                     tSR_rC.append(thr.retile(rc))
-                    if const_expr(w != 1):
-                        rc = cute.make_tensor(
-                            cute.recast_ptr(rc.iterator, dtype=self.load_dtypes[i]),
-                            cute.make_layout(frag_geom.at_width(w).n),
-                        )
-                    tRS_rC.append(rc)
                 else:
                     s2r.append(frag_geom.points(local_points, w))
                     tSR_sC.append(None)
                     rc = cute.make_rmem_tensor(
-                        cute.make_layout(frag_geom.at_width(w).n), self.load_dtypes[i]
+                        _value_layout(frag_shape, frag_geom, w), self.load_dtypes[i]
                     )
-                    tRS_rC.append(rc)
                     tSR_rC.append(None)
+                tRS_rC.append(
+                    _as_values(rc, self.load_dtypes[i], _value_layout(frag_shape, frag_geom, w))
+                )
             store_pipe = pipeline.PipelineTmaStore.create(
                 num_stages=self.epi_stages,
                 producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, THREADS_PER_WG),
