@@ -89,19 +89,22 @@ class FusedVisitor:
     def extras_specs(self) -> tuple[TensorSpec, ...]:
         return _extra_specs(self.epilogue)
 
-    def scratch_offsets(self, config: Any) -> dict[Primitive, int]:
-        """Each primitive's first float in the shared scratch (those that need some)."""
+    def _scratch(self, config: Any) -> tuple[dict[Primitive, int], int]:
+        """(each primitive's first float in the shared scratch, the floats in all)."""
         out, at = {}, 0
         for p in self.epilogue.primitives:
             n = p.smem_floats(self.epilogue.values, config.tile_n)
             if n:
                 out[p] = at
                 at += n
-        return out
+        return out, at
+
+    def scratch_offsets(self, config: Any) -> dict[Primitive, int]:
+        """Each primitive's first float in the shared scratch (those that need some)."""
+        return self._scratch(config)[0]
 
     def smem_bytes(self, config: Any) -> int:
-        values = self.epilogue.values
-        return 4 * sum(p.smem_floats(values, config.tile_n) for p in self.epilogue.primitives)
+        return 4 * self._scratch(config)[1]
 
     # ---- compile-time description of extras ------------------------------------------
     def fake_extras(self, m, n) -> tuple:
