@@ -1,0 +1,47 @@
+"""coda.fusions._checks: argument checks shared by the fusion ops (clear errors up front).
+
+The ops run on bf16/fp16/fp32 tensors (fp32 inside every epilogue, on both paths);
+GEMM operands share one dtype; every activation is 2-D (tokens, features).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from coda.specs import FLOAT_DTYPES, dtype_name
+
+__all__ = ["activation", "same_dtype", "vector"]
+
+
+def activation(op: str, name: str, t: torch.Tensor, cols: int | None = None) -> None:
+    """``t`` is a 2-D bf16/fp16/fp32 (tokens, features) tensor (with ``cols`` features)."""
+    if t.dim() != 2:
+        raise ValueError(f"{op}: {name} must be 2-D (tokens, features); got {tuple(t.shape)}")
+    if t.dtype not in FLOAT_DTYPES:
+        raise TypeError(
+            f"{op}: {name} must be bfloat16, float16 or float32 (epilogues compute in fp32 and "
+            f"store in these); got {dtype_name(t.dtype)}"
+        )
+    if cols is not None and t.shape[1] != cols:
+        raise ValueError(f"{op}: {name} must have {cols} columns; got {tuple(t.shape)}")
+
+
+def same_dtype(op: str, *named: tuple[str, torch.Tensor]) -> None:
+    """All of ``named`` share the first one's dtype (GEMM operands, stored streams)."""
+    first_name, first = named[0]
+    for name, t in named[1:]:
+        if t.dtype != first.dtype:
+            raise TypeError(
+                f"{op}: {name} is {dtype_name(t.dtype)} but {first_name} is "
+                f"{dtype_name(first.dtype)}; they must match"
+            )
+
+
+def vector(op: str, name: str, t: torch.Tensor, n: int, dtype: torch.dtype | None = None) -> None:
+    """``t`` is a 1-D tensor of ``n`` entries (of ``dtype`` when given)."""
+    if t.dim() != 1 or t.shape[0] != n:
+        raise ValueError(f"{op}: {name} must have shape ({n},); got {tuple(t.shape)}")
+    if dtype is not None and t.dtype != dtype:
+        raise TypeError(f"{op}: {name} must be {dtype_name(dtype)}; got {dtype_name(t.dtype)}")
+    if dtype is None and t.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{op}: {name} must be bfloat16, float16 or float32; got {t.dtype}")

@@ -1,0 +1,119 @@
+"""coda.fusions.norm on CPU: the deferred RMSNorm (producer epilogue -> consumer row scale)
+forward and every gradient against textbook unfused PyTorch autograd in float64.
+
+The ops run their epilogues' ``reference`` on CPU, which computes in fp32 (the engine's
+``Epilogue.reference`` accepts bf16/fp16/fp32 operands and evaluates in fp32); so the ops
+run on fp32 inputs and are held to the fp32 tolerance against the float64 textbook, which
+an algebra mistake misses by orders of magnitude.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from coda.fusions import linear_add_rms_norm, rms_norm_linear, rms_norm_stats
+from coda.testing import examples
+from coda.testing.tolerance import assert_close_to_reference
+
+F32, F64 = torch.float32, torch.float64
+TOL = 2.0**-15  # coda.testing.tolerance's fp32 tolerance
+
+
+def randn(g, *shape, scale=1.0):
+    return torch.randn(*shape, generator=g, dtype=F64) * scale
+
+
+def leaf(t, dtype=F32):
+    return t.detach().to(dtype).requires_grad_()
+
+
+def close(actual, truth, name):
+    assert_close_to_reference(actual, truth, name=name, tol=TOL)
+
+
+@st.composite
+def shapes(draw):
+    return dict(
+        M=draw(st.integers(1, 70)),
+        K=draw(st.integers(1, 40)),
+        # H >= 8: at H = 1 or 2 the norm's backward cancels to ~eps-sized values (x / |x|
+        # has a near-zero derivative), which fp32 cannot resolve; Llama has H >= 2048
+        H=draw(st.integers(8, 48)),
+        N=draw(st.integers(1, 40)),
+        eps=draw(st.sampled_from([1e-5, 1e-6])),
+        seed=draw(st.integers(0, 2**31 - 1)),
+    )
+
+
+@settings(max_examples=examples(40))
+@given(shapes())
+def test_stats_match_textbook(s):
+    g = torch.Generator().manual_seed(s["seed"])
+    x, gamma = randn(g, s["M"], s["H"]), 1 + 0.2 * randn(g, s["H"])
+    h, rstd = rms_norm_stats(x.float(), gamma.float(), s["eps"])
+    close(h, x * gamma, "h")
+    close(rstd, torch.rsqrt(x.pow(2).mean(1) + s["eps"]), "rstd")
+    assert not h.requires_grad and not rstd.requires_grad
+
+
+@settings(max_examples=examples(40))
+@given(shapes())
+def test_producer_then_consumer_fwd_bwd(s):
+    """x = a @ w_o.T + residual; z = rmsnorm(x) * gamma @ w.T; loss uses z and x (the
+    residual path), so every gradient (a, w_o, residual, gamma, w) is checked."""
+    M, K, H, N, eps = s["M"], s["K"], s["H"], s["N"], s["eps"]
+    g = torch.Generator().manual_seed(s["seed"])
+    a, w_o, res = randn(g, M, K), randn(g, H, K, scale=K**-0.5), randn(g, M, H)
+    gamma, w = 1 + 0.2 * randn(g, H), randn(g, N, H, scale=H**-0.5)
+    rz, rx = randn(g, M, N), randn(g, M, H)
+
+    t = [leaf(v, F64) for v in (a, w_o, res, gamma, w)]
+    x_t = t[0] @ t[1].T + t[2]
+    z_t = F.rms_norm(x_t, (H,), t[3], eps) @ t[4].T
+    ((z_t * rz).sum() + (x_t * rx).sum()).backward()
+
+    c = [leaf(v) for v in (a, w_o, res, gamma, w)]
+    x, h, rstd = linear_add_rms_norm(c[0], c[1], c[2], c[3], eps)
+    z = rms_norm_linear(x, h, rstd, c[3], c[4])
+    ((z * rz.float()).sum() + (x * rx.float()).sum()).backward()
+
+    close(x, x_t, "x")
+    close(h, x_t * gamma, "h")
+    close(rstd, torch.rsqrt(x_t.pow(2).mean(1) + eps), "rstd")
+    close(z, z_t, "z")
+    for name, mine, ref in zip(("a", "w_o", "residual", "gamma", "w"), c, t, strict=True):
+        close(mine.grad, ref.grad, f"d{name}")
+
+
+def test_frozen_weights_get_no_gradient():
+    g = torch.Generator().manual_seed(1)
+    a, w_o, res = randn(g, 9, 6).float(), randn(g, 10, 6).float(), leaf(randn(g, 9, 10))
+    gamma, w = leaf(1 + 0.1 * randn(g, 10)), randn(g, 7, 10).float()
+    x, h, rstd = linear_add_rms_norm(a, w_o, res, gamma, 1e-6)
+    rms_norm_linear(x, h, rstd, gamma, w).sum().backward()
+    assert res.grad is not None and gamma.grad is not None
+    assert not w.requires_grad and w.grad is None and a.grad is None
+
+
+def test_cast_of_dgamma_and_bf16_path():
+    """bf16 activations and an fp32 gamma: outputs in bf16, dgamma in gamma's dtype."""
+    g = torch.Generator().manual_seed(2)
+    x = randn(g, 12, 16).to(torch.bfloat16)
+    gamma = leaf(1 + 0.1 * randn(g, 16))
+    w = randn(g, 8, 16, scale=0.25).to(torch.bfloat16).requires_grad_()
+    h, rstd = rms_norm_stats(x, gamma, 1e-6)
+    assert h.dtype == torch.bfloat16 and rstd.dtype == F32
+    z = rms_norm_linear(x.requires_grad_(), h, rstd, gamma, w)
+    z.float().sum().backward()
+    assert z.dtype == torch.bfloat16 and gamma.grad.dtype == F32
+    assert x.grad.dtype == torch.bfloat16 and w.grad.dtype == torch.bfloat16
+
+
+def test_float64_is_refused_with_a_clear_error():
+    x = torch.randn(4, 8, dtype=F64)
+    with pytest.raises(TypeError, match="bfloat16, float16 or float32"):
+        rms_norm_stats(x, torch.ones(8, dtype=F64), 1e-6)
