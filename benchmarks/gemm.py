@@ -1,9 +1,20 @@
 """coda's PingPong GEMM vs cuBLAS (torch.mm, same layouts), side by side in one run.
 
     python benchmarks/gemm.py [--out benchmarks/results/gemm_h200.json] [--rounds 7]
+                              [--layouts fwd,dgrad,wgrad] [--H 2048,4096,8192]
 
-out = A @ B^T with A (M, K) and B (N, K) in bf16, bf16 output, for the issue's shapes.
-Writes JSON (device, versions, command, rows) and a PNG chart, then prints a table.
+out = A @ B^T in bf16 with bf16 output. Rows carry a ``layout``:
+
+* ``fwd``: A (M, K) and B (N, K) row-major (``X @ W.T``): the seven reference shapes, plus
+  the forward GEMMs of a Llama block;
+* ``dgrad``: ``dY @ W`` = A @ B^T with B = W.t() (N-major), M = 16384 tokens;
+* ``wgrad``: ``dY.T @ X`` = A @ B^T with A = dY.t() (M-major) and B = X.t() (N-major),
+  K = 16384 tokens.
+
+The Llama block's projections at hidden size H: QKV (H -> H + 2 * 8 KV heads * 128),
+O (H -> H), gate+up (H -> 2 * FFN) and down (FFN -> H), FFN = round_up(8H/3, 256).
+cuBLAS runs ``torch.mm`` on exactly the same (transposed) views. Writes JSON (device,
+versions, command, rows, geomean per layout) and a PNG chart, then prints a table.
 """
 
 from __future__ import annotations
@@ -19,6 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
 
 from coda.matmul import gemm as coda_gemm  # noqa: E402
+from coda.testing.layouts import operands  # noqa: E402
 
 SHAPES = [
     (8192, 8192, 8192),
@@ -31,10 +43,30 @@ SHAPES = [
 ]
 
 
-def bench_shape(m: int, n: int, k: int, rounds: int, config=None) -> dict:
+TOKENS = 16384
+
+
+def llama_projections(h: int) -> dict[str, tuple[int, int]]:
+    """(out_features, in_features) of the Llama block's weights at hidden size ``h``."""
+    ffn = -(-8 * h // 3 // 256) * 256
+    return {"qkv": (h + 2 * 8 * 128, h), "o": (h, h), "gate_up": (2 * ffn, h), "down": (h, ffn)}
+
+
+def layout_shape(layout: str, out_f: int, in_f: int) -> tuple[int, int, int]:
+    """(M, N, K) of the ``layout`` GEMM of a Linear(in_f -> out_f) over TOKENS tokens."""
+    if layout == "fwd":
+        return TOKENS, out_f, in_f
+    if layout == "dgrad":
+        return TOKENS, in_f, out_f
+    return out_f, in_f, TOKENS
+
+
+def bench_shape(m: int, n: int, k: int, rounds: int, config=None, layout: str = "fwd") -> dict:
     torch.manual_seed(0)
-    a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+    a0 = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    b0 = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+    a, b = operands(a0, b0, layout)
+    del a0, b0
     d_coda = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
     d_cublas = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
     bt = b.t()
@@ -51,6 +83,7 @@ def bench_shape(m: int, n: int, k: int, rounds: int, config=None) -> dict:
     err = (d_coda.float() - d_cublas.float()).abs().max().item()
     coda_ms, cublas_ms = common.median(times["coda"]), common.median(times["cublas"])
     return {
+        "layout": layout,
         "M": m,
         "N": n,
         "K": k,
@@ -69,12 +102,12 @@ def chart(rows: list[dict], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    labels = [f"{r['M']}x{r['N']}x{r['K']}" for r in rows]
+    labels = [f"{r['layout']} {r.get('proj', '')} {r['M']}x{r['N']}x{r['K']}" for r in rows]
     x = range(len(rows))
-    fig, ax = plt.subplots(figsize=(10, 4))
+    fig, ax = plt.subplots(figsize=(max(10, 0.35 * len(rows)), 4.5))
     ax.bar([i - 0.2 for i in x], [r["cublas_tflops"] for r in rows], 0.4, label="cuBLAS")
     ax.bar([i + 0.2 for i in x], [r["coda_tflops"] for r in rows], 0.4, label="coda PingPong")
-    ax.set_xticks(list(x), labels, rotation=20, fontsize=8)
+    ax.set_xticks(list(x), labels, rotation=70, fontsize=6)
     ax.set_ylabel("TFLOP/s (bf16)")
     ax.set_title("GEMM out = A @ B^T, " + torch.cuda.get_device_name(0))
     ax.legend()
@@ -82,21 +115,47 @@ def chart(rows: list[dict], path: str) -> None:
     fig.savefig(path, dpi=110)
 
 
+def geomean(xs: list[float]) -> float:
+    return math.exp(sum(math.log(x) for x in xs) / len(xs))
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default="benchmarks/results/gemm_h200.json")
     p.add_argument("--rounds", type=int, default=7)
-    p.add_argument("--shapes", default="", help="subset, e.g. 8192x8192x8192,16384x2048x2048")
+    p.add_argument("--shapes", default="", help="fwd subset, e.g. 8192x8192x8192,16384x2048x2048")
+    p.add_argument("--layouts", default="fwd,dgrad,wgrad")
+    p.add_argument("--H", default="2048,4096,8192", help="Llama hidden sizes ('' for none)")
     args = p.parse_args(argv)
+    layouts = [x for x in args.layouts.split(",") if x]
     shapes = SHAPES
     if args.shapes:
         shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
-    rows = [bench_shape(m, n, k, args.rounds) for m, n, k in shapes]
-    geo = math.exp(sum(math.log(r["speedup_vs_cublas"]) for r in rows) / len(rows))
+    rows = []
+    if "fwd" in layouts:
+        rows += [dict(bench_shape(m, n, k, args.rounds), proj="") for m, n, k in shapes]
+    for h in [int(x) for x in args.H.split(",") if x]:
+        for proj, (out_f, in_f) in llama_projections(h).items():
+            for layout in layouts:
+                m, n, k = layout_shape(layout, out_f, in_f)
+                row = bench_shape(m, n, k, args.rounds, layout=layout)
+                rows.append(dict(row, proj=proj, H=h))
+                torch.cuda.empty_cache()
+    by_layout = {
+        layout: [r["speedup_vs_cublas"] for r in rows if r["layout"] == layout]
+        for layout in layouts
+    }
+    summary = {
+        layout: {"geomean_cublas_over_coda": geomean(v), "min_cublas_over_coda": min(v)}
+        for layout, v in by_layout.items()
+        if v
+    }
+    reference = [r["speedup_vs_cublas"] for r in rows if r["layout"] == "fwd" and not r["proj"]]
     payload = {
         **common.environment(),
-        "geomean_cublas_over_coda": geo,
-        "min_cublas_over_coda": min(r["speedup_vs_cublas"] for r in rows),
+        "by_layout": summary,
+        "geomean_cublas_over_coda": geomean(reference) if reference else None,
+        "min_cublas_over_coda": min(reference) if reference else None,
         "rows": rows,
     }
     common.write_json(args.out, payload)
@@ -104,17 +163,22 @@ def main(argv=None) -> None:
     common.print_table(
         rows,
         [
+            "layout",
+            "proj",
             "M",
             "N",
             "K",
             "coda_ms",
             "cublas_ms",
             "coda_tflops",
-            "cublas_tflops",
             "speedup_vs_cublas",
         ],
     )
-    print(f"geomean cublas_ms/coda_ms = {geo:.3f}")
+    for layout, s in summary.items():
+        print(
+            f"{layout}: geomean cublas_ms/coda_ms = {s['geomean_cublas_over_coda']:.3f}, "
+            f"min {s['min_cublas_over_coda']:.3f}"
+        )
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from coda.mainloop.config import GemmConfig
 from coda.runtime import gemm_kernels
@@ -20,18 +21,25 @@ pytestmark = pytest.mark.compile
 CONFIG = GemmConfig(tile_n=128, cluster_m=2)
 
 
-def _compile(epi, tmp_path):
-    key = gemm_kernels.GemmKernelKey(CONFIG, torch.bfloat16, FusedVisitor(epi))
+#: (A major, B major) of the forward, dgrad and wgrad GEMMs of an nn.Linear
+LAYOUTS = {"fwd": ("k", "k"), "dgrad": ("k", "n"), "wgrad": ("m", "n")}
+
+
+def _compile(epi, tmp_path, layout=("k", "k")):
+    key = gemm_kernels.GemmKernelKey(
+        CONFIG, torch.bfloat16, FusedVisitor(epi), a_major=layout[0], b_major=layout[1]
+    )
     return gemm_kernels.compile_artifacts(key, str(tmp_path))
 
 
+@pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("name", list(EPILOGUES))
-def test_catalogue_epilogue_sass(name, tmp_path):
+def test_catalogue_epilogue_sass(name, layout, tmp_path):
     if find_nvdisasm() is None:
         pytest.skip("nvdisasm not installed")
     epi = EPILOGUES[name]
     assert unsupported(epi) is None
-    _, cubin = _compile(epi, tmp_path)
+    _, cubin = _compile(epi, tmp_path, LAYOUTS[layout])
     ops = opcode_counts(disassemble(cubin))
     assert count_prefix(ops, "HGMMA") > 0
     assert count_prefix(ops, "LDL") == 0 and count_prefix(ops, "STL") == 0, "spills"
@@ -40,14 +48,16 @@ def test_catalogue_epilogue_sass(name, tmp_path):
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck))
-@given(epilogues())
-def test_drawn_compositions_compile_for_sm90_without_spills(tmp_path_factory, epi):
+@given(epilogues(), st.sampled_from(sorted(LAYOUTS.values())))
+def test_drawn_compositions_compile_for_sm90_without_spills(tmp_path_factory, epi, layout):
     """30 random compositions (all widths, pairs, row/col reductions, states) per run, in
     the config ``epi(A, B)`` would pick (``epilogue_config``: 128 x 128 tiles, narrower if
     those spill): they compile, and the SASS runs the GEMM on HGMMA with no local memory."""
     assert unsupported(epi) is None, unsupported(epi)
-    cfg = epilogue_config(epi, torch.bfloat16, 8192, 8192, 8192, num_sms=132)
-    key = gemm_kernels.GemmKernelKey(cfg, torch.bfloat16, FusedVisitor(epi))
+    cfg = epilogue_config(epi, torch.bfloat16, 8192, 8192, 8192, num_sms=132, majors=layout)
+    key = gemm_kernels.GemmKernelKey(
+        cfg, torch.bfloat16, FusedVisitor(epi), a_major=layout[0], b_major=layout[1]
+    )
     ptx, cubin = gemm_kernels.compile_artifacts(key, str(tmp_path_factory.mktemp("k")))
     assert "wgmma.mma_async" in ptx and len(cubin) > 0
     if find_nvdisasm() is None:

@@ -16,31 +16,70 @@ if not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 
     pytest.skip("needs an NVIDIA Hopper GPU", allow_module_level=True)
 
 from coda import Epilogue  # noqa: E402
+from coda.mainloop.config import GemmConfig  # noqa: E402
 from coda.primitives import Elementwise, TileLoad, TileReduce, TileStore, VecLoad, ops  # noqa: E402
 from coda.runtime.fused import n_multiple  # noqa: E402
 from coda.testing import fns  # noqa: E402
 from coda.testing.catalog import EPILOGUES  # noqa: E402
 from coda.testing.fuzz import check_example  # noqa: E402
+from coda.testing.layouts import LAYOUTS, operands  # noqa: E402
 from coda.testing.strategies import make_inputs  # noqa: E402
+from coda.testing.tolerance import compare  # noqa: E402
 
 bf16 = torch.bfloat16
+CONFIG = GemmConfig(tile_n=128, cluster_m=2)
 SHAPES = [(128, 128, 64), (300, 520, 264), (1000, 776, 136), (7, 8, 8), (4096, 1024, 512)]
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("name", list(EPILOGUES))
-def test_fused_matches_reference(name, shape):
-    _check(EPILOGUES[name], shape)
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_fused_matches_reference(name, shape, layout):
+    _check(EPILOGUES[name], shape, layout)
 
 
-def _check(epi, shape):
+def _check(epi, shape, layout="fwd"):
     m, n, k = shape
     step = n_multiple(epi)
     n = -(-n // step) * step  # N rounded up to what the epilogue's tensors need
     A, B, tensors = make_inputs(epi, m, n, k, bf16, seed=m + n + k)
     tensors = {key: (v.cuda() if isinstance(v, torch.Tensor) else v) for key, v in tensors.items()}
-    record = check_example(epi, A.cuda(), B.cuda(), tensors)
+    A, B = operands(A.cuda(), B.cuda(), layout)
+    record = check_example(epi, A, B, tensors)
     assert not record["failed"], record
+
+
+def test_fused_call_replays_in_a_cuda_graph():
+    """A fused epilogue (loads, stores, row reduction + finalize) captured in a CUDA graph
+    with caller-owned outputs replays correctly on new inputs."""
+    epi = EPILOGUES["rmsnorm_fwd"]
+    m, n, k = 1000, 512, 264
+    A, B, tensors = make_inputs(epi, m, n, k, bf16, seed=11)
+    A, B = A.cuda(), B.cuda()
+    tensors = {key: v.cuda() for key, v in tensors.items()}
+    outs = {
+        s.name: torch.empty(s.shape(m, n, (128, 128)), dtype=s.dtype, device="cuda")
+        for s in epi.outputs
+    }
+    epi(A, B, outputs=outs, config=CONFIG, **tensors)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        epi(A, B, outputs=outs, config=CONFIG, **tensors)
+    for seed in (12, 13):
+        A2, B2, t2 = make_inputs(epi, m, n, k, bf16, seed=seed)
+        A.copy_(A2)
+        B.copy_(B2)
+        for key, v in t2.items():
+            tensors[key].copy_(v)
+        for t in outs.values():
+            t.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        truth = epi.reference(A, B, tile=(128, 128), acc=A.double() @ B.double().T, **tensors)
+        eager = epi.reference(A, B, tile=(128, 128), acc=(A @ B.T).float(), **tensors)
+        for name, t in truth.items():
+            c = compare(outs[name], t, name=name, baseline=eager[name], atol=1e-3, floor=1.0)
+            assert c.passed, (seed, name, c)
 
 
 def _swap(a, b):

@@ -50,8 +50,10 @@ def sass_of(tmp_path_factory):
         pytest.skip("nvdisasm not installed (pip install nvidia-cuda-nvdisasm)")
     memo = {}
 
-    def get(config, ab, d):
-        key = gemm_kernels.GemmKernelKey(config, ab, AccStore(d))
+    def get(config, ab, d, a_major="k", b_major="k", accumulate=False):
+        key = gemm_kernels.GemmKernelKey(
+            config, ab, AccStore(d, accumulate), a_major=a_major, b_major=b_major
+        )
         if key not in memo:
             ptx, cubin = gemm_kernels.compile_artifacts(key, str(tmp_path_factory.mktemp("dump")))
             memo[key] = (ptx, disassemble(cubin))
@@ -84,3 +86,25 @@ def test_sass_has_wgmma_tma_and_no_spills(sass_of, config, ab, d, hgmma):
 def test_sass_stores_use_stmatrix_for_16bit_output(sass_of):
     _, sass = sass_of(*CASES[0][:3])
     assert count_prefix(opcode_counts(sass), "STSM") > 0
+
+
+@pytest.mark.parametrize(
+    "a_major,b_major,accumulate",
+    [("k", "n", False), ("m", "n", False), ("m", "k", False), ("m", "n", True), ("k", "k", True)],
+)
+def test_every_operand_major_and_accumulate_compile(sass_of, a_major, b_major, accumulate):
+    """dgrad (B N-major), wgrad (A M-major, B N-major) and the fourth layout run on the same
+    WGMMA mainloop (operands read from swizzled shared memory in either major), with TMA
+    loads and no spills; accumulate stores through TMA reduce-add (UTMAREDG) instead of
+    plain TMA stores, so the output is never read."""
+    config = GemmConfig(tile_n=192, cluster_m=2)
+    ptx, sass = sass_of(config, torch.bfloat16, torch.float32, a_major, b_major, accumulate)
+    ops = opcode_counts(sass)
+    assert count_prefix(ops, "HGMMA") > 0
+    assert count_prefix(ops, "UTMALDG") >= 2
+    assert count_prefix(ops, "LDL") == 0 and count_prefix(ops, "STL") == 0, "local-memory spills"
+    if accumulate:
+        assert count_prefix(ops, "UTMAREDG") > 0 and count_prefix(ops, "UTMASTG") == 0
+        assert "cp.reduce.async.bulk.tensor" in ptx
+    else:
+        assert count_prefix(ops, "UTMASTG") > 0 and count_prefix(ops, "UTMAREDG") == 0

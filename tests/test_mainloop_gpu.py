@@ -17,6 +17,7 @@ if not hopper:
 
 from coda.mainloop.config import GemmConfig  # noqa: E402
 from coda.matmul import gemm  # noqa: E402
+from coda.testing.layouts import LAYOUTS, operands  # noqa: E402
 
 # (M, N, K): aligned, ragged in every dimension, tiny, tall, wide.
 SHAPES = [
@@ -113,3 +114,101 @@ def test_gemm_strided_views():
     err, base = _errors(a, b, out, torch.bfloat16)
     assert err <= 2 * base + 1e-6
     assert (out_buf[:, 200:] == 0).all(), "wrote outside the output view"
+
+
+LAYOUT_SHAPES = [(128, 192, 64), (129, 200, 72), (1023, 1032, 1016), (7, 8, 13), (333, 520, 1)]
+
+
+@pytest.mark.parametrize("shape", LAYOUT_SHAPES, ids=[f"{m}x{n}x{k}" for m, n, k in LAYOUT_SHAPES])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_gemm_every_operand_major(layout, shape):
+    """Forward, dgrad, wgrad and the fourth layout: transposed views, no copies, ragged M,
+    N, K (K need not be a multiple of 8 when no operand is K-major)."""
+    m, n, k = shape
+    if "k" in LAYOUTS[layout] and k % 8:
+        k = -(-k // 8) * 8  # a K-major operand's rows are padded, its K is then free too
+    g = torch.Generator(device="cuda").manual_seed(m + n + k)
+    a0 = torch.randn(m, k, device="cuda", generator=g).to(torch.bfloat16)
+    b0 = torch.randn(n, k, device="cuda", generator=g).to(torch.bfloat16)
+    a, b = operands(a0, b0, layout)
+    out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+    gemm(a, b, out=out)
+    assert not out.isnan().any(), "unwritten output elements"
+    err, base = _errors(a0, b0, out, torch.bfloat16)
+    assert err <= 2 * base + 1e-6, (err, base)
+
+
+def test_linear_forward_dgrad_wgrad_without_copies():
+    """The three GEMMs of an nn.Linear, as a training step calls them."""
+    g = torch.Generator(device="cuda").manual_seed(5)
+    x = torch.randn(1000, 264, device="cuda", generator=g).to(torch.bfloat16)
+    w = torch.randn(520, 264, device="cuda", generator=g).to(torch.bfloat16)
+    dy = torch.randn(1000, 520, device="cuda", generator=g).to(torch.bfloat16)
+    for out, (a, b) in (
+        (gemm(x, w), (x, w)),  # y = x @ w.T
+        (gemm(dy, w.t()), (dy, w.t())),  # dx = dy @ w
+        (gemm(dy.t(), x.t()), (dy.t(), x.t())),  # dw = dy.T @ x
+    ):
+        err, base = _errors(a, b, out, torch.bfloat16)
+        assert err <= 2 * base + 1e-6, (err, base)
+
+
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("layout", ["fwd", "wgrad"])
+def test_accumulate_adds_into_out(layout, out_dtype):
+    """out += A @ B.T through TMA reduce-add: chunks of a wgrad summed into one buffer
+    equal the whole product (fp32), and a bf16 out gets out + A @ B.T rounded once."""
+    m, n, k = 777, 520, 1000
+    g = torch.Generator(device="cuda").manual_seed(6)
+    a0 = torch.randn(m, k, device="cuda", generator=g).to(torch.bfloat16)
+    b0 = torch.randn(n, k, device="cuda", generator=g).to(torch.bfloat16)
+    init = torch.randn(m, n, device="cuda", generator=g).to(out_dtype)
+    out = init.clone()
+    chunks = [(0, 256), (256, 600), (600, k)]
+    for lo, hi in chunks:
+        a, b = operands(a0[:, lo:hi], b0[:, lo:hi], layout)
+        gemm(a, b, out=out, accumulate=True)
+    ref = init.double() + a0.double() @ b0.double().t()
+    eager = (init.float() + a0.float() @ b0.float().t()).to(out_dtype)
+    scale = ref.abs().max().item()
+    err = (out.double() - ref).abs().max().item() / scale
+    base = (eager.double() - ref).abs().max().item() / scale
+    assert err <= 2 * base + 1e-5, (err, base)
+
+
+def test_gemm_replays_in_a_cuda_graph():
+    """coda.gemm captured in a CUDA graph replays correctly on new inputs (no host sync,
+    no allocation inside the capture when `out` is given)."""
+    g = torch.Generator(device="cuda").manual_seed(7)
+    a = torch.randn(512, 512, device="cuda", generator=g).to(torch.bfloat16)
+    b = torch.randn(384, 512, device="cuda", generator=g).to(torch.bfloat16)
+    out = torch.empty(512, 384, device="cuda", dtype=torch.bfloat16)
+    gemm(a, b.t().contiguous().t(), out=out)  # compile outside the capture
+    bt = b.t().contiguous().t()
+    gemm(a, bt, out=out)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        gemm(a, bt, out=out)
+    for seed in (8, 9):
+        g.manual_seed(seed)
+        a.copy_(torch.randn(a.shape, device="cuda", generator=g))
+        bt.copy_(torch.randn(bt.shape, device="cuda", generator=g))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        err, base = _errors(a, bt, out, torch.bfloat16)
+        assert err <= 2 * base + 1e-6, (seed, err, base)
+
+
+def test_gemm_runs_on_the_current_stream():
+    g = torch.Generator(device="cuda").manual_seed(10)
+    a = torch.randn(2048, 2048, device="cuda", generator=g).to(torch.bfloat16)
+    b = torch.randn(2048, 2048, device="cuda", generator=g).to(torch.bfloat16)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        out = gemm(a, b)
+        later = out * 1  # ordered after the GEMM only if it ran on `side`
+    torch.cuda.current_stream().wait_stream(side)
+    err, base = _errors(a, b, later, torch.bfloat16)
+    assert err <= 2 * base + 1e-6, (err, base)

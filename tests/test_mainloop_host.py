@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from coda.errors import InputError
 from coda.mainloop.config import GemmConfig, choose_config, plan_smem
 from coda.mainloop.scheduler import host_tile_order
-from coda.matmul import check_gemm_operands, check_output, gemm
+from coda.matmul import check_gemm_operands, check_output, gemm, gemm_problem
 
 
 @given(st.integers(1, 40), st.integers(1, 40), st.integers(1, 12))
@@ -57,6 +57,21 @@ def test_operand_checks_accept_valid_and_return_shape():
 
 
 @pytest.mark.parametrize(
+    "layout,a,b",
+    [
+        (("k", "k"), _bf16(10, 64), _bf16(24, 64)),  # forward: X @ W.T
+        (("k", "n"), _bf16(10, 64), _bf16(64, 24).t()),  # dgrad: dY @ W
+        (("m", "n"), _bf16(64, 16)[:, :10].t(), _bf16(64, 24).t()),  # wgrad: dY.T @ X
+        (("m", "k"), _bf16(64, 16).t(), _bf16(24, 64)),
+        (("k", "k"), _bf16(10, 72)[:, :64], _bf16(24, 64)),  # padded rows
+    ],
+)
+def test_every_operand_major_is_accepted_without_copy(layout, a, b):
+    assert gemm_problem(a, b)[3:] == layout
+    assert gemm_problem(a, b)[:3] == (a.shape[0], b.shape[0], a.shape[1])
+
+
+@pytest.mark.parametrize(
     "a,b,exc,msg",
     [
         ([1, 2], _bf16(8, 8), TypeError, "A must be a torch.Tensor"),
@@ -65,7 +80,9 @@ def test_operand_checks_accept_valid_and_return_shape():
         (_bf16(8, 8), torch.randn(8, 8).half(), TypeError, "same dtype"),
         (_bf16(8, 16), _bf16(8, 24), InputError, "its K must match"),
         (_bf16(8, 12), _bf16(8, 12), InputError, "multiple of 16 bytes"),
-        (_bf16(16, 8).t(), _bf16(8, 16), InputError, "contiguous in its last dimension"),
+        (_bf16(8, 32)[:, ::2], _bf16(8, 16), InputError, "one of its dimensions must be"),
+        (_bf16(16, 12).t(), _bf16(8, 16), InputError, "M-contiguous with a stride of 12"),
+        (_bf16(8, 16), _bf16(16, 20)[:, :10].t(), InputError, "N-contiguous with a stride of 20"),
         (_bf16(4, 24)[:, 1:17], _bf16(8, 16), InputError, "not 16-byte aligned"),
         (_bf16(0, 8), _bf16(8, 8), InputError, "empty"),
     ],
@@ -85,3 +102,8 @@ def test_output_check_errors():
 def test_gemm_on_cpu_tensors_says_cuda_before_launch():
     with pytest.raises(InputError, match="CUDA tensors"):
         gemm(_bf16(8, 16), _bf16(24, 16))
+
+
+def test_accumulate_needs_an_output():
+    with pytest.raises(InputError, match="accumulate=True adds into `out`"):
+        gemm(_bf16(8, 16), _bf16(24, 16), accumulate=True)

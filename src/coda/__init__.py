@@ -35,6 +35,7 @@ from coda.primitives import (
 )
 from coda.primitives import math as math  # explicit re-export, kept out of __all__
 from coda.primitives import ops as ops
+from coda.runtime import epilogue_kernels as _epilogue_kernels  # noqa: F401  (Epilogue's GPU runner)
 from coda.simulator import simulate
 from coda.specs import TensorSpec, ValueSpec
 

@@ -33,14 +33,24 @@ from coda.primitives.base import Primitive
 from coda.primitives.context import ReferenceEnv
 from coda.specs import TensorSpec, ValueSpec, dtype_name
 
-__all__ = ["Epilogue", "check_outputs"]
+__all__ = ["Epilogue", "check_outputs", "set_runner"]
+
+#: Runs an epilogue fused on the GPU; installed by ``coda.runtime.epilogue_kernels`` (the
+#: runtime stands above the epilogue and hands it its runner: no import points back up).
+_runner: Any = None
+
+
+def set_runner(runner: Any) -> None:
+    """Install the function ``Epilogue.__call__`` delegates to (the GPU runtime does)."""
+    global _runner
+    _runner = runner
 
 
 def _to_primitives(value: Any) -> tuple[Primitive, ...]:
     return tuple(value)
 
 
-@attrs.frozen
+@attrs.frozen(cache_hash=True)
 class Epilogue:
     """An ordered, validated chain of primitives (see the module doc)."""
 
@@ -105,6 +115,7 @@ class Epilogue:
         *,
         config: Any = None,
         check_contents: bool = False,
+        outputs: Mapping[str, torch.Tensor] | None = None,
         **tensors: torch.Tensor | float,
     ) -> dict[str, torch.Tensor]:
         """Run fused after the GEMM on a Hopper GPU: acc = A @ B^T, then every primitive in
@@ -114,10 +125,15 @@ class Epilogue:
         that cannot be fused yet raise ``NotImplementedError`` (see
         ``coda.runtime.fused.unsupported``). Tensor *values* (e.g. targets in range) are
         checked only with ``check_contents=True``: reading them synchronizes with the GPU.
-        Unchecked, a target that is neither a column nor ``ignore_index`` selects 0."""
-        from coda.runtime.epilogue_kernels import run
-
-        return run(self, A, B, tensors, config=config, check_contents=check_contents)
+        Unchecked, a target that is neither a column nor ``ignore_index`` selects 0.
+        A and B may each be row-major or a transposed view (see ``coda.gemm``).
+        ``outputs`` maps output names to caller-owned tensors to write into (shapes and
+        dtypes as declared), e.g. buffers reused across steps or captured in a CUDA graph."""
+        if _runner is None:  # `import coda` installs it; only a partial import lacks it
+            raise RuntimeError("no GPU runner installed: `import coda` installs it")
+        return _runner(
+            self, A, B, tensors, config=config, outputs=outputs, check_contents=check_contents
+        )
 
     # ---- semantics ---------------------------------------------------------------------
     def reference(

@@ -1,7 +1,14 @@
 """The plain PingPong GEMM on torch tensors, out = A @ B^T (exported as ``coda.gemm``).
 
 Sits on top of :mod:`coda.runtime.gemm_kernels`; this module owns the user-facing
-contract (validation before launch, output allocation, config choice).
+contract (validation before launch, output allocation, config choice). Every operand
+layout a training step needs runs without a copy: A (M, K) and B (N, K) may each be
+row-major or a transposed view, so the forward ``X @ W.T`` is ``gemm(X, W)``, the dgrad
+``dY @ W`` is ``gemm(dY, W.t())`` and the wgrad ``dY.T @ X`` is ``gemm(dY.t(), X.t())``.
+
+The host path is kept thin: after the first call of a (dtypes, layouts, shape) the
+kernel key comes from a dict, the checks are a handful of attribute reads, and the
+compiled TVM-FFI function takes the tensors directly.
 """
 
 from __future__ import annotations
@@ -11,12 +18,25 @@ import torch
 from .errors import InputError
 from .mainloop.config import GemmConfig, choose_config
 from .mainloop.visitor import AccStore
-from .runtime import checks
+from .runtime import checks, gemm_kernels
 from .runtime.dtypes import OPERAND_DTYPES, OUTPUT_DTYPES
+
+#: The three GEMMs of an nn.Linear in a training step, as (A major, B major).
+LAYOUTS = {"fwd": ("k", "k"), "dgrad": ("k", "n"), "wgrad": ("m", "n")}
+
+
+def operand_majors(A: torch.Tensor, B: torch.Tensor) -> tuple[str, str]:
+    """(A's contiguous dim: "k" or "m", B's: "k" or "n"), checking TMA's contract."""
+    return checks.tma_major("A", A, ("m", "k")), checks.tma_major("B", B, ("n", "k"))
 
 
 def check_gemm_operands(A: torch.Tensor, B: torch.Tensor) -> tuple[int, int, int]:
     """Validate A (M, K) and B (N, K); return (M, N, K). Raises before any launch."""
+    return gemm_problem(A, B)[:3]
+
+
+def gemm_problem(A: torch.Tensor, B: torch.Tensor) -> tuple[int, int, int, str, str]:
+    """Validate A (M, K) and B (N, K); return (M, N, K, A's major, B's major)."""
     checks.tensor("A", A)
     checks.tensor("B", B)
     checks.rank("A", A, 2, "(M, K) activations")
@@ -31,9 +51,7 @@ def check_gemm_operands(A: torch.Tensor, B: torch.Tensor) -> tuple[int, int, int
             f"A is (M={m}, K={k}) but B is (N={n}, K={kb}); B is an nn.Linear weight (N, K) "
             f"and its K must match A's"
         )
-    checks.row_major_tma("A", A)
-    checks.row_major_tma("B", B)
-    return m, n, k
+    return (m, n, k, *operand_majors(A, B))
 
 
 def check_output(out: torch.Tensor, m: int, n: int, name: str = "out") -> None:
@@ -45,28 +63,46 @@ def check_output(out: torch.Tensor, m: int, n: int, name: str = "out") -> None:
     checks.row_major_tma(name, out)
 
 
+_configs: dict[tuple[int, int, int, int], GemmConfig] = {}
+
+
+def _heuristic(m: int, n: int, k: int, num_sms: int) -> GemmConfig:
+    key = (m, n, k, num_sms)
+    cfg = _configs.get(key)
+    if cfg is None:
+        if len(_configs) > 4096:
+            _configs.clear()
+        cfg = _configs[key] = choose_config(m, n, k, num_sms)
+    return cfg
+
+
 def gemm(
     A: torch.Tensor,
     B: torch.Tensor,
     out: torch.Tensor | None = None,
     *,
     out_dtype: torch.dtype | None = None,
+    accumulate: bool = False,
     config: GemmConfig | str | None = None,
 ) -> torch.Tensor:
-    """out = A @ B.T on a Hopper GPU with coda's PingPong kernel.
+    """out = A @ B.T (or out += A @ B.T) on a Hopper GPU with coda's PingPong kernel.
 
-    A: (M, K) bf16/fp16, row-major. B: (N, K) of the same dtype (an ``nn.Linear``
-    weight). out: optional (M, N) bf16/fp16/fp32 tensor to write; otherwise allocated
-    with ``out_dtype`` (default: A's dtype). fp32 accumulation. ``config``: a
-    :class:`GemmConfig`, ``None`` for the shape heuristic, or ``"autotune"`` to time a few
-    configs on first use of a shape and keep the fastest. Row strides must be
-    multiples of 16 bytes (K and N multiples of 8 for 16-bit data); M, N, K need not be
-    multiples of the tile. Errors are raised before anything is launched.
+    A: (M, K) bf16/fp16; B: (N, K) of the same dtype (an ``nn.Linear`` weight). Each may
+    be row-major or a transposed view (``x.t()`` of a contiguous tensor): no copy is made.
+    out: optional row-major (M, N) bf16/fp16/fp32 tensor to write; otherwise allocated
+    with ``out_dtype`` (default: A's dtype). ``accumulate=True`` adds the product into
+    ``out`` (required then) with TMA reduce-add stores: the kernel never reads ``out``,
+    so accumulating costs no extra pass (use an fp32 ``out`` for weight gradients summed
+    over micro-batches). fp32 accumulation inside. ``config``: a :class:`GemmConfig`,
+    ``None`` for the shape heuristic, or ``"autotune"`` to time a few configs on first use
+    of a shape. The contiguous dimension of every tensor is padded to 16 bytes (its other
+    stride a multiple of 8 elements for 16-bit data); M, N, K need not be multiples of
+    the tile. Errors are raised before anything is launched.
     """
-    from .runtime import gemm_kernels
-
-    m, n, k = check_gemm_operands(A, B)
+    m, n, k, a_major, b_major = gemm_problem(A, B)
     if out is None:
+        if accumulate:
+            raise InputError("accumulate=True adds into `out`: pass the tensor to add into")
         dtype = out_dtype or A.dtype
         if dtype not in OUTPUT_DTYPES:
             checks.dtype_in("out_dtype", torch.empty(0, dtype=dtype), OUTPUT_DTYPES)
@@ -75,25 +111,26 @@ def gemm(
                 f"N={n} gives an output row of {n} {dtype} elements, not a multiple of 16 bytes"
             )
         device = checks.same_device([("A", A), ("B", B)])
-        checks.hopper_device(device)
+        num_sms = checks.hopper_device(device)
         out = torch.empty((m, n), dtype=dtype, device=device)
     else:
         if out_dtype is not None and out_dtype != out.dtype:
             raise TypeError(f"out_dtype={out_dtype} conflicts with out.dtype={out.dtype}")
         check_output(out, m, n)
         device = checks.same_device([("A", A), ("B", B), ("out", out)])
-        checks.hopper_device(device)
-    num_sms = torch.cuda.get_device_properties(device).multi_processor_count
-    if config == "autotune":
-        from .runtime.autotune import best_config
-
-        cfg = best_config(m, n, k, A.dtype, out.dtype, device)
-    elif config is None:
-        cfg = choose_config(m, n, k, num_sms)
+        num_sms = checks.hopper_device(device)
+    if config is None:
+        cfg = _heuristic(m, n, k, num_sms)
     elif isinstance(config, GemmConfig):
         cfg = config
+    elif config == "autotune":
+        from .runtime.autotune import best_config
+
+        cfg = best_config(m, n, k, A.dtype, out.dtype, device, layout=(a_major, b_major))
     else:
         raise TypeError(f"config must be a GemmConfig, None or 'autotune', got {config!r}")
-    key = gemm_kernels.GemmKernelKey(cfg, A.dtype, AccStore(out.dtype), num_sms=num_sms)
+    key = gemm_kernels.kernel_key(
+        cfg, A.dtype, AccStore(out.dtype, accumulate), num_sms, a_major, b_major
+    )
     gemm_kernels.launch(key, A, B, (out,))
     return out

@@ -35,7 +35,7 @@ def _check_in(allowed):
     return check
 
 
-@attrs.frozen
+@attrs.frozen(cache_hash=True)
 class GemmConfig:
     """One compile-time configuration of the PingPong GEMM.
 

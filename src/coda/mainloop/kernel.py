@@ -126,6 +126,13 @@ class PingPongGemm:
         self.load_dtypes = tuple(to_cutlass(d) for d in self.visitor.load_dtypes)
         self.store_widths = _widths(self.visitor, "store_widths", len(self.store_dtypes))
         self.load_widths = _widths(self.visitor, "load_widths", len(self.load_dtypes))
+        # per stored tensor: True = TMA reduce-add into global (out += value), else store
+        self.store_accumulate = tuple(
+            bool(x)
+            for x in getattr(self.visitor, "store_accumulate", (False,) * len(self.store_dtypes))
+        )
+        if len(self.store_accumulate) != len(self.store_dtypes):
+            raise ValueError("visitor store_accumulate must give one flag per stored tensor")
         self.scratch_floats = self.visitor.smem_bytes(config) // 4
         self.smem, self.epi_stages, self.load_stages = self._fit_smem(config)
         self.ab_stages = self.smem.ab_stages
@@ -226,7 +233,9 @@ class PingPongGemm:
         tD = []
         for i in cutlass.range_constexpr(len(stores)):
             atom, t = cpasync.make_tiled_tma_atom(
-                cpasync.CopyBulkTensorTileS2GOp(),
+                cpasync.CopyReduceBulkTensorTileS2GOp(cpasync.ReductionKind.ADD)
+                if self.store_accumulate[i]
+                else cpasync.CopyBulkTensorTileS2GOp(),
                 stores[i],
                 cute.slice_(d_smem[i], (None, None, 0)),
                 self._box(self.store_widths[i]),

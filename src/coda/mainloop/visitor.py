@@ -9,7 +9,10 @@ time by the kernel's epilogue driver:
   and TMA stores), ``load_dtypes`` (one M x N operand per entry, loaded through TMA into
   a shared-memory ring by a dedicated producer warp, ahead of the epilogue), optional
   ``store_widths`` / ``load_widths`` (1/2, 1 or 2 per entry: the tensor is M x N*w and
-  its fragments follow :mod:`coda.mainloop.fragment`'s order; 1 when absent),
+  its fragments follow :mod:`coda.mainloop.fragment`'s order; 1 when absent), optional
+  ``store_accumulate`` (one flag per stored tensor: True adds the subtile into global
+  memory with a TMA reduce-add, ``out += value``, instead of overwriting it; the output
+  is never read by the kernel, so this costs no extra pass),
   ``smem_bytes(config)`` (scratch for cross-warp reductions, shared by the two consumer
   warpgroups, whose epilogues take turns);
 * ``begin_tile(tctx) -> state`` once per output tile;
@@ -62,13 +65,18 @@ class SubtileContext:
 
 @attrs.frozen
 class AccStore:
-    """The plain GEMM: D = acc, stored as ``dtype``."""
+    """The plain GEMM: D = acc (or D += acc with ``accumulate``), stored as ``dtype``."""
 
     dtype: torch.dtype = torch.bfloat16
+    accumulate: bool = False
 
     @property
     def store_dtypes(self) -> tuple[torch.dtype, ...]:
         return (self.dtype,)
+
+    @property
+    def store_accumulate(self) -> tuple[bool, ...]:
+        return (self.accumulate,)
 
     @property
     def load_dtypes(self) -> tuple[torch.dtype, ...]:

@@ -55,6 +55,40 @@ def row_major_tma(name: str, t: torch.Tensor) -> None:
         )
 
 
+def tma_major(name: str, t: torch.Tensor, dims: tuple[str, str]) -> str:
+    """Which of the two dimensions of a 2-D operand is contiguous (stride 1), named by
+    ``dims`` (e.g. ("m", "k") for A): the last one (row-major) or the first one (a
+    transposed view, ``x.t()`` of a contiguous tensor). The other stride and the base
+    pointer must be 16-byte aligned (TMA's contract). Raises before any launch."""
+    if t.numel() == 0:
+        raise InputError(f"{name} is empty (shape {tuple(t.shape)}); coda needs M, N, K >= 1")
+    rows, cols = t.shape
+    if t.stride(1) == 1 or cols == 1 and t.stride(0) != 1:
+        major, lead, along = dims[1], t.stride(0), dims[0]
+    elif t.stride(0) == 1:
+        major, lead, along = dims[0], t.stride(1), dims[1]
+    else:
+        raise InputError(
+            f"{name} {tuple(t.shape)} has strides {t.stride()}: one of its dimensions must be "
+            f"contiguous (row-major, or a transposed view such as x.t()); call .contiguous()"
+        )
+    elem = t.element_size()
+    if (lead * elem) % 16:
+        raise InputError(
+            f"{name} ({dims[0].upper()}, {dims[1].upper()}) = {tuple(t.shape)} is "
+            f"{major.upper()}-contiguous with a stride of {lead} elements along "
+            f"{along.upper()} ({lead * elem} bytes); TMA needs a multiple of 16 bytes, i.e. "
+            f"the contiguous dimension padded to a multiple of {16 // elem} elements "
+            f"(e.g. a slice of a wider tensor)"
+        )
+    if t.data_ptr() % 16:
+        raise InputError(
+            f"{name} data pointer is not 16-byte aligned (offset {t.data_ptr() % 16}); "
+            f"slice views with an unaligned start are not supported, clone the tensor"
+        )
+    return major
+
+
 def same_device(named: Sequence[tuple[str, torch.Tensor]]) -> torch.device:
     (first_name, first), *rest = named
     for name, t in rest:
@@ -66,7 +100,15 @@ def same_device(named: Sequence[tuple[str, torch.Tensor]]) -> torch.device:
     return first.device
 
 
-def hopper_device(device: torch.device) -> None:
+_hopper_ok: dict[torch.device, int] = {}
+
+
+def hopper_device(device: torch.device) -> int:
+    """Check that ``device`` is a Hopper GPU (sm_90); return its multiprocessor count.
+    The answer is remembered per device, so the check costs a dict look-up per call."""
+    sms = _hopper_ok.get(device)
+    if sms is not None:
+        return sms
     if device.type != "cuda":
         raise InputError(
             f"coda kernels run on CUDA tensors; got tensors on {device}. "
@@ -80,3 +122,6 @@ def hopper_device(device: torch.device) -> None:
             f"coda kernels need an NVIDIA Hopper GPU (sm_90); {torch.cuda.get_device_name(device)} "
             f"is sm_{cap[0]}{cap[1]}"
         )
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    _hopper_ok[device] = sms
+    return sms

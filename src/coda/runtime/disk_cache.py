@@ -3,11 +3,12 @@
 Sits under :mod:`coda.runtime.gemm_kernels`: ``get_kernel`` looks here after its memory
 cache and before compiling, and stores what it compiles.
 
-Mechanism: CuTeDSL's own ahead-of-time export. ``JitCompiledFunction.dump_to_object(prefix)``
-(what ``export_to_c`` writes as its ``.o``) gives an ELF object holding the host launch
-code and the sm_90a cubin; ``cutlass.cute.runtime.load_module(path)[prefix]`` links it
-into the current process (LLVM JITLink, no compiler, no Python tracing) and returns a
-``JitCompiledFunction`` that takes the same arguments as the one ``cute.compile`` gave.
+Mechanism: CuTeDSL's own ahead-of-time export. ``export_to_c(path, function_name=prefix)``
+of a compiled function (:func:`object_bytes`) writes an ELF object holding the host
+launch code and the sm_90a cubin; ``cutlass.cute.runtime.load_module(path, enable_tvm_ffi=True)``
+links it into the current process (LLVM JITLink, no compiler, no Python tracing) and its
+``[prefix]`` is a TVM-FFI function taking the same arguments as the one ``cute.compile``
+gave (coda compiles every kernel for TVM-FFI: :mod:`coda.runtime.gemm_kernels`).
 The cubin is handed to the CUDA driver lazily, on the first launch, exactly as for a
 freshly compiled function.
 
@@ -57,7 +58,7 @@ log = logging.getLogger(__name__)
 _MODULE_LOADED = time.time()
 
 #: Bumped whenever the entry layout or the canonical key's recipe changes.
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: TVM-FFI objects
 ENV_DIR = "CODA_CACHE_DIR"
 ENV_ENABLE = "CODA_DISK_CACHE"
 DEFAULT_DIR = Path("~/.cache/coda/kernels")
@@ -560,12 +561,22 @@ def load(canonical: str) -> Hit | None:
             return _corrupt(obj_path, "checksum mismatch")
         import cutlass.cute as cute
 
-        module = cute.runtime.load_module(str(obj_path))
+        module = cute.runtime.load_module(str(obj_path), enable_tvm_ffi=True)
         fn = module[prefix]
     except Exception as e:  # missing object file, bad JSON, DSL refusing the object, ...
         return _corrupt(meta_path, f"{type(e).__name__}: {e}")
     stats["hit"] += 1
     return Hit(fn, data)
+
+
+def object_bytes(fn: Any, prefix: str) -> bytes:
+    """The ELF object of a compiled TVM-FFI function (host launch code + cubin) whose
+    entry point ``load_module(..., enable_tvm_ffi=True)[prefix]`` finds."""
+    with tempfile.TemporaryDirectory(prefix="coda-export-") as d:
+        path = os.path.join(d, f"{prefix}.o")
+        fn.export_to_c(path, function_name=prefix)
+        with open(path, "rb") as f:
+            return f.read()
 
 
 def _corrupt(path: Path, why: str) -> None:
@@ -584,7 +595,7 @@ def store(canonical: str, fn: Any) -> bool:
             stats["store_error"] += 1
             return False
         prefix = _prefix(h)
-        data = fn.dump_to_object(prefix)
+        data = object_bytes(fn, prefix)
         obj_sha = hashlib.sha256(data).hexdigest()
         obj_name = f"{h}.{obj_sha[:16]}.o"
         directory.mkdir(parents=True, exist_ok=True)

@@ -1,16 +1,25 @@
-"""Run an ``Epilogue`` fused into the PingPong GEMM: validate, allocate, launch, finalize.
+"""Run an ``Epilogue`` fused into the PingPong GEMM: a cached launch plan per epilogue.
 
-Sits in ``coda.runtime`` under :meth:`coda.Epilogue.__call__`. The order of work:
+Sits in ``coda.runtime`` and is installed as the runner of :meth:`coda.Epilogue.__call__`
+(``coda.epilogue.set_runner``; the epilogue never imports the runtime). The work that
+depends only on (epilogue, operand dtype, operand layout, device, cluster shape) is done
+once, in :class:`EpiloguePlan`: the fusability check, ``n_multiple``, the config
+(:func:`epilogue_config`: 128 x 128 tiles, narrower when the epilogue would spill
+registers there), the fused visitor, the compiled kernel, and the order in which tensors
+travel to it. A call then does only:
 
-1. validate everything before any launch: the epilogue's own binding checks (names,
-   shapes, dtypes, devices, target values), TMA's contract for every M x N tensor
-   (contiguous rows, 16-byte row strides and pointers), a Hopper GPU, and whether the
-   composition can be fused today (:func:`coda.runtime.fused.unsupported`);
-2. pick the config (:func:`epilogue_config`: 128 x 128 tiles, narrower when the epilogue
-   would spill registers there) and allocate outputs (TileStore tensors, per-tile
-   partials for the kernel's tile shape);
-3. launch the kernel compiled for (config, A's dtype, the fused visitor);
-4. finalize: each primitive combines its partials into its outputs (tiny torch ops).
+1. fast checks of every tensor (shape, dtype, device, TMA layout) -- on any mismatch the
+   full, readable checks of :func:`coda.binding.bind` run to name the problem, and
+   nothing is launched;
+2. allocation of the outputs the caller did not supply (TileStore tensors, per-tile
+   partials, finalized results);
+3. one launch of the GEMM kernel (TVM-FFI: the torch tensors go straight to C) and, when
+   the epilogue reduces across tiles, one launch of its finalize kernel
+   (:mod:`coda.runtime.finalize`), which turns the partials into results on the GPU.
+
+No host synchronization happens (tensor *values* are checked only with
+``check_contents=True``) and nothing is allocated that the caller did not ask for, so a
+call can be captured in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -22,24 +31,11 @@ import attrs
 import torch
 
 from ..binding import bind
-from ..epilogue import Epilogue
+from ..epilogue import Epilogue, set_runner
 from ..errors import InputError
-from ..geometry import Problem
 from ..mainloop.config import GemmConfig, choose_epilogue_config
-from . import checks, gemm_kernels
+from . import checks, finalize, gemm_kernels
 from .fused import FusedVisitor, n_multiple, unsupported
-
-
-def _cute_extra(spec, value: Any):
-    import cutlass
-    from cutlass.cute.runtime import from_dlpack
-
-    if spec.role == "scalar":
-        return cutlass.Float32(float(value))
-    if spec.is_partials:
-        return gemm_kernels.as_cute_tensor(value)
-    return from_dlpack(value, assumed_align=value.element_size()).mark_layout_dynamic()
-
 
 #: Output-tile widths tried in order for a fused epilogue: the first whose kernel keeps
 #: everything in registers (no local memory) is used. A narrower tile holds fewer
@@ -48,7 +44,13 @@ TILE_N_FALLBACKS = (96, 64)
 
 
 def epilogue_config(
-    epi: Epilogue, ab_dtype: torch.dtype, m: int, n: int, k: int, num_sms: int
+    epi: Epilogue,
+    ab_dtype: torch.dtype,
+    m: int,
+    n: int,
+    k: int,
+    num_sms: int,
+    majors: tuple[str, str] = ("k", "k"),
 ) -> GemmConfig:
     """The config ``epi(A, B, ...)`` runs with when none is given: the heuristic's
     (128 x 128), or a narrower tile when that kernel would spill registers. Compiles (or
@@ -57,10 +59,136 @@ def epilogue_config(
     visitor = FusedVisitor(epi)
     for tile_n in (base.tile_n, *TILE_N_FALLBACKS):
         cfg = attrs.evolve(base, tile_n=tile_n)
-        key = gemm_kernels.GemmKernelKey(cfg, ab_dtype, visitor, num_sms=num_sms)
+        key = gemm_kernels.kernel_key(cfg, ab_dtype, visitor, num_sms, *majors)
         if gemm_kernels.local_memory_bytes(key) == 0:
             return cfg
     return cfg  # every candidate spills: the narrowest, which spills least
+
+
+class EpiloguePlan:
+    """Everything about running ``epi`` that does not depend on the call's tensors."""
+
+    def __init__(
+        self,
+        epi: Epilogue,
+        ab_dtype: torch.dtype,
+        majors: tuple[str, str],
+        device: torch.device,
+        num_sms: int,
+        config: GemmConfig,
+    ):
+        self.epi = epi
+        self.device = device
+        self.config = config
+        self.tile = (config.tile_m, config.tile_n)
+        self.visitor = FusedVisitor(epi)
+        self.key = gemm_kernels.kernel_key(config, ab_dtype, self.visitor, num_sms, *majors)
+        self.kernel = gemm_kernels.get_kernel(self.key)
+        self.need_n = n_multiple(epi)
+        # (name, role, dtype, width) of each input, in binding order
+        self.inputs = tuple((s.name, s.role, s.dtype, s.width) for s in epi.inputs)
+        # outputs the GEMM kernel writes (tiles and partials) and the finalized results
+        self.kernel_outputs = tuple(s for s in epi.outputs if s.role == "tile" or s.is_partials)
+        self.store_names = tuple(p.out for p in self.visitor.stores)
+        self.load_names = tuple(p.name for p in self.visitor.loads)
+        self.extras = tuple(
+            (s.name, s.direction == "out", s.role == "scalar") for s in self.visitor.extras_specs
+        )
+        self.finalizer = finalize.plan(epi, ab_dtype, self.tile, num_sms)
+        self.output_names = tuple(s.name for s in epi.outputs)
+
+    def fast_checks_pass(self, A, B, tensors: Mapping[str, Any], m: int, n: int) -> bool:
+        """True when every input has exactly the expected shape, dtype and device and every
+        M x N tensor meets TMA's layout contract; False sends the call to the full checks."""
+        if len(tensors) != len(self.inputs) or n % self.need_n:
+            return False
+        device = self.device
+        if A.device != device or B.device != device:
+            return False
+        for name, role, dtype, width in self.inputs:
+            t = tensors.get(name)
+            if role == "scalar":
+                if not isinstance(t, (float, int)) or isinstance(t, bool):
+                    return False
+                continue
+            if not isinstance(t, torch.Tensor) or t.dtype != dtype or t.device != device:
+                return False
+            shape = t.shape
+            if role == "tile":
+                if (
+                    len(shape) != 2
+                    or shape[0] != m
+                    or shape[1] * width.denominator != n * width.numerator
+                ):
+                    return False
+                if t.stride(1) != 1 or (t.stride(0) * t.element_size()) % 16 or t.data_ptr() % 16:
+                    return False
+            elif role == "row":
+                if len(shape) != 1 or shape[0] != m or t.stride(0) != 1:
+                    return False
+            elif role == "col":
+                if len(shape) != 1 or shape[0] * width.denominator != n * width.numerator:
+                    return False
+                if t.stride(0) != 1:
+                    return False
+        return True
+
+    def __call__(
+        self,
+        A: torch.Tensor,
+        B: torch.Tensor,
+        tensors: Mapping[str, Any],
+        outputs: Mapping[str, torch.Tensor] | None,
+    ) -> dict[str, torch.Tensor]:
+        m, n = A.shape[0], B.shape[0]
+        given = outputs or {}
+        out: dict[str, torch.Tensor] = {}
+        for spec in self.kernel_outputs:
+            shape = spec.shape(m, n, self.tile)
+            t = given.get(spec.name)
+            if t is None:
+                t = torch.empty(shape, dtype=spec.dtype, device=self.device)
+            elif tuple(t.shape) != shape or t.dtype != spec.dtype or t.device != self.device:
+                raise InputError(
+                    f"outputs[{spec.name!r}] must be {shape} {spec.dtype} on {self.device}"
+                )
+            elif spec.role == "tile":
+                checks.row_major_tma(f"outputs[{spec.name!r}]", t)
+            elif not t.is_contiguous():
+                raise InputError(f"outputs[{spec.name!r}] must be contiguous")
+            out[spec.name] = t
+        extras = tuple(
+            (float(tensors[name]) if scalar else (out[name] if is_out else tensors[name]))
+            for name, is_out, scalar in self.extras
+        )
+        self.kernel(
+            A,
+            B,
+            tuple(out[name] for name in self.store_names),
+            tuple(tensors[name] for name in self.load_names),
+            extras,
+        )
+        if self.finalizer is not None:
+            self.finalizer(out, m, n, given)
+        return {name: out[name] for name in self.output_names}
+
+
+_plans: dict[tuple, EpiloguePlan] = {}
+
+
+def _plan(epi, A, B, majors, config, m, n, k) -> EpiloguePlan:
+    device = A.device
+    num_sms = checks.hopper_device(device)
+    cluster_m = 2 if m > 128 else 1
+    pkey = (epi, A.dtype, majors, device, config, cluster_m)
+    plan = _plans.get(pkey)
+    if plan is None:
+        reason = unsupported(epi)
+        if reason is not None:
+            raise NotImplementedError(f"this epilogue cannot be fused yet: {reason}")
+        cfg = config or epilogue_config(epi, A.dtype, m, n, k, num_sms, majors)
+        plan = _plans[pkey] = EpiloguePlan(epi, A.dtype, majors, device, num_sms, cfg)
+    return plan
 
 
 def run(
@@ -73,62 +201,33 @@ def run(
     check_contents: bool = False,
 ) -> dict[str, torch.Tensor]:
     """Fused ``epi(A, B, **tensors)``. ``outputs`` may pre-supply output tensors (e.g.
-    NaN-poisoned ones in tests); they must have the declared shapes and dtypes."""
-    from ..matmul import check_gemm_operands
+    NaN-poisoned ones in tests, or buffers reused across steps); they must have the
+    declared shapes and dtypes."""
+    from ..matmul import gemm_problem
 
-    reason = unsupported(epi)
-    if reason is not None:
-        raise NotImplementedError(f"this epilogue cannot be fused yet: {reason}")
     if not epi.outputs:
         raise InputError("this epilogue has no outputs: add a TileStore, TileReduce or ...")
-    problem: Problem = bind(epi, A, B, tensors, contents=check_contents)
-    m, n, k = check_gemm_operands(A, B)
+    m, n, k, a_major, b_major = gemm_problem(A, B)
+    plan = _plan(epi, A, B, (a_major, b_major), config, m, n, k)
+    if check_contents or not plan.fast_checks_pass(A, B, tensors, m, n):
+        _full_checks(epi, A, B, tensors, n, plan.need_n, check_contents)
+    return plan(A, B, tensors, outputs)
+
+
+def _full_checks(epi, A, B, tensors, n, need, check_contents) -> None:
+    """The readable checks (each failure names the tensor and what was expected)."""
+    bind(epi, A, B, tensors, contents=check_contents)
     for spec in epi.inputs:
         if spec.role == "tile":
             checks.row_major_tma(spec.name, tensors[spec.name])
         elif spec.role in ("row", "col") and not tensors[spec.name].is_contiguous():
             raise InputError(f"{spec.name!r} must be a contiguous vector")
-    need = n_multiple(epi)
     if n % need:
         raise InputError(
             f"N={n}: this epilogue needs N to be a multiple of {need} (TMA moves every "
             f"M x N*width tensor in rows of a multiple of 16 bytes, and column pairs must "
             f"not straddle the edge)"
         )
-    checks.hopper_device(A.device)
-    device = A.device
-    num_sms = torch.cuda.get_device_properties(device).multi_processor_count
-    cfg = config or epilogue_config(epi, A.dtype, m, n, k, num_sms)
-    tile = (cfg.tile_m, cfg.tile_n)
 
-    given = dict(outputs or {})
-    out: dict[str, torch.Tensor] = {}
-    for spec in epi.outputs:
-        if spec.role != "tile" and not spec.is_partials:
-            continue  # finalized from partials below
-        shape = spec.shape(m, n, tile)
-        t = given.get(spec.name)
-        if t is None:
-            t = torch.empty(shape, dtype=spec.dtype, device=device)
-        elif tuple(t.shape) != shape or t.dtype != spec.dtype or t.device != device:
-            raise InputError(f"outputs[{spec.name!r}] must be {shape} {spec.dtype} on {device}")
-        out[spec.name] = t
 
-    visitor = FusedVisitor(epi)
-    extras = []
-    for spec in visitor.extras_specs:
-        value = out[spec.name] if spec.direction == "out" else tensors[spec.name]
-        extras.append(_cute_extra(spec, value))
-    key = gemm_kernels.GemmKernelKey(cfg, A.dtype, visitor, num_sms=num_sms)
-    gemm_kernels.launch(
-        key,
-        A,
-        B,
-        tuple(out[p.out] for p in visitor.stores),
-        tuple(tensors[p.name] for p in visitor.loads),
-        tuple(extras),
-    )
-    partials = {name: t for name, t in out.items()}
-    for p in epi.primitives:
-        out.update(p.finalize(partials, problem, epi.values))
-    return {spec.name: out[spec.name] for spec in epi.outputs}
+set_runner(run)

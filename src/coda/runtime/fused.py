@@ -55,7 +55,7 @@ def _extra_specs(epi: Epilogue) -> tuple[TensorSpec, ...]:
     return ins + outs
 
 
-@attrs.frozen
+@attrs.frozen(cache_hash=True)
 class FusedVisitor:
     """Mainloop visitor running ``epilogue`` (a frozen value: part of the cache key)."""
 

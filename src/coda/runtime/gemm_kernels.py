@@ -1,10 +1,16 @@
 """Compile and cache PingPong GEMM kernels; launch them on torch tensors.
 
 Sits between :mod:`coda.mainloop` (the kernel) and the public ops (:mod:`coda.gemm`).
-A kernel is compiled once per :class:`GemmKernelKey` -- config, dtypes, visitor, SM count
-and CuTeDSL version -- against *symbolic* shapes (M, N, K are runtime values, N and K
-divisible by 8), so new problem sizes never recompile. The key is a frozen attrs value:
-every compile-time input is in it, so a cache hit can never be the wrong kernel.
+A kernel is compiled once per :class:`GemmKernelKey` -- config, dtypes, visitor, operand
+majors, SM count and CuTeDSL version -- against *symbolic* shapes and strides (M, N, K
+and every leading stride are runtime values), so new problem sizes and padded views never
+recompile. The key is a frozen attrs value: every compile-time input is in it, so a cache
+hit can never be the wrong kernel.
+
+Kernels are compiled with CuTeDSL's TVM-FFI calling convention: the compiled function
+takes torch tensors directly (DLPack through C, no per-argument Python adaptation), reads
+the current torch stream itself, and checks every tensor's dtype, rank, strides and
+alignment against the compile-time description in C before launching.
 """
 
 from __future__ import annotations
@@ -33,7 +39,31 @@ class GemmKernelKey:
     ab_dtype: torch.dtype
     visitor: Any = AccStore()
     num_sms: int = 132
+    #: which dimension of A (M, K) is contiguous: "k" (row-major) or "m" (a transposed view)
+    a_major: str = attrs.field(default="k", validator=attrs.validators.in_(("k", "m")))
+    #: which dimension of B (N, K) is contiguous: "k" (an nn.Linear weight) or "n"
+    b_major: str = attrs.field(default="k", validator=attrs.validators.in_(("k", "n")))
     dsl: str = attrs.field(factory=dsl_version)
+
+
+_keys: dict[tuple, GemmKernelKey] = {}
+
+
+def kernel_key(
+    config: GemmConfig,
+    ab_dtype: torch.dtype,
+    visitor: Any,
+    num_sms: int,
+    a_major: str = "k",
+    b_major: str = "k",
+) -> GemmKernelKey:
+    """The :class:`GemmKernelKey` of these inputs, built once and then looked up (the hot
+    path of every call: no attrs construction or validation per launch)."""
+    parts = (config, ab_dtype, visitor, num_sms, a_major, b_major)
+    key = _keys.get(parts)
+    if key is None:
+        key = _keys[parts] = GemmKernelKey(config, ab_dtype, visitor, num_sms, a_major, b_major)
+    return key
 
 
 _cache: dict[GemmKernelKey, Any] = {}
@@ -42,36 +72,41 @@ _lock = threading.Lock()
 
 
 def _fake_args(key: GemmKernelKey):
+    """Compile-time stand-ins for the launch arguments: symbolic M, N, K shared by every
+    tensor, and a symbolic leading stride per tensor (a multiple of 16 bytes, TMA's rule),
+    so padded and transposed views run without copies."""
     ensure_arch()
     import cutlass.cute as cute
-    from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
+    from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
 
-    ab = dtypes.to_cutlass(key.ab_dtype)
     m = cute.sym_int32()
     n = cute.sym_int32(divisibility=8)
-    k = cute.sym_int32(divisibility=8)
-    row_major = {"stride_order": (1, 0), "assumed_align": 16}
+    k = cute.sym_int32()
 
-    def tile(dtype, width=1):
-        cols = n
-        if width != 1:  # N * width columns: a symbol of its own, rows of 16-byte multiples
-            elem = torch.empty(0, dtype=dtype).element_size()
-            cols = cute.sym_int32(divisibility=16 // elem)
-        return make_fake_compact_tensor(dtypes.to_cutlass(dtype), (m, cols), **row_major)
+    def matrix(dtype, rows, cols, contiguous: str):
+        """A (rows, cols) tensor whose ``contiguous`` dim ("row": the last) has stride 1."""
+        elem = torch.empty(0, dtype=dtype).element_size()
+        lead = cute.sym_int32(divisibility=16 // elem)
+        stride = (lead, 1) if contiguous == "row" else (1, lead)
+        return make_fake_tensor(dtypes.to_cutlass(dtype), (rows, cols), stride, assumed_align=16)
 
     def tiles(kind):
         dts = getattr(key.visitor, f"{kind}_dtypes")
         widths = getattr(key.visitor, f"{kind}_widths", (1,) * len(dts))
-        return tuple(tile(d, w) for d, w in zip(dts, widths, strict=True))
+        # N * width columns (width != 1): a symbol of its own (N*w is not affine in N)
+        return tuple(
+            matrix(d, m, n if w == 1 else cute.sym_int32(), "row")
+            for d, w in zip(dts, widths, strict=True)
+        )
 
     extras = key.visitor.fake_extras(m, n) if hasattr(key.visitor, "fake_extras") else ()
     return (
-        make_fake_compact_tensor(ab, (m, k), **row_major),
-        make_fake_compact_tensor(ab, (n, k), **row_major),
+        matrix(key.ab_dtype, m, k, "row" if key.a_major == "k" else "col"),
+        matrix(key.ab_dtype, n, k, "row" if key.b_major == "k" else "col"),
         tiles("store"),
         tiles("load"),
         extras,
-        make_fake_stream(),
+        make_fake_stream(use_tvm_ffi_env_stream=True),
     )
 
 
@@ -87,6 +122,10 @@ def _kernel_object(key: GemmKernelKey):
     )
 
 
+#: every kernel is compiled for the TVM-FFI calling convention (see the module doc)
+TVM_FFI = "--enable-tvm-ffi"
+
+
 def compile_kernel(key: GemmKernelKey, options: str | None = None):
     """Compile (uncached) for sm_90a. Works on a GPU-less machine."""
     ensure_arch()
@@ -98,9 +137,7 @@ def compile_kernel(key: GemmKernelKey, options: str | None = None):
         # tuples of tensors (stores, loads, extras) are flattened by CuTeDSL into dynamic
         # arguments; it still warns that a tuple is "not a JitArgument".
         warnings.filterwarnings("ignore", message=".*cannot be converted to a JitArgument.*")
-        if options:
-            return cute.compile(kernel, *args, options=options)
-        return cute.compile(kernel, *args)
+        return cute.compile(kernel, *args, options=f"{TVM_FFI} {options or ''}".strip())
 
 
 def get_kernel(key: GemmKernelKey):
@@ -142,7 +179,7 @@ def _load_or_compile(key: GemmKernelKey) -> tuple[Any, int]:
     if canonical is not None:
         disk_cache.store(canonical, fn)
     # the host object embeds the cubin (in memory: no files written)
-    return fn, elf.local_memory_bytes(fn.dump_to_object("coda_probe"))
+    return fn, elf.local_memory_bytes(disk_cache.object_bytes(fn, "coda_probe"))
 
 
 def compile_artifacts(key: GemmKernelKey, dump_dir: str) -> tuple[str, bytes]:
@@ -154,19 +191,6 @@ def compile_artifacts(key: GemmKernelKey, dump_dir: str) -> tuple[str, bytes]:
     return fn.__ptx__, fn.__cubin__
 
 
-def as_cute_tensor(t: torch.Tensor):
-    """Zero-copy CuTeDSL view of a row-major 2-D torch tensor with dynamic shape."""
-    from cutlass.cute.runtime import from_dlpack
-
-    return from_dlpack(t, assumed_align=16).mark_layout_dynamic(leading_dim=1)
-
-
-def current_stream(device: torch.device):
-    import cuda.bindings.driver as cuda
-
-    return cuda.CUstream(torch.cuda.current_stream(device).cuda_stream)
-
-
 def launch(
     key: GemmKernelKey,
     a: torch.Tensor,
@@ -175,13 +199,6 @@ def launch(
     loads: tuple[torch.Tensor, ...] = (),
     extras: tuple = (),
 ) -> None:
-    """Run the kernel for ``key``; ``extras`` are already CuTeDSL values (see the visitor)."""
-    fn = get_kernel(key)
-    fn(
-        as_cute_tensor(a),
-        as_cute_tensor(b),
-        tuple(as_cute_tensor(t) for t in stores),
-        tuple(as_cute_tensor(t) for t in loads),
-        extras,
-        current_stream(a.device),
-    )
+    """Run the kernel for ``key`` on the current torch stream. ``extras`` are torch
+    tensors and Python floats, in the visitor's ``fake_extras`` order."""
+    get_kernel(key)(a, b, stores, loads, extras)

@@ -3,8 +3,9 @@
     python -m coda.testing.fuzz --examples 300 [--seed 0] [--workers 8] [--out fuzz.json]
 
 Sits in ``coda.testing``; the same property the CPU suite checks, on the real kernel.
-Each example draws an epilogue (``epilogues()``), a ragged problem size and
-inputs, runs ``epi(A, B, **tensors)`` with every output pre-filled with NaN (an element
+Each example draws an epilogue (``epilogues()``), a ragged problem size, an operand
+layout (forward, dgrad, wgrad or the fourth major combination: :mod:`coda.testing.layouts`)
+and inputs, runs ``epi(A, B, **tensors)`` with every output pre-filled with NaN (an element
 the kernel never writes stays NaN), and compares each output with:
 
 * ``truth``: ``epi.reference`` with a float64 accumulator (float64 GEMM);
@@ -38,7 +39,6 @@ ATOL = 1e-3
 def check_example(epi, A, B, tensors, config=None) -> dict[str, Any]:
     """Run one composition fused and compare it; returns a JSON-able record."""
     from ..mainloop.config import choose_epilogue_config
-    from ..runtime.epilogue_kernels import run
 
     outputs = {}
     m, n, k = A.shape[0], B.shape[0], A.shape[1]
@@ -49,7 +49,7 @@ def check_example(epi, A, B, tensors, config=None) -> dict[str, Any]:
             outputs[spec.name] = torch.full(
                 spec.shape(m, n, cfg_tile), float("nan"), dtype=spec.dtype, device=A.device
             )
-    got = run(epi, A, B, tensors, config=cfg, outputs=outputs, check_contents=True)
+    got = epi(A, B, config=cfg, outputs=outputs, check_contents=True, **tensors)
     torch.cuda.synchronize()
     truth = epi.reference(A, B, tile=cfg_tile, acc=A.double() @ B.double().T, **tensors)
     eager = epi.reference(A, B, tile=cfg_tile, acc=(A @ B.T).float(), **tensors)
@@ -71,6 +71,7 @@ def _draw_and_run(seed: int, examples: int, worker: int, workers: int, out_path:
     from hypothesis import strategies as st
 
     from ..runtime.fused import n_multiple
+    from .layouts import LAYOUTS, operands
     from .strategies import epilogues, make_inputs
 
     records: list[dict[str, Any]] = []
@@ -94,11 +95,12 @@ def _draw_and_run(seed: int, examples: int, worker: int, workers: int, out_path:
         n = step * data.draw(st.integers(1, 800 // step))
         k = 8 * data.draw(st.integers(1, 48))
         dtype = data.draw(st.sampled_from((torch.bfloat16, torch.float16)))
+        layout = data.draw(st.sampled_from(sorted(LAYOUTS)))
         ex_seed = data.draw(st.integers(0, 2**31 - 1))
         if i % workers != worker:
             return
         A, B, tensors = make_inputs(epi, m, n, k, dtype, ex_seed)
-        A, B = A.cuda(), B.cuda()
+        A, B = operands(A.cuda(), B.cuda(), layout)
         tensors = {
             k_: (v.cuda() if isinstance(v, torch.Tensor) else v) for k_, v in tensors.items()
         }
@@ -108,6 +110,7 @@ def _draw_and_run(seed: int, examples: int, worker: int, workers: int, out_path:
             "N": n,
             "K": k,
             "dtype": str(dtype),
+            "layout": layout,
             "seed": ex_seed,
             "epilogue": epi.describe(),
         }
@@ -145,6 +148,8 @@ def coverage(records: list[dict[str, Any]]) -> dict[str, int]:
     """How many examples used each feature, and how many had ragged M or N."""
     out = {f: sum(marker in r["epilogue"] for r in records) for f, marker in _FEATURES.items()}
     out["ragged_M_or_N"] = sum(r["M"] % 128 != 0 or r["N"] % 128 != 0 for r in records)
+    for layout in sorted({r.get("layout", "fwd") for r in records}):
+        out[f"layout_{layout}"] = sum(r.get("layout", "fwd") == layout for r in records)
     return out
 
 
