@@ -12,6 +12,8 @@ runs the fused kernels, on CPU the same epilogues' ``reference`` (see ``_dispatc
 * ``swiglu``: ``rms_norm_swiglu_mlp`` / ``swiglu_mlp``: norm + gate/up + SwiGLU + down +
   residual + next norm.
 * ``rope``: ``rms_norm_qkv_rope`` / ``qkv_rope``: norm + QKV + rotary embedding.
+* ``cross_entropy``: ``linear_cross_entropy``, the LM head + cross-entropy loss (forward
+  and backward) without materializing the logits (docs/cross-entropy.md).
 * ``layouts``: the one-time weight conversions (interleaved gate/up, rotate-half pairs
   made adjacent) and RoPE frequency vectors.
 * ``epilogues``: the epilogues themselves.
@@ -20,6 +22,7 @@ See docs/fusions.md for the dataflow of a Llama block and the algebra.
 """
 
 from coda.fusions import epilogues, layouts
+from coda.fusions.cross_entropy import linear_cross_entropy
 from coda.fusions.norm import (
     NormedStream,
     linear_add_rms_norm,
@@ -34,6 +37,7 @@ __all__ = [
     "epilogues",
     "layouts",
     "linear_add_rms_norm",
+    "linear_cross_entropy",
     "qkv_rope",
     "rms_norm_linear",
     "rms_norm_qkv_rope",

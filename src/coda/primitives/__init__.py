@@ -6,6 +6,7 @@
 * ``TileLoad`` (tileload.py) / ``TileStore`` (tilestore.py): (M, N*width) operands in/out.
 * ``TileReduce`` (tilereduce.py): sum / sumsq / max per row or column, as per-tile partials.
 * ``StateTransition`` (state.py): ``LogSumExp`` and ``TargetSelect``, running row states.
+* ``OneHot`` (onehot.py): the tile value column == target[row] (cross-entropy backward).
 * ``math``: backend-polymorphic functions for ``fn``; ``ops``: ready-made ``fn``s.
 * ``context``: ``ReferenceEnv``, ``Tile``, ``Subtile``, what a primitive's methods receive.
 """
@@ -14,6 +15,7 @@ from coda.primitives import math, ops
 from coda.primitives.base import Primitive
 from coda.primitives.context import ReferenceEnv, Subtile, Tile
 from coda.primitives.elementwise import Elementwise
+from coda.primitives.onehot import OneHot
 from coda.primitives.state import LogSumExp, StateTransition, TargetSelect
 from coda.primitives.tileload import TileLoad
 from coda.primitives.tilereduce import TileReduce
@@ -23,6 +25,7 @@ from coda.primitives.vecload import ScalarLoad, VecLoad
 __all__ = [
     "Elementwise",
     "LogSumExp",
+    "OneHot",
     "Primitive",
     "ReferenceEnv",
     "ScalarLoad",

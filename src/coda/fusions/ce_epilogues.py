@@ -1,0 +1,199 @@
+"""coda.fusions.ce_epilogues: the epilogues of the LM-head cross-entropy (fwd and bwd).
+
+Sits under ``coda.fusions.cross_entropy`` (the ops), above the primitives. Both epilogues
+run after the logits GEMM ``acc = h @ W_c.T`` of one vocabulary chunk (W_c: rows
+[v0, v1) of the LM head) and recompute the logits of that chunk on the fly:
+
+    s = rstd * acc + bias          (rstd: a per-row scale, the deferred final RMSNorm)
+    z = cap * tanh(s / cap)        (softcap, Gemma 2; z = s without it)
+
+**Forward** (``stats_epilogue``): per row, over the chunk's columns, the three logit
+statistics every loss option is built from, nothing M x V written:
+
+* ``lse``: log sum_j exp(z_j)              (``LogSumExp``, online max / sum-exp)
+* ``zt``:  z[target] (0 when the target is not in this chunk)       (``TargetSelect``)
+* ``zsum``: sum_j z_j (label smoothing only)                          (``TileReduce``)
+
+**Backward** (``grad_epilogue``): given per-row upstream gradients of the three
+statistics (``ga`` for lse, ``gt`` for zt, ``gs`` for zsum) and the saved full-vocabulary
+lse, the gradient with respect to z is
+
+    g = ga * exp(z - lse) + gt * onehot(target) + gs           (``OneHot``: a new primitive)
+
+then the softcap chain g *= 1 - (z / cap)^2 gives dL/ds; dL/drstd = sum_j g acc (row
+``TileReduce``), dL/dbias = sum_i g (column ``TileReduce``), and the stored chunk
+``dlogits = rstd * g`` (= dL/dacc) feeds the dh and dW GEMMs.
+
+**The padded tail.** TMA moves M x N tiles in rows of 16 bytes, so every chunk is a
+multiple of 8 columns; the last V mod 8 columns run as an 8-column chunk over a zero-padded
+copy of their weight rows, with a 0/1 column vector ``valid``: padded columns are -inf for
+the log-sum-exp, 0 for the sum and their gradient is 0 (``masked=True``).
+
+Every ``fn`` is a module-level function or an attrs value (equal across calls), so equal
+options give equal epilogues and one compiled kernel each.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import attrs
+import torch
+
+from coda.epilogue import Epilogue
+from coda.primitives import (
+    Elementwise,
+    LogSumExp,
+    OneHot,
+    TargetSelect,
+    TileReduce,
+    TileStore,
+    VecLoad,
+    ops,
+)
+from coda.primitives import math as cm
+
+__all__ = ["Softcap", "SoftcapGrad", "grad_epilogue", "stats_epilogue"]
+
+F32 = torch.float32
+#: dtype of the chunk-local targets the ops pass (-1: no target in this chunk)
+TARGET_DTYPE = torch.int32
+
+
+@attrs.frozen
+class Softcap:
+    """z = cap * tanh(s / cap)."""
+
+    cap: float = attrs.field(converter=float)
+    __name__ = "softcap"
+
+    def __call__(self, s: Any) -> Any:
+        return self.cap * cm.tanh(s * (1.0 / self.cap))
+
+
+@attrs.frozen
+class SoftcapGrad:
+    """dL/ds = dL/dz * (1 - tanh^2(s / cap)) = g * (1 - (z / cap)^2)."""
+
+    cap: float = attrs.field(converter=float)
+    __name__ = "softcap_grad"
+
+    def __call__(self, g: Any, z: Any) -> Any:
+        u = z * (1.0 / self.cap)
+        return g - g * (u * u)
+
+
+def scale_shift(acc: Any, rstd: Any, bias: Any) -> Any:
+    """rstd * acc + bias."""
+    return acc * rstd + bias
+
+
+def mask_neg_inf(z: Any, valid: Any) -> Any:
+    """z where the column is valid, -inf in the padded columns of the tail chunk."""
+    return cm.where(valid > 0.5, z, float("-inf"))
+
+
+def ce_grad(z: Any, lse: Any, ga: Any, gt: Any, hit: Any) -> Any:
+    """ga * softmax(z) + gt * onehot: the gradient of (lse, z[target]) weighted per row."""
+    return ga * cm.exp(z - lse) + gt * hit
+
+
+def ce_grad_sum(z: Any, lse: Any, ga: Any, gt: Any, hit: Any, gs: Any) -> Any:
+    """``ce_grad`` plus gs * 1: the gradient of the row sum of z (label smoothing)."""
+    return ga * cm.exp(z - lse) + gt * hit + gs
+
+
+def _logits(bias_dtype: torch.dtype | None, rstd: bool, softcap: float | None) -> tuple[list, str]:
+    """The primitives recomputing z from acc, and the name of z."""
+    prims: list = []
+    name = "acc"
+    if rstd:
+        prims.append(VecLoad("rstd", per="row", dtype=F32))
+    if bias_dtype is not None:
+        prims.append(VecLoad("bias", per="col", dtype=bias_dtype))
+    if rstd and bias_dtype is not None:
+        prims.append(Elementwise("s", scale_shift, ins=("acc", "rstd", "bias")))
+        name = "s"
+    elif rstd:
+        prims.append(Elementwise("s", ops.mul, ins=("acc", "rstd")))
+        name = "s"
+    elif bias_dtype is not None:
+        prims.append(Elementwise("s", ops.add, ins=("acc", "bias")))
+        name = "s"
+    if softcap is not None:
+        prims.append(Elementwise("z", Softcap(softcap), ins=(name,)))
+        name = "z"
+    return prims, name
+
+
+@functools.cache
+def stats_epilogue(
+    bias_dtype: torch.dtype | None,
+    rstd: bool,
+    softcap: float | None,
+    with_sum: bool,
+    masked: bool,
+) -> Epilogue:
+    """Outputs ``lse``, ``zt`` (and ``zsum``) of one chunk; inputs ``tloc`` (int32 chunk-
+    local targets, -1 for none) and, as enabled, ``rstd``, ``bias``, ``valid``."""
+    prims, z = _logits(bias_dtype, rstd, softcap)
+    lse_of, sum_of = z, z
+    if masked:
+        prims.append(VecLoad("valid", per="col", dtype=F32))
+        prims.append(Elementwise("z_lse", mask_neg_inf, ins=(z, "valid")))
+        lse_of = "z_lse"
+        if with_sum:
+            prims.append(Elementwise("z_sum", ops.mul, ins=(z, "valid")))
+            sum_of = "z_sum"
+    prims.append(LogSumExp("lse", of=lse_of))
+    prims.append(
+        TargetSelect("zt", of=z, target="tloc", ignore_index=-1, target_dtype=TARGET_DTYPE)
+    )
+    if with_sum:
+        prims.append(TileReduce("zsum", of=sum_of, op="sum"))
+    return Epilogue(prims)
+
+
+@functools.cache
+def grad_epilogue(
+    out_dtype: torch.dtype | None,
+    bias_dtype: torch.dtype | None,
+    rstd: bool,
+    softcap: float | None,
+    with_sum: bool,
+    masked: bool,
+    dbias: bool,
+    drstd: bool,
+) -> Epilogue:
+    """Stores ``dlogits`` (= dL/dacc, in ``out_dtype``; not stored when None) and, as
+    asked, outputs ``dbias`` (col) and ``drstd`` (row) of one chunk. Inputs: ``tloc``,
+    ``lse``, ``ga``, ``gt`` (and ``gs``) plus those of the forward."""
+    prims, z = _logits(bias_dtype, rstd, softcap)
+    prims += [VecLoad(n, per="row", dtype=F32) for n in ("lse", "ga", "gt")]
+    prims.append(OneHot("hit", target="tloc", target_dtype=TARGET_DTYPE))
+    ins = (z, "lse", "ga", "gt", "hit")
+    if with_sum:
+        prims.append(VecLoad("gs", per="row", dtype=F32))
+        prims.append(Elementwise("g0", ce_grad_sum, ins=(*ins, "gs")))
+    else:
+        prims.append(Elementwise("g0", ce_grad, ins=ins))
+    g = "g0"
+    if masked:
+        prims.append(VecLoad("valid", per="col", dtype=F32))
+        prims.append(Elementwise("g1", ops.mul, ins=(g, "valid")))
+        g = "g1"
+    if softcap is not None:
+        prims.append(Elementwise("g2", SoftcapGrad(softcap), ins=(g, z)))
+        g = "g2"
+    if drstd:
+        prims.append(Elementwise("g_acc", ops.mul, ins=(g, "acc")))
+        prims.append(TileReduce("drstd", of="g_acc", op="sum"))
+    if dbias:
+        prims.append(TileReduce("dbias", of=g, op="sum", per="col"))
+    if out_dtype is not None:
+        if rstd:
+            prims.append(Elementwise("dl", ops.mul, ins=(g, "rstd")))
+            g = "dl"
+        prims.append(TileStore(g, out_dtype, name="dlogits"))
+    return Epilogue(prims)

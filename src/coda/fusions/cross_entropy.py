@@ -1,0 +1,434 @@
+"""coda.fusions.cross_entropy: LM head + cross-entropy, forward and backward, logits never whole.
+
+Sits in ``coda.fusions`` on ``ce_epilogues`` (the epilogues), ``ce_chunks`` (how V is
+walked) and ``_dispatch`` (fused kernel on CUDA, the epilogues' reference on CPU).
+
+Two custom ops (namespace ``coda``) carry all the M x V work:
+
+* ``coda::lce_stats(h, W, target, bias, rstd, ...) -> (lse, zt, zsum)``: per row, the
+  log-sum-exp of the logits z, the target logit z[target] (0 for ignored rows) and the
+  row sum of z (label smoothing only; zeros otherwise), all fp32 (M,). One epilogue of
+  the logits GEMM per vocabulary chunk (usually one chunk), chunks merged by logaddexp.
+* ``coda::lce_stats_backward``: its autograd formula. Per vocabulary chunk c, the logits
+  GEMM h @ W_c.T recomputes z and its epilogue writes dlogits_c = rstd * dL/ds (M x V_c,
+  in h's dtype; plus the dbias / drstd reductions), then dh (+)= dlogits_c @ W_c (fp32
+  accumulator across chunks) and dW[c] = dlogits_c.T @ h (ONE GEMM over all tokens,
+  written once in W's dtype: no bf16 accumulation of dW, no V x H fp32 buffer). dW is
+  skipped when W does not require grad, dh when h does not.
+
+``linear_cross_entropy`` builds every loss option from the three statistics with plain,
+differentiable torch ops on (M,) vectors (so autograd, torch.compile and any upstream
+gradient work unchanged): nll = lse - zt, label smoothing eps: (1 - eps) nll +
+eps (lse - zsum / V), z-loss: + z_loss * lse^2, ignored rows 0, then the reduction.
+
+Logits: z = softcap(rstd * (h @ W.T) + bias), softcap(s) = cap * tanh(s / cap).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch.library import custom_op, register_autograd
+
+from coda.errors import InputError
+from coda.fusions import ce_chunks
+from coda.fusions._dispatch import matmul, run_epilogue
+from coda.fusions.ce_chunks import TMA_COLS, Chunk
+from coda.fusions.ce_epilogues import TARGET_DTYPE, grad_epilogue, stats_epilogue
+from coda.specs import FLOAT_DTYPES, INDEX_DTYPES, dtype_name
+
+__all__ = ["lce_stats", "lce_stats_backward", "linear_cross_entropy"]
+
+F32 = torch.float32
+Reduction = Literal["mean", "sum", "none"]
+
+
+# ---- checks -----------------------------------------------------------------------------
+
+
+def _check_operands(
+    h: torch.Tensor,
+    W: torch.Tensor,
+    target: torch.Tensor,
+    bias: torch.Tensor | None,
+    rstd: torch.Tensor | None,
+) -> None:
+    op = "linear_cross_entropy"
+    if h.dim() != 2 or W.dim() != 2:
+        raise ValueError(
+            f"{op}: h must be (M, H) and W (V, H); got {tuple(h.shape)}, {tuple(W.shape)}"
+        )
+    if h.shape[1] != W.shape[1]:
+        raise ValueError(
+            f"{op}: h has H={h.shape[1]} features but W is {tuple(W.shape)}; W is the LM head "
+            f"weight (V, H) as stored by nn.Linear"
+        )
+    if h.dtype not in FLOAT_DTYPES or h.dtype != W.dtype:
+        raise TypeError(
+            f"{op}: h and W must share one dtype among bfloat16, float16, float32; got "
+            f"{dtype_name(h.dtype)} and {dtype_name(W.dtype)}"
+        )
+    if target.dim() != 1 or target.shape[0] != h.shape[0] or target.dtype not in INDEX_DTYPES:
+        raise ValueError(
+            f"{op}: target must be an int64/int32 vector of {h.shape[0]} entries; got "
+            f"{tuple(target.shape)} {dtype_name(target.dtype)}"
+        )
+    if bias is not None and (bias.dim() != 1 or bias.shape[0] != W.shape[0]):
+        raise ValueError(f"{op}: bias must have shape ({W.shape[0]},); got {tuple(bias.shape)}")
+    if rstd is not None and (rstd.shape != (h.shape[0],) or rstd.dtype != F32):
+        raise ValueError(f"{op}: rstd must be fp32 ({h.shape[0]},); got {tuple(rstd.shape)}")
+    if h.is_cuda and h.shape[1] % TMA_COLS:
+        raise InputError(
+            f"{op}: H={h.shape[1]} must be a multiple of {TMA_COLS} on the GPU (TMA moves rows "
+            f"of 16 bytes); pad the hidden size (zero columns of h and W do not change the loss)"
+        )
+
+
+def _check_targets(target: torch.Tensor, V: int, ignore_index: int) -> None:
+    """InputError naming the first target that is neither a class nor ignore_index (reads
+    the targets: a device sync on CUDA, so run only on request there)."""
+    bad = (target != ignore_index) & ((target < 0) | (target >= V))
+    if bool(bad.any()):
+        row = int(bad.nonzero()[0, 0])
+        raise InputError(
+            f"linear_cross_entropy: target[{row}] = {int(target[row])} is not a class index "
+            f"(0 <= target < V={V}) nor ignore_index={ignore_index}"
+        )
+
+
+# ---- per-chunk operands ------------------------------------------------------------------
+
+
+def _chunk_operands(
+    c: Chunk, W: torch.Tensor, bias: torch.Tensor | None
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The chunk's weight rows (a view; a zero-padded 8-row copy for the tail) and the
+    tensors only some chunks bind (bias slice, the tail's valid-column mask)."""
+    if not c.padded:
+        extra = {} if bias is None else {"bias": bias[c.start : c.stop]}
+        return W[c.start : c.stop], extra
+    Wc = W.new_zeros((TMA_COLS, W.shape[1]))
+    Wc[: c.cols] = W[c.start : c.stop]
+    valid = torch.zeros(TMA_COLS, dtype=F32, device=W.device)
+    valid[: c.cols] = 1.0
+    extra = {"valid": valid}
+    if bias is not None:
+        b = bias.new_zeros(TMA_COLS)
+        b[: c.cols] = bias[c.start : c.stop]
+        extra["bias"] = b
+    return Wc, extra
+
+
+def _local_targets(target: torch.Tensor, valid: torch.Tensor, c: Chunk) -> torch.Tensor:
+    """int32 chunk-local targets: target - start inside the chunk, -1 elsewhere."""
+    inside = valid & (target >= c.start) & (target < c.stop)
+    return torch.where(inside, target - c.start, -1).to(TARGET_DTYPE)
+
+
+def _epilogue_run(epi, A, B, outputs=None, **tensors) -> dict:
+    """``run_epilogue``, writing into caller buffers on CUDA when ``outputs`` is given."""
+    if outputs and A.is_cuda:
+        return epi(A, B, outputs=outputs, **tensors)
+    return run_epilogue(epi, A, B, **tensors)
+
+
+# ---- the forward op ----------------------------------------------------------------------
+
+
+@custom_op("coda::lce_stats", mutates_args=())
+def lce_stats(
+    h: torch.Tensor,
+    W: torch.Tensor,
+    target: torch.Tensor,
+    bias: torch.Tensor | None,
+    rstd: torch.Tensor | None,
+    ignore_index: int,
+    softcap: float | None,
+    with_sum: bool,
+    chunk_size: int,
+    check: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(lse, zt, zsum), each fp32 (M,), of the logits z = softcap(rstd * h @ W.T + bias):
+    log-sum-exp over V, z[target] (0 where target == ignore_index) and sum over V (only
+    with ``with_sum``; zeros otherwise). Targets are range-checked on CPU, and on CUDA
+    when ``check`` (a device sync). ``chunk_size`` 0: automatic (``ce_chunks``)."""
+    _check_operands(h, W, target, bias, rstd)
+    M, V = h.shape[0], W.shape[0]
+    if check or not h.is_cuda:
+        _check_targets(target, V, ignore_index)
+    valid = target != ignore_index
+    n_partials = 4 if with_sum else 3
+    size = chunk_size or ce_chunks.stats_chunk_size(M, V, n_partials)
+    lse = zt = zsum = None
+    for c in ce_chunks.chunks(V, size):
+        Wc, extra = _chunk_operands(c, W, bias)
+        epi = stats_epilogue(
+            None if bias is None else bias.dtype, rstd is not None, softcap, with_sum, c.padded
+        )
+        if rstd is not None:
+            extra["rstd"] = rstd
+        out = run_epilogue(epi, h, Wc, tloc=_local_targets(target, valid, c), **extra)
+        if lse is None:
+            lse, zt = out["lse"], out["zt"]
+            zsum = out["zsum"] if with_sum else torch.zeros_like(lse)
+        else:
+            lse = torch.logaddexp(lse, out["lse"])
+            zt = zt + out["zt"]
+            if with_sum:
+                zsum = zsum + out["zsum"]
+    return lse, zt, zsum
+
+
+@lce_stats.register_fake
+def _(h, W, target, bias, rstd, ignore_index, softcap, with_sum, chunk_size, check):
+    row = h.new_empty((h.shape[0],), dtype=F32)
+    return row, torch.empty_like(row), torch.empty_like(row)
+
+
+# ---- the backward op ---------------------------------------------------------------------
+
+
+@custom_op("coda::lce_stats_backward", mutates_args=())
+def lce_stats_backward(
+    g_lse: torch.Tensor,
+    g_zt: torch.Tensor,
+    g_zsum: torch.Tensor,
+    h: torch.Tensor,
+    W: torch.Tensor,
+    target: torch.Tensor,
+    bias: torch.Tensor | None,
+    rstd: torch.Tensor | None,
+    lse: torch.Tensor,
+    ignore_index: int,
+    softcap: float | None,
+    with_sum: bool,
+    chunk_size: int,
+    need_dh: bool,
+    need_dW: bool,
+    need_dbias: bool,
+    need_drstd: bool,
+) -> list[torch.Tensor]:
+    """The gradients asked for, in the order [dh, dW, dbias, drstd], of the statistics
+    (lse, zt, zsum) under upstream gradients (g_lse, g_zt, g_zsum) (fp32 (M,) each)."""
+    M, H = h.shape
+    V = W.shape[0]
+    valid = target != ignore_index
+    size = chunk_size or ce_chunks.grad_chunk_size(M, V, h.element_size())
+    plan = ce_chunks.chunks(V, size)
+    store = need_dh or need_dW
+    dh = dh32 = dW = dbias = drstd = None
+    if need_dh and len(plan) > 1:
+        dh32 = torch.empty((M, H), dtype=F32, device=h.device)
+    if need_dW:
+        dW = torch.empty_like(W)
+    if need_dbias:
+        dbias = torch.empty((V,), dtype=F32, device=W.device)
+    if need_drstd:
+        drstd = torch.zeros((M,), dtype=F32, device=h.device)
+    buf = None
+    if store and h.is_cuda:  # one dlogits buffer, reused by every chunk
+        buf = torch.empty((M, max(c.gemm_cols for c in plan)), dtype=h.dtype, device=h.device)
+    rows = {"lse": lse, "ga": g_lse, "gt": g_zt}
+    if with_sum:
+        rows["gs"] = g_zsum
+    if rstd is not None:
+        rows["rstd"] = rstd
+    epi_args = (None if bias is None else bias.dtype, rstd is not None, softcap, with_sum)
+    for i, c in enumerate(plan):
+        Wc, extra = _chunk_operands(c, W, bias)
+        epi = grad_epilogue(h.dtype if store else None, *epi_args, c.padded, need_dbias, need_drstd)
+        outputs = None if buf is None else {"dlogits": buf[:, : c.gemm_cols]}
+        out = _epilogue_run(
+            epi, h, Wc, outputs, tloc=_local_targets(target, valid, c), **rows, **extra
+        )
+        if need_drstd:
+            drstd += out["drstd"]
+        if need_dbias:
+            dbias[c.start : c.stop] = out["dbias"][: c.cols]
+        if not store:
+            continue
+        dl = out["dlogits"]
+        if need_dh:
+            if dh32 is None:
+                dh = matmul(dl, Wc.t())
+            else:
+                matmul(dl, Wc.t(), out=dh32, accumulate=i > 0)
+        if need_dW:
+            if c.padded:
+                dW[c.start : c.stop] = matmul(dl.t(), h.t())[: c.cols]
+            else:
+                matmul(dl.t(), h.t(), out=dW[c.start : c.stop])
+    if dh32 is not None:
+        dh = dh32.to(h.dtype)
+    grads = [dh] if need_dh else []
+    grads += [dW] if need_dW else []
+    grads += [dbias.to(bias.dtype)] if need_dbias else []
+    grads += [drstd] if need_drstd else []
+    return grads
+
+
+@lce_stats_backward.register_fake
+def _(
+    g_lse, g_zt, g_zsum, h, W, target, bias, rstd, lse, ignore_index, softcap, with_sum,
+    chunk_size, need_dh, need_dW, need_dbias, need_drstd,
+):  # fmt: skip
+    grads = [torch.empty_like(h)] if need_dh else []
+    grads += [torch.empty_like(W)] if need_dW else []
+    grads += [torch.empty_like(bias)] if need_dbias else []
+    grads += [torch.empty_like(rstd)] if need_drstd else []
+    return grads
+
+
+def _stats_setup(ctx, inputs, output) -> None:
+    h, W, target, bias, rstd, ignore_index, softcap, with_sum, chunk_size, _ = inputs
+    need = ctx.needs_input_grad
+    ctx.flags = (need[0], need[1], bias is not None and need[3], rstd is not None and need[4])
+    ctx.args = (ignore_index, softcap, with_sum, chunk_size)
+    ctx.save_for_backward(h, W, target, bias, rstd, output[0])
+
+
+def _stats_backward(ctx, g_lse, g_zt, g_zsum):
+    need_dh, need_dW, need_dbias, need_drstd = ctx.flags
+    h, W, target, bias, rstd, lse = ctx.saved_tensors
+    if not any(ctx.flags):
+        return (None,) * 10
+    zeros = torch.zeros_like(lse)
+    g_lse = zeros if g_lse is None else g_lse.float().contiguous()
+    g_zt = zeros if g_zt is None else g_zt.float().contiguous()
+    g_zsum = zeros if g_zsum is None else g_zsum.float().contiguous()
+    grads = iter(
+        lce_stats_backward(
+            g_lse, g_zt, g_zsum, h, W, target, bias, rstd, lse, *ctx.args, *ctx.flags
+        )
+    )
+    dh = next(grads) if need_dh else None
+    dW = next(grads) if need_dW else None
+    dbias = next(grads) if need_dbias else None
+    drstd = next(grads) if need_drstd else None
+    return dh, dW, None, dbias, drstd, None, None, None, None, None
+
+
+register_autograd("coda::lce_stats", _stats_backward, setup_context=_stats_setup)
+
+
+# ---- the loss ----------------------------------------------------------------------------
+
+
+def _shift(target: torch.Tensor, ignore_index: int) -> torch.Tensor:
+    """Causal-LM labels: position t predicts label t + 1; the last position is ignored
+    (Hugging Face's ``ForCausalLMLoss``; h is used unshifted, so no copy of h)."""
+    return F.pad(target[..., 1:], (0, 1), value=ignore_index)
+
+
+def _reduce(
+    rows: torch.Tensor,
+    valid: torch.Tensor,
+    reduction: str,
+    num_items_in_batch: torch.Tensor | int | None,
+    shape: torch.Size,
+) -> torch.Tensor:
+    if reduction == "none":
+        return rows.reshape(shape)
+    total = rows.sum()
+    if num_items_in_batch is not None:
+        if isinstance(num_items_in_batch, torch.Tensor):
+            num_items_in_batch = num_items_in_batch.to(total.device)
+        return total / num_items_in_batch
+    if reduction == "sum":
+        return total
+    return total / valid.sum().clamp(min=1)  # all rows ignored: 0, not NaN
+
+
+def linear_cross_entropy(
+    h: torch.Tensor,
+    W: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    ignore_index: int = -100,
+    reduction: Reduction = "mean",
+    label_smoothing: float = 0.0,
+    z_loss: float = 0.0,
+    softcap: float | None = None,
+    bias: torch.Tensor | None = None,
+    num_items_in_batch: torch.Tensor | int | None = None,
+    rstd: torch.Tensor | None = None,
+    shift: bool = False,
+    return_lse: bool = False,
+    return_z_loss: bool = False,
+    check: bool = False,
+    chunk_size: int | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, ...]:
+    """Cross-entropy of the logits ``softcap(rstd * (h @ W.T) + bias)`` against ``target``,
+    without materializing the M x V logits (forward or backward).
+
+    h: (..., H) hidden states (bf16/fp16 on the GPU; fp32 too on CPU); W: (V, H) LM head
+    weight of h's dtype; target: (...) int64/int32 class indices, ``ignore_index`` rows
+    contribute nothing. ``shift=True``: causal-LM labels (position t predicts target
+    t + 1 along the last dim of ``target``; the last position is ignored).
+
+    reduction: "mean" over non-ignored rows (0 when every row is ignored), "sum", or
+    "none" (fp32 per-row losses shaped like ``target``, 0 for ignored rows; any upstream
+    gradient). ``num_items_in_batch`` (Hugging Face gradient accumulation): the sum
+    divided by it instead of the mean. label_smoothing: as ``F.cross_entropy``. z_loss:
+    adds z_loss * lse^2 per non-ignored row. softcap: logits = cap * tanh(s / cap).
+    bias: (V,). rstd: (...) per-row scale of the logits (a deferred final RMSNorm);
+    differentiable like every other input.
+
+    Returns the loss (fp32), or a tuple (loss, lse) / (loss, z_loss) / (loss, lse,
+    z_loss) with ``return_lse`` (per-row log-sum-exp, shaped like ``target``) and
+    ``return_z_loss`` (the z-loss term, reduced like the loss). ``check``: range-check
+    the targets on CUDA too (a device sync; always done on CPU). ``chunk_size``: vocabulary
+    columns per chunk (a multiple of 8; default: from ``ce_chunks.WORKSPACE_BYTES``).
+    """
+    if reduction not in ("mean", "sum", "none"):
+        raise ValueError(f"reduction must be 'mean', 'sum' or 'none'; got {reduction!r}")
+    if num_items_in_batch is not None and reduction == "none":
+        raise ValueError("num_items_in_batch divides a summed loss: use reduction 'mean'/'sum'")
+    if not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"label_smoothing must be in [0, 1]; got {label_smoothing}")
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"softcap must be a positive float or None; got {softcap}")
+    if chunk_size is not None and (chunk_size <= 0 or chunk_size % TMA_COLS):
+        raise ValueError(f"chunk_size must be a positive multiple of {TMA_COLS}; got {chunk_size}")
+    if shift:
+        target = _shift(target, ignore_index)
+    H, V = h.shape[-1], W.shape[0]
+    if h.shape[:-1] != target.shape:
+        raise ValueError(
+            f"linear_cross_entropy: h is {tuple(h.shape)} but target is {tuple(target.shape)}; "
+            f"h must be target's shape plus a hidden dimension"
+        )
+    shape = target.shape
+    h2 = h.reshape(-1, H)
+    if h2.stride(-1) != 1:
+        h2 = h2.contiguous()
+    t = target.reshape(-1)
+    r = None
+    if rstd is not None:
+        if rstd.shape != shape:
+            raise ValueError(
+                f"rstd must be shaped like target {tuple(shape)}; got {tuple(rstd.shape)}"
+            )
+        r = rstd.reshape(-1).float()
+    eps = float(label_smoothing)
+    cap = None if softcap is None else float(softcap)
+    lse, zt, zsum = lce_stats(h2, W, t, bias, r, ignore_index, cap, eps > 0, chunk_size or 0, check)
+    valid = t != ignore_index
+    rows = lse - zt
+    if eps > 0:
+        rows = (1.0 - eps) * rows + eps * (lse - zsum / V)
+    zrows = None
+    if z_loss or return_z_loss:
+        zrows = torch.where(valid, z_loss * lse * lse, 0.0)
+        if z_loss:
+            rows = rows + zrows
+    rows = torch.where(valid, rows, 0.0)
+    loss = _reduce(rows, valid, reduction, num_items_in_batch, shape)
+    extras: list[torch.Tensor] = []
+    if return_lse:
+        extras.append(lse.reshape(shape))
+    if return_z_loss:
+        extras.append(_reduce(zrows, valid, reduction, num_items_in_batch, shape))
+    return (loss, *extras) if extras else loss
