@@ -1,0 +1,215 @@
+"""coda.nn on CPU: Llama decoder layers converted with ``from_hf`` from stand-in modules
+written here the way Hugging Face's Llama computes (``transformers`` is not needed:
+conversion reads attributes by name), then forward and every parameter gradient of the
+fused stack against the stand-in model in float64 (the fused ops compute in fp32 on CPU).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+from coda.fusions import layouts
+from coda.nn import FusedLlamaAttention, FusedLlamaMLP, FusedLlamaStack
+from coda.testing import examples
+from coda.testing.tolerance import assert_close_to_reference
+
+F64 = torch.float64
+TOL = 2.0**-15
+
+
+class RMSNorm(nn.Module):  # LlamaRMSNorm
+    def __init__(self, H, eps):
+        super().__init__()
+        self.weight, self.variance_epsilon = nn.Parameter(1 + 0.2 * torch.randn(H)), eps
+
+    def forward(self, x):
+        var = x.pow(2).mean(-1, keepdim=True)
+        return self.weight * (x * torch.rsqrt(var + self.variance_epsilon))
+
+
+class Rotary(nn.Module):  # LlamaRotaryEmbedding (default rope)
+    def __init__(self, dim, theta):
+        super().__init__()
+        self.register_buffer("inv_freq", layouts.rope_inv_freq(dim, theta))
+        self.attention_scaling = 1.0
+
+    def forward(self, x, position_ids):
+        freqs = (self.inv_freq.float()[None, :, None] @ position_ids[:, None, :].float()).transpose(
+            1, 2
+        )
+        emb = torch.cat((freqs, freqs), dim=-1).to(x.dtype)
+        return emb.cos(), emb.sin()
+
+
+def rotate_half(x):
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class Attention(nn.Module):  # LlamaAttention, eager, causal, GQA
+    def __init__(self, H, heads, kv_heads, D):
+        super().__init__()
+        self.head_dim, self.heads, self.kv_heads = D, heads, kv_heads
+        self.q_proj = nn.Linear(H, heads * D, bias=False)
+        self.k_proj = nn.Linear(H, kv_heads * D, bias=False)
+        self.v_proj = nn.Linear(H, kv_heads * D, bias=False)
+        self.o_proj = nn.Linear(heads * D, H, bias=False)
+
+    def forward(self, x, cos, sin):
+        B, S, _ = x.shape
+        q = self.q_proj(x).view(B, S, -1, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(B, S, -1, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(B, S, -1, self.head_dim).transpose(1, 2)
+        cos, sin = cos[:, None], sin[:, None]
+        q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+        group = self.heads // self.kv_heads
+        k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+        scores = q @ k.transpose(2, 3) * self.head_dim**-0.5
+        causal = torch.ones(S, S, dtype=torch.bool).tril()
+        scores = scores.masked_fill(~causal, float("-inf"))
+        o = (scores.softmax(-1) @ v).transpose(1, 2).reshape(B, S, -1)
+        return self.o_proj(o)
+
+
+class MLP(nn.Module):  # LlamaMLP
+    def __init__(self, H, Fd):
+        super().__init__()
+        self.gate_proj = nn.Linear(H, Fd, bias=False)
+        self.up_proj = nn.Linear(H, Fd, bias=False)
+        self.down_proj = nn.Linear(Fd, H, bias=False)
+        self.act_fn = nn.SiLU()
+
+    def forward(self, x):
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Layer(nn.Module):  # LlamaDecoderLayer
+    def __init__(self, H, Fd, heads, kv_heads, D, eps):
+        super().__init__()
+        self.self_attn = Attention(H, heads, kv_heads, D)
+        self.mlp = MLP(H, Fd)
+        self.input_layernorm, self.post_attention_layernorm = RMSNorm(H, eps), RMSNorm(H, eps)
+
+    def forward(self, x, cos, sin):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Model(nn.Module):  # LlamaModel without embeddings
+    def __init__(self, n_layers, H, Fd, heads, kv_heads, D, eps, theta):
+        super().__init__()
+        self.layers = nn.ModuleList(Layer(H, Fd, heads, kv_heads, D, eps) for _ in range(n_layers))
+        self.norm, self.rotary_emb = RMSNorm(H, eps), Rotary(D, theta)
+
+    def forward(self, x, position_ids):
+        cos, sin = self.rotary_emb(x, position_ids)
+        for layer in self.layers:
+            x = layer(x, cos, sin)
+        return self.norm(x)
+
+
+@st.composite
+def configs(draw):
+    kv = draw(st.integers(1, 2))
+    return dict(
+        n_layers=draw(st.integers(1, 2)),
+        H=draw(st.sampled_from([8, 12, 24])),
+        Fd=draw(st.integers(4, 30)),
+        heads=kv * draw(st.integers(1, 3)),
+        kv_heads=kv,
+        D=draw(st.sampled_from([2, 4, 8])),
+        eps=1e-5,
+        theta=draw(st.sampled_from([10000.0, 500000.0])),
+        B=draw(st.integers(1, 2)),
+        S=draw(st.integers(1, 9)),
+        seed=draw(st.integers(0, 2**31 - 1)),
+    )
+
+
+@settings(max_examples=examples(25))
+@given(configs())
+def test_stack_from_hf_matches_the_model(c):
+    torch.manual_seed(c["seed"])
+    keys = ("n_layers", "H", "Fd", "heads", "kv_heads", "D", "eps", "theta")
+    model = Model(*(c[k] for k in keys)).to(F64)
+    fused = FusedLlamaStack.from_hf(model).float()
+    B, S, H = c["B"], c["S"], c["H"]
+    x = torch.randn(B, S, H, dtype=F64)
+    position_ids = torch.randint(0, 2048, (B, S))
+    r = torch.randn(B * S, H, dtype=F64)
+
+    x_ref = x.clone().requires_grad_()
+    (model(x_ref, position_ids).reshape(-1, H) * r).sum().backward()
+
+    x_c = x.float().requires_grad_()
+    stream = fused(x_c, position_ids)
+    # the final hidden states: rstd * h, the way a fused LM head consumes them
+    out = stream.rstd[:, None] * stream.h
+    assert_close_to_reference(out, model(x, position_ids).reshape(-1, H), tol=TOL)
+    assert_close_to_reference(FusedLlamaStack.normed(stream), out.detach(), tol=TOL)
+    # gradients: through a normed linear consumer, which is what takes x and gamma
+    from coda.fusions import rms_norm_linear
+
+    eye = torch.eye(H)
+    y = rms_norm_linear(stream.x, stream.h, stream.rstd, fused.norm_weight, eye)
+    (y * r.float()).sum().backward()
+    assert_close_to_reference(x_c.grad, x_ref.grad, name="dx", tol=TOL)
+    assert_close_to_reference(fused.norm_weight.grad, model.norm.weight.grad, tol=TOL)
+    for ly_f, ly in zip(fused.layers, model.layers, strict=True):
+        a, m = ly.self_attn, ly.mlp
+        D = c["D"]
+        dq, dk, dv = layouts.split_qkv_weight(
+            ly_f.attn.qkv_weight.grad, c["heads"], c["kv_heads"], D
+        )
+        dgate, dup = layouts.deinterleave_gate_up(ly_f.mlp.gate_up_weight.grad).chunk(2)
+        pairs = {
+            "input_norm": (ly_f.attn.norm_weight.grad, ly.input_layernorm.weight.grad),
+            "q": (dq, a.q_proj.weight.grad),
+            "k": (dk, a.k_proj.weight.grad),
+            "v": (dv, a.v_proj.weight.grad),
+            "o": (ly_f.attn.o_weight.grad, a.o_proj.weight.grad),
+            "post_norm": (ly_f.mlp.norm_weight.grad, ly.post_attention_layernorm.weight.grad),
+            "gate": (dgate, m.gate_proj.weight.grad),
+            "up": (dup, m.up_proj.weight.grad),
+            "down": (ly_f.mlp.down_weight.grad, m.down_proj.weight.grad),
+        }
+        for name, (mine, ref) in pairs.items():
+            # floor: a one-token sequence has dq = dk = 0 exactly (softmax of one score)
+            assert_close_to_reference(mine, ref, name=f"d{name}", tol=TOL, floor=0.1)
+
+
+def test_mlp_weight_views_give_the_hf_layout():
+    mlp, norm = MLP(8, 6), RMSNorm(8, 1e-6)
+    fused = FusedLlamaMLP.from_hf(mlp, norm)
+    assert torch.equal(fused.gate_proj_weight, mlp.gate_proj.weight)
+    assert torch.equal(fused.up_proj_weight, mlp.up_proj.weight)
+    assert fused.eps == 1e-6 and torch.equal(fused.norm_weight, norm.weight)
+
+
+def test_conversion_refuses_what_it_cannot_fuse():
+    mlp, norm = MLP(8, 6), RMSNorm(8, 1e-6)
+    mlp.act_fn = nn.GELU()
+    with pytest.raises(ValueError, match="SiLU"):
+        FusedLlamaMLP.from_hf(mlp, norm)
+    attn = Attention(8, 2, 1, 4)
+    attn.q_proj = nn.Linear(8, 8, bias=True)
+    with pytest.raises(ValueError, match="bias"):
+        FusedLlamaAttention.from_hf(attn, norm, rope_theta=1e4)
+    with pytest.raises(ValueError, match="rope_theta"):
+        FusedLlamaAttention.from_hf(Attention(8, 2, 1, 4), norm)
+    rot = Rotary(4, 1e4)
+    rot.attention_scaling = 0.5
+    with pytest.raises(ValueError, match="attention_scaling"):
+        FusedLlamaAttention.from_hf(Attention(8, 2, 1, 4), norm, rotary_emb=rot)
+    with pytest.raises(ValueError, match="gate_proj"):
+        FusedLlamaMLP.from_hf(nn.Linear(2, 2), norm)
+
+
+def test_module_cast_keeps_fp32_frequencies():
+    attn = FusedLlamaAttention(8, 2, 1, 4, rope_theta=500000.0).to(torch.bfloat16)
+    expected = layouts.rope_frequencies(layouts.rope_inv_freq(4, 500000.0), 2, 1, 4)
+    assert attn.freq.dtype == torch.float32 and torch.equal(attn.freq, expected)
