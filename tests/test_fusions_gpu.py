@@ -1,0 +1,196 @@
+"""coda.fusions on a Hopper GPU (marker ``gpu``): the fused path of every op.
+
+1. Every epilogue the fusions run (``coda.fusions.epilogues``) through
+   ``coda.testing.fuzz.check_example``: outputs and partials NaN-poisoned, compared to a
+   float64-accumulator reference with err(coda) <= 2 * err(eager) + 1e-3.
+2. Every op, forward and backward, in bf16 on ragged shapes, against the textbook unfused
+   math in float64 autograd: err(coda) <= 2 * err(eager bf16 autograd) + ATOL for every
+   output and every gradient (inputs, weights, gamma).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytestmark = pytest.mark.gpu
+
+if not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)):
+    pytest.skip("needs an NVIDIA Hopper GPU", allow_module_level=True)
+
+from coda.fusions import (  # noqa: E402
+    NormedStream,
+    epilogues,
+    layouts,
+    linear_add_rms_norm,
+    qkv_rope,
+    rms_norm_linear,
+    rms_norm_stats,
+    swiglu_mlp,
+)
+from coda.runtime.fused import n_multiple  # noqa: E402
+from coda.testing.fuzz import check_example  # noqa: E402
+from coda.testing.strategies import make_inputs  # noqa: E402
+from coda.testing.tolerance import assert_close_to_reference  # noqa: E402
+
+BF16, F32, F64 = torch.bfloat16, torch.float32, torch.float64
+ATOL = 2e-3
+EPS = 1e-5
+
+EPILOGUES = {
+    "residual_norm": epilogues.residual_norm(BF16, BF16, EPS),
+    "residual_norm_f32_gamma": epilogues.residual_norm(BF16, F32, EPS),
+    "norm_stats": epilogues.norm_stats(BF16, BF16, EPS),
+    "row_scale": epilogues.row_scale(BF16),
+    "swiglu_forward": epilogues.swiglu_forward(BF16),
+    "rope_forward": epilogues.rope_forward(BF16),
+    "scaled_grad": epilogues.scaled_grad(BF16),
+    "swiglu_backward": epilogues.swiglu_backward(BF16),
+    "rope_backward": epilogues.rope_backward(BF16),
+    "norm_dgrad": epilogues.norm_dgrad(BF16, BF16, False),
+    "norm_dgrad_residual": epilogues.norm_dgrad(BF16, F32, True),
+}
+SHAPES = [(300, 520, 264), (1000, 776, 136), (7, 16, 8), (4096, 1024, 512)]
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("name", list(EPILOGUES))
+def test_fusion_epilogue_fused_matches_reference(name, shape):
+    epi = EPILOGUES[name]
+    m, n, k = shape
+    step = n_multiple(epi)
+    n = -(-n // step) * step
+    A, B, tensors = make_inputs(epi, m, n, k, BF16, seed=m + n + k)
+    tensors = {key: (v.cuda() if isinstance(v, torch.Tensor) else v) for key, v in tensors.items()}
+    record = check_example(epi, A.cuda(), B.cuda(), tensors)
+    assert not record["failed"], record
+
+
+def _rand(g, *shape, scale=1.0, offset=0.0):
+    return offset + scale * torch.randn(*shape, generator=g, dtype=F64)
+
+
+def _versions(*tensors):
+    """(coda bf16 leaves, eager bf16 leaves, float64 leaves) of the same values on cuda."""
+    out = []
+    for dtype in (BF16, BF16, F64):
+        out.append([t.to("cuda", dtype).requires_grad_() for t in tensors])
+    return out
+
+
+def _check(name, mine, eager, truth):
+    assert_close_to_reference(mine, truth, name=name, baseline=eager, atol=ATOL, floor=1.0)
+
+
+def _grads_check(names, mine, eager, truth):
+    for n, a, b, c in zip(names, mine, eager, truth, strict=True):
+        _check(f"d{n}", a.grad, b.grad, c.grad)
+
+
+@pytest.mark.parametrize(
+    "M,K,H,N", [(300, 264, 520, 136), (1000, 136, 776, 264), (4096, 512, 1024, 512)]
+)
+def test_producer_and_normed_linear(M, K, H, N):
+    g = torch.Generator().manual_seed(M)
+    vals = (
+        _rand(g, M, K),
+        _rand(g, H, K, scale=K**-0.5),
+        _rand(g, M, H),
+        _rand(g, H, scale=0.2, offset=1.0),
+        _rand(g, N, H, scale=H**-0.5),
+    )
+    rz, rx = _rand(g, M, N).cuda(), _rand(g, M, H).cuda()
+    mine, eager, truth = _versions(*vals)
+
+    def textbook(a, w_o, res, gamma, w):
+        x = a @ w_o.T + res
+        return x, F.rms_norm(x, (H,), gamma, EPS) @ w.T
+
+    for leaves in (eager, truth):
+        x, z = textbook(*leaves)
+        leaves.append((x, z))
+        ((z * rz.to(z.dtype)).sum() + (x * rx.to(x.dtype)).sum()).backward()
+    x, h, rstd = linear_add_rms_norm(*mine[:4], EPS)
+    z = rms_norm_linear(x, h, rstd, mine[3], mine[4])
+    ((z.float() * rz).sum() + (x.float() * rx).sum()).backward()
+    _check("x", x, eager[5][0], truth[5][0])
+    _check("z", z, eager[5][1], truth[5][1])
+    _grads_check(("a", "w_o", "residual", "gamma", "w"), mine[:5], eager[:5], truth[:5])
+
+
+@pytest.mark.parametrize("M,H,Fd", [(300, 264, 344), (1000, 520, 1392), (4096, 1024, 2816)])
+def test_swiglu_mlp(M, H, Fd):
+    g = torch.Generator().manual_seed(M + 1)
+    vals = (
+        _rand(g, M, H),
+        _rand(g, H, scale=0.2, offset=1.0),
+        _rand(g, Fd, H, scale=H**-0.5),
+        _rand(g, Fd, H, scale=H**-0.5),
+        _rand(g, H, Fd, scale=Fd**-0.5),
+    )
+    gamma_next = _rand(g, H, scale=0.2, offset=1.0).to("cuda", BF16)
+    r = _rand(g, M, H).cuda()
+    mine, eager, truth = _versions(*vals)
+    outs = {}
+    for x, gamma, wg, wu, wd in (eager, truth):
+        n = F.rms_norm(x, (H,), gamma, EPS)
+        out = x + (F.silu(n @ wg.T) * (n @ wu.T)) @ wd.T
+        (out * r.to(out.dtype)).sum().backward()
+        outs[x.dtype] = out
+    x, gamma, wg, wu, wd = mine
+    w_gu = layouts.interleave_gate_up(torch.cat((wg, wu)).detach()).requires_grad_()
+    h, rstd = rms_norm_stats(x, gamma, EPS)
+    s = swiglu_mlp(NormedStream(x, h, rstd), gamma, w_gu, wd, gamma_next, EPS)
+    (s.x.float() * r).sum().backward()
+    _check("x_out", s.x, outs[BF16], outs[F64])
+    dgate, dup = layouts.deinterleave_gate_up(w_gu.grad).chunk(2)
+    wg.grad, wu.grad = dgate, dup
+    _grads_check(("x", "gamma", "w_gate", "w_up", "w_down"), mine, eager, truth)
+
+
+@pytest.mark.parametrize(
+    "M,H,heads,kv_heads,D", [(300, 264, 4, 2, 64), (1000, 520, 8, 8, 64), (2048, 1024, 8, 2, 128)]
+)
+def test_qkv_rope(M, H, heads, kv_heads, D):
+    g = torch.Generator().manual_seed(M + 2)
+    vals = (
+        _rand(g, M, H),
+        _rand(g, H, scale=0.2, offset=1.0),
+        _rand(g, heads * D, H, scale=H**-0.5),
+        _rand(g, kv_heads * D, H, scale=H**-0.5),
+        _rand(g, kv_heads * D, H, scale=H**-0.5),
+    )
+    positions = torch.randint(0, 32768, (M,), generator=g).cuda()
+    inv_freq = layouts.rope_inv_freq(D, 500000.0).cuda()
+    rs = [_rand(g, M, n, D).cuda() for n in (heads, kv_heads, kv_heads)]
+    mine, eager, truth = _versions(*vals)
+    angle = (positions.float()[:, None] * inv_freq[None, :]).double()
+    emb = torch.cat((angle, angle), dim=-1)
+    cos, sin = emb.cos()[:, None, :], emb.sin()[:, None, :]
+
+    def rot(t):
+        x1, x2 = t.chunk(2, dim=-1)
+        c, s = cos.to(t.dtype), sin.to(t.dtype)
+        return t * c + torch.cat((-x2, x1), dim=-1) * s
+
+    outs = {}
+    for leaves in (eager, truth):
+        x, gamma, wq, wk, wv = leaves
+        n = F.rms_norm(x, (H,), gamma, EPS)
+        q = rot((n @ wq.T).view(M, heads, D))
+        k = rot((n @ wk.T).view(M, kv_heads, D))
+        v = (n @ wv.T).view(M, kv_heads, D)
+        sum((t * r.to(t.dtype)).sum() for t, r in zip((q, k, v), rs, strict=True)).backward()
+        outs[x.dtype] = (q, k, v)
+    x, gamma, wq, wk, wv = mine
+    w_qkv = layouts.qkv_weight(wq, wk, wv, D).detach().requires_grad_()
+    freq = layouts.rope_frequencies(inv_freq, heads, kv_heads, D)
+    h, rstd = rms_norm_stats(x, gamma, EPS)
+    q, k, v = qkv_rope(NormedStream(x, h, rstd), gamma, w_qkv, positions, freq, heads, kv_heads, D)
+    q, k = layouts.to_rotate_half(q, D), layouts.to_rotate_half(k, D)
+    sum((t.float() * r).sum() for t, r in zip((q, k, v), rs, strict=True)).backward()
+    for i, name in enumerate("qkv"):
+        _check(name, (q, k, v)[i], outs[BF16][i], outs[F64][i])
+    wq.grad, wk.grad, wv.grad = layouts.split_qkv_weight(w_qkv.grad, heads, kv_heads, D)
+    _grads_check(("x", "gamma", "w_q", "w_k", "w_v"), mine, eager, truth)
