@@ -26,8 +26,11 @@ then the softcap chain g *= 1 - (z / cap)^2 gives dL/ds; dL/drstd = sum_j g acc 
 
 **The padded tail.** TMA moves M x N tiles in rows of 16 bytes, so every chunk is a
 multiple of 8 columns; the last V mod 8 columns run as an 8-column chunk over a zero-padded
-copy of their weight rows, with a 0/1 column vector ``valid``: padded columns are -inf for
-the log-sum-exp, 0 for the sum and their gradient is 0 (``masked=True``).
+copy of their weight rows. Their acc is exactly 0, so z = softcap(bias_pad = 0) = 0 there:
+the forward masks them to -inf for the log-sum-exp with a 0/1 column vector ``valid``
+(``masked=True``) and z = 0 adds nothing to the sum; the backward needs no mask, since the
+padded columns of dlogits meet zero weight rows in dh, acc = 0 in drstd, and their dW and
+dbias entries are dropped.
 
 Every ``fn`` is a module-level function or an attrs value (equal across calls), so equal
 options give equal epilogues and one compiled kernel each.
@@ -138,20 +141,17 @@ def stats_epilogue(
     """Outputs ``lse``, ``zt`` (and ``zsum``) of one chunk; inputs ``tloc`` (int32 chunk-
     local targets, -1 for none) and, as enabled, ``rstd``, ``bias``, ``valid``."""
     prims, z = _logits(bias_dtype, rstd, softcap)
-    lse_of, sum_of = z, z
+    lse_of = z
     if masked:
         prims.append(VecLoad("valid", per="col", dtype=F32))
         prims.append(Elementwise("z_lse", mask_neg_inf, ins=(z, "valid")))
         lse_of = "z_lse"
-        if with_sum:
-            prims.append(Elementwise("z_sum", ops.mul, ins=(z, "valid")))
-            sum_of = "z_sum"
     prims.append(LogSumExp("lse", of=lse_of))
     prims.append(
         TargetSelect("zt", of=z, target="tloc", ignore_index=-1, target_dtype=TARGET_DTYPE)
     )
     if with_sum:
-        prims.append(TileReduce("zsum", of=sum_of, op="sum"))
+        prims.append(TileReduce("zsum", of=z, op="sum"))
     return Epilogue(prims)
 
 
@@ -162,7 +162,6 @@ def grad_epilogue(
     rstd: bool,
     softcap: float | None,
     with_sum: bool,
-    masked: bool,
     dbias: bool,
     drstd: bool,
 ) -> Epilogue:
@@ -179,10 +178,6 @@ def grad_epilogue(
     else:
         prims.append(Elementwise("g0", ce_grad, ins=ins))
     g = "g0"
-    if masked:
-        prims.append(VecLoad("valid", per="col", dtype=F32))
-        prims.append(Elementwise("g1", ops.mul, ins=(g, "valid")))
-        g = "g1"
     if softcap is not None:
         prims.append(Elementwise("g2", SoftcapGrad(softcap), ins=(g, z)))
         g = "g2"

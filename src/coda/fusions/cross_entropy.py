@@ -102,22 +102,23 @@ def _check_targets(target: torch.Tensor, V: int, ignore_index: int) -> None:
 
 
 def _chunk_operands(
-    c: Chunk, W: torch.Tensor, bias: torch.Tensor | None
+    c: Chunk, W: torch.Tensor, bias: torch.Tensor | None, mask: bool
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The chunk's weight rows (a view; a zero-padded 8-row copy for the tail) and the
-    tensors only some chunks bind (bias slice, the tail's valid-column mask)."""
+    """The chunk's weight rows (a view; for the tail a zero-padded 8-row copy) and the
+    tensors only some chunks bind: the bias slice (zero-padded for the tail) and, with
+    ``mask``, the tail's 0/1 valid-column vector (the forward's masked epilogue)."""
     if not c.padded:
         extra = {} if bias is None else {"bias": bias[c.start : c.stop]}
         return W[c.start : c.stop], extra
     Wc = W.new_zeros((TMA_COLS, W.shape[1]))
     Wc[: c.cols] = W[c.start : c.stop]
-    valid = torch.zeros(TMA_COLS, dtype=F32, device=W.device)
-    valid[: c.cols] = 1.0
-    extra = {"valid": valid}
+    extra = {}
+    if mask:
+        extra["valid"] = torch.zeros(TMA_COLS, dtype=F32, device=W.device)
+        extra["valid"][: c.cols] = 1.0
     if bias is not None:
-        b = bias.new_zeros(TMA_COLS)
-        b[: c.cols] = bias[c.start : c.stop]
-        extra["bias"] = b
+        extra["bias"] = bias.new_zeros(TMA_COLS)
+        extra["bias"][: c.cols] = bias[c.start : c.stop]
     return Wc, extra
 
 
@@ -163,7 +164,7 @@ def lce_stats(
     size = chunk_size or ce_chunks.stats_chunk_size(M, V, n_partials)
     lse = zt = zsum = None
     for c in ce_chunks.chunks(V, size):
-        Wc, extra = _chunk_operands(c, W, bias)
+        Wc, extra = _chunk_operands(c, W, bias, mask=True)
         epi = stats_epilogue(
             None if bias is None else bias.dtype, rstd is not None, softcap, with_sum, c.padded
         )
@@ -237,8 +238,8 @@ def lce_stats_backward(
         rows["rstd"] = rstd
     epi_args = (None if bias is None else bias.dtype, rstd is not None, softcap, with_sum)
     for i, c in enumerate(plan):
-        Wc, extra = _chunk_operands(c, W, bias)
-        epi = grad_epilogue(h.dtype if store else None, *epi_args, c.padded, need_dbias, need_drstd)
+        Wc, extra = _chunk_operands(c, W, bias, mask=False)
+        epi = grad_epilogue(h.dtype if store else None, *epi_args, need_dbias, need_drstd)
         outputs = None if buf is None else {"dlogits": buf[:, : c.gemm_cols]}
         out = _epilogue_run(
             epi, h, Wc, outputs, tloc=_local_targets(target, valid, c), **rows, **extra
