@@ -130,7 +130,7 @@ def test_loss_and_gradients_match_textbook(p):
     names = [n for n in names if not (n == "drstd" and not p["rstd"])]
     for name, a, t in zip(names, coda, truth, strict=True):
         assert torch.isfinite(a).all(), name
-        assert_close_to_reference(a, t, name=name, tol=TOL, floor=1e-2)
+        assert_close_to_reference(a, t, name=name, tol=TOL, floor=0.1)
 
 
 @settings(max_examples=examples(60))
@@ -215,7 +215,9 @@ def test_shift_matches_hugging_face_causal_lm_loss():
         ho, Wo = leaves((h, W), F32)
         theirs = _hf_causal_lm_loss(ho @ Wo.T, labels, items)
         torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
-        for a, b in zip(torch.autograd.grad(ours, (hl, Wl)), torch.autograd.grad(theirs, (ho, Wo))):
+        ours_g = torch.autograd.grad(ours, (hl, Wl))
+        theirs_g = torch.autograd.grad(theirs, (ho, Wo))
+        for a, b in zip(ours_g, theirs_g, strict=True):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
 
 
