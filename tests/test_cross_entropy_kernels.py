@@ -1,0 +1,61 @@
+"""CPU CI for the cross-entropy kernels: the epilogues ``linear_cross_entropy`` runs
+(``coda.fusions.ce_epilogues``, incl. the new ``OneHot`` primitive) trace into the
+PingPong GEMM and compile for sm_90a; in the config ``epi(A, B)`` picks for them
+(``epilogue_config``: 128 x 128 tiles unless those spill) the SASS runs the GEMM on HGMMA
+with no local memory (LDL/STL), and the default loss's kernels keep 128 x 128 tiles.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from coda import Elementwise, Epilogue, TileReduce, TileStore, ops
+from coda.fusions.ce_epilogues import grad_epilogue, stats_epilogue
+from coda.primitives import OneHot
+from coda.runtime import gemm_kernels
+from coda.runtime.epilogue_kernels import epilogue_config
+from coda.runtime.fused import FusedVisitor, unsupported
+from coda.runtime.sass import count_prefix, disassemble, find_nvdisasm, opcode_counts
+
+pytestmark = pytest.mark.compile
+bf16 = torch.bfloat16
+
+# name -> (epilogue, must keep 128-wide tiles)
+KERNELS = {
+    # the default loss: forward statistics, backward dlogits
+    "stats": (stats_epilogue(None, False, None, False, False), True),
+    "grad": (grad_epilogue(bf16, None, False, None, False, False, False), True),
+    # the deferred final RMSNorm: rstd row scale in both, drstd row sums in the backward
+    "grad_rstd": (grad_epilogue(bf16, None, True, None, False, False, True), True),
+    # the V mod 8 tail of the forward (masked log-sum-exp), with softcap and smoothing
+    "stats_tail_softcap_sum": (stats_epilogue(None, False, 30.0, True, True), False),
+    # OneHot at width 1/2 (pairs across lanes) feeding a row and a column reduction
+    "onehot_half": (
+        Epilogue().add(
+            OneHot("hot", target="t", target_dtype=torch.int32, width="1/2"),
+            Elementwise("y", ops.swiglu, pairwise="reduce"),
+            Elementwise("p", ops.mul, ins=("y", "hot")),
+            TileReduce("picked", of="p", op="sum"),
+            TileStore("hot", bf16),
+        ),
+        False,
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(KERNELS))
+def test_cross_entropy_kernels_compile_without_spills(name, tmp_path):
+    epi, wide = KERNELS[name]
+    assert unsupported(epi) is None
+    cfg = epilogue_config(epi, bf16, 16384, 8192, 4096, num_sms=132)
+    if wide:
+        assert cfg.tile_n == 128, cfg
+    key = gemm_kernels.GemmKernelKey(cfg, bf16, FusedVisitor(epi))
+    ptx, cubin = gemm_kernels.compile_artifacts(key, str(tmp_path))
+    assert "wgmma.mma_async" in ptx and len(cubin) > 0
+    if find_nvdisasm() is None:
+        pytest.skip("nvdisasm not installed")
+    opcodes = opcode_counts(disassemble(cubin))
+    assert count_prefix(opcodes, "HGMMA") > 0
+    assert count_prefix(opcodes, "LDL") == 0 and count_prefix(opcodes, "STL") == 0, "spills"
