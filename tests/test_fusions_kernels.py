@@ -1,0 +1,50 @@
+"""CPU CI for the fusions' kernels: every epilogue ``coda.fusions`` runs traces into the
+PingPong kernel in the operand layout its op uses (forward / map passes: A and B K-major;
+dgrad epilogues: B = W.t(), N-major), compiles for sm_90a in the config ``epi(A, B)``
+picks, and its SASS runs the GEMM on HGMMA with no local memory (LDL/STL)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from coda.fusions import epilogues as E
+from coda.runtime import gemm_kernels
+from coda.runtime.epilogue_kernels import epilogue_config
+from coda.runtime.fused import FusedVisitor, unsupported
+from coda.runtime.sass import count_prefix, disassemble, find_nvdisasm, opcode_counts
+
+pytestmark = pytest.mark.compile
+BF16, F32 = torch.bfloat16, torch.float32
+FWD, DGRAD = ("k", "k"), ("k", "n")
+
+CASES = {
+    "residual_norm": (lambda: E.residual_norm(BF16, BF16, 1e-5), FWD),
+    "norm_stats": (lambda: E.norm_stats(BF16, BF16, 1e-5), FWD),
+    "row_scale": (lambda: E.row_scale(BF16), FWD),
+    "swiglu_forward": (lambda: E.swiglu_forward(BF16), FWD),
+    "rope_forward": (lambda: E.rope_forward(BF16), FWD),
+    "scaled_grad": (lambda: E.scaled_grad(BF16), FWD),
+    "rope_backward": (lambda: E.rope_backward(BF16), FWD),
+    "swiglu_backward": (lambda: E.swiglu_backward(BF16), DGRAD),
+    "norm_dgrad": (lambda: E.norm_dgrad(BF16, BF16, False), DGRAD),
+    "norm_dgrad_residual": (lambda: E.norm_dgrad(BF16, F32, True), DGRAD),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_fusion_epilogue_compiles_without_spills(name, tmp_path):
+    build, layout = CASES[name]
+    epi = build()
+    assert unsupported(epi) is None
+    cfg = epilogue_config(epi, BF16, 8192, 8192, 8192, num_sms=132, majors=layout)
+    key = gemm_kernels.GemmKernelKey(
+        cfg, BF16, FusedVisitor(epi), a_major=layout[0], b_major=layout[1]
+    )
+    ptx, cubin = gemm_kernels.compile_artifacts(key, str(tmp_path))
+    assert "wgmma.mma_async" in ptx and len(cubin) > 0
+    if find_nvdisasm() is None:
+        pytest.skip("nvdisasm not installed")
+    ops = opcode_counts(disassemble(cubin))
+    assert count_prefix(ops, "HGMMA") > 0
+    assert count_prefix(ops, "LDL") == 0 and count_prefix(ops, "STL") == 0, "spills"
