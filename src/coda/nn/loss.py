@@ -1,0 +1,102 @@
+"""coda.nn.loss: the LM-head cross-entropy as a module, in Hugging Face conventions.
+
+Sits on ``coda.fusions.cross_entropy.linear_cross_entropy`` (the op: logits never
+materialized, forward or backward). ``LinearCrossEntropyLoss`` holds the loss options;
+its forward takes the hidden states, the LM head weight (V, H) and the labels::
+
+    loss_fn = LinearCrossEntropyLoss(shift=True)              # causal LM, labels -100
+    loss = loss_fn(hidden_states, model.lm_head.weight, labels,
+                   num_items_in_batch=num_items_in_batch)     # gradient accumulation
+
+* ``shift=True`` shifts ``labels`` (position t predicts label t + 1, the last position
+  ignored), as Hugging Face's ``ForCausalLMLoss``; pass ``shift_labels`` to give already
+  shifted labels instead.
+* ``num_items_in_batch``: the summed loss divided by it (the count of label tokens over
+  all gradient-accumulation micro-batches), the Hugging Face fix for accumulation.
+* ``norm_weight`` / ``norm_eps``: the final RMSNorm deferred into the loss. ``hidden``
+  is then the un-normed residual stream x; the loss computes h = x * norm_weight and
+  rstd = (mean x^2 + eps)^-1/2 (cheap, O(M H), differentiable) and scales the logits
+  rows by rstd inside the GEMM epilogue, so gradients reach x and the norm weight.
+
+Only the loss is fused here: evaluation and generation need real logits and keep the
+model's own LM head (fuse the loss only when training with labels).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from torch import nn
+
+from coda.fusions.cross_entropy import linear_cross_entropy
+
+__all__ = ["LinearCrossEntropyLoss"]
+
+
+class LinearCrossEntropyLoss(nn.Module):
+    """Cross-entropy of ``hidden @ weight.T`` (+ options) against labels; see the module
+    doc and ``coda.fusions.cross_entropy.linear_cross_entropy`` for every option."""
+
+    def __init__(
+        self,
+        ignore_index: int = -100,
+        reduction: Literal["mean", "sum", "none"] = "mean",
+        label_smoothing: float = 0.0,
+        z_loss: float = 0.0,
+        softcap: float | None = None,
+        shift: bool = False,
+        check: bool = False,
+        chunk_size: int | None = None,
+    ) -> None:
+        super().__init__()
+        self.ignore_index = ignore_index
+        self.reduction = reduction
+        self.label_smoothing = label_smoothing
+        self.z_loss = z_loss
+        self.softcap = softcap
+        self.shift = shift
+        self.check = check
+        self.chunk_size = chunk_size
+
+    def extra_repr(self) -> str:
+        keys = ("ignore_index", "reduction", "label_smoothing", "z_loss", "softcap", "shift")
+        return ", ".join(f"{k}={getattr(self, k)!r}" for k in keys)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        labels: torch.Tensor | None = None,
+        *,
+        shift_labels: torch.Tensor | None = None,
+        bias: torch.Tensor | None = None,
+        num_items_in_batch: torch.Tensor | int | None = None,
+        norm_weight: torch.Tensor | None = None,
+        norm_eps: float = 1e-6,
+    ) -> torch.Tensor:
+        """The loss (fp32; per token, shaped like the labels, with reduction="none")."""
+        if (labels is None) == (shift_labels is None):
+            raise ValueError("pass exactly one of labels and shift_labels")
+        target = labels if shift_labels is None else shift_labels
+        rstd = None
+        if norm_weight is not None:
+            x = hidden
+            rstd = torch.rsqrt(x.float().pow(2).mean(-1) + norm_eps)
+            hidden = x * norm_weight.to(x.dtype)
+        return linear_cross_entropy(
+            hidden,
+            weight,
+            target,
+            ignore_index=self.ignore_index,
+            reduction=self.reduction,
+            label_smoothing=self.label_smoothing,
+            z_loss=self.z_loss,
+            softcap=self.softcap,
+            bias=bias,
+            num_items_in_batch=num_items_in_batch,
+            rstd=rstd,
+            shift=self.shift and shift_labels is None,
+            check=self.check,
+            chunk_size=self.chunk_size,
+        )

@@ -1,0 +1,72 @@
+"""coda.nn.LinearCrossEntropyLoss on CPU: Hugging Face conventions (labels, -100, shift,
+shift_labels, num_items_in_batch) and the deferred final RMSNorm (gradients reach the
+stream x and the norm weight) against textbook float64 PyTorch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from coda.fusions.cross_entropy import linear_cross_entropy
+from coda.nn.loss import LinearCrossEntropyLoss
+
+F64 = torch.float64
+
+
+def _data(seed=0, B=3, T=10, H=16, V=29):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(B, T, H, generator=g, dtype=F64)
+    W = torch.randn(V, H, generator=g, dtype=F64) / 4
+    gamma = 1 + 0.1 * torch.randn(H, generator=g, dtype=F64)
+    labels = torch.randint(0, V, (B, T), generator=g)
+    labels[:, :3] = -100
+    return x, W, gamma, labels
+
+
+def _leaf(t):
+    return t.detach().float().requires_grad_()
+
+
+def test_module_equals_functional_with_options():
+    x, W, _, labels = _data()
+    opts = dict(label_smoothing=0.1, z_loss=1e-3, softcap=10.0, ignore_index=-100)
+    module = LinearCrossEntropyLoss(shift=True, chunk_size=8, **opts)
+    a = module(x.float(), W.float(), labels, num_items_in_batch=17)
+    b = linear_cross_entropy(
+        x.float(), W.float(), labels, shift=True, num_items_in_batch=17, chunk_size=8, **opts
+    )
+    assert torch.equal(a, b)
+    assert "shift=True" in repr(module)
+
+
+def test_shift_labels_are_used_as_given():
+    x, W, _, labels = _data(1)
+    shifted = F.pad(labels[:, 1:], (0, 1), value=-100)
+    module = LinearCrossEntropyLoss(shift=True, reduction="none")
+    a = module(x.float(), W.float(), labels)
+    b = module(x.float(), W.float(), shift_labels=shifted)
+    assert torch.equal(a, b) and a.shape == labels.shape
+    with pytest.raises(ValueError, match="exactly one"):
+        module(x.float(), W.float(), labels, shift_labels=shifted)
+    with pytest.raises(ValueError, match="exactly one"):
+        module(x.float(), W.float())
+
+
+def test_deferred_final_norm_gradients_reach_the_stream():
+    """norm_weight: loss of rmsnorm(x) * gamma @ W.T, computed as rstd * ((x gamma) @ W.T);
+    dx, dgamma and dW equal the textbook's (unfused norm, then logits, then F.cross_entropy)."""
+    x, W, gamma, labels = _data(2)
+    eps = 1e-6
+    xs, Ws, gs = _leaf(x), _leaf(W), _leaf(gamma)
+    ours = LinearCrossEntropyLoss(shift=True)(xs, Ws, labels, norm_weight=gs, norm_eps=eps)
+    ours.backward()
+    xd, Wd, gd = (t.detach().requires_grad_() for t in (x, W, gamma))
+    normed = xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + eps) * gd
+    logits = (normed @ Wd.T)[:, :-1].reshape(-1, W.shape[0])
+    truth = F.cross_entropy(logits, labels[:, 1:].reshape(-1), ignore_index=-100)
+    truth.backward()
+    torch.testing.assert_close(ours.double(), truth, rtol=1e-5, atol=0)
+    for mine, want in ((xs.grad, xd.grad), (gs.grad, gd.grad), (Ws.grad, Wd.grad)):
+        scale = float(want.abs().max())
+        assert float((mine.double() - want).abs().max()) <= 2e-5 * scale
