@@ -28,9 +28,9 @@ import textwrap
 import pytest
 import torch
 
+from coda.mainloop.cute_env import ensure_arch
 from coda.primitives import math as cm
 from coda.primitives import ops
-from coda.runtime.cute_env import ensure_arch
 
 ensure_arch()
 

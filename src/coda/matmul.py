@@ -17,53 +17,43 @@ import torch
 
 from .errors import InputError
 from .mainloop.config import GemmConfig, choose_config
+from .mainloop.dtypes import OUTPUT_DTYPES
 from .mainloop.visitor import AccStore
 from .runtime import checks, gemm_kernels
-from .runtime.dtypes import OPERAND_DTYPES, OUTPUT_DTYPES
+from .runtime.operands import check_gemm_operands, check_output, gemm_problem, operand_majors
+
+__all__ = [
+    "LAYOUTS",
+    "check_gemm_operands",
+    "check_output",
+    "gemm",
+    "gemm_problem",
+    "operand_majors",
+]
 
 #: The three GEMMs of an nn.Linear in a training step, as (A major, B major).
 LAYOUTS = {"fwd": ("k", "k"), "dgrad": ("k", "n"), "wgrad": ("m", "n")}
 
 
-def operand_majors(A: torch.Tensor, B: torch.Tensor) -> tuple[str, str]:
-    """(A's contiguous dim: "k" or "m", B's: "k" or "n"), checking TMA's contract."""
-    return checks.tma_major("A", A, ("m", "k")), checks.tma_major("B", B, ("n", "k"))
-
-
-def check_gemm_operands(A: torch.Tensor, B: torch.Tensor) -> tuple[int, int, int]:
-    """Validate A (M, K) and B (N, K); return (M, N, K). Raises before any launch."""
-    return gemm_problem(A, B)[:3]
-
-
-def gemm_problem(A: torch.Tensor, B: torch.Tensor) -> tuple[int, int, int, str, str]:
-    """Validate A (M, K) and B (N, K); return (M, N, K, A's major, B's major)."""
-    checks.tensor("A", A)
-    checks.tensor("B", B)
-    checks.rank("A", A, 2, "(M, K) activations")
-    checks.rank("B", B, 2, "(N, K) weight, as stored by nn.Linear")
-    checks.dtype_in("A", A, OPERAND_DTYPES)
-    checks.dtype_in("B", B, OPERAND_DTYPES)
-    if A.dtype != B.dtype:
-        raise TypeError(f"A and B must have the same dtype, got {A.dtype} and {B.dtype}")
-    (m, k), (n, kb) = A.shape, B.shape
-    if k != kb:
-        raise InputError(
-            f"A is (M={m}, K={k}) but B is (N={n}, K={kb}); B is an nn.Linear weight (N, K) "
-            f"and its K must match A's"
-        )
-    return (m, n, k, *operand_majors(A, B))
-
-
-def check_output(out: torch.Tensor, m: int, n: int, name: str = "out") -> None:
-    checks.tensor(name, out)
-    checks.rank(name, out, 2, "(M, N) output")
-    checks.dtype_in(name, out, OUTPUT_DTYPES)
-    if tuple(out.shape) != (m, n):
-        raise InputError(f"{name} has shape {tuple(out.shape)}, expected ({m}, {n})")
-    checks.row_major_tma(name, out)
-
-
 _configs: dict[tuple[int, int, int, int], GemmConfig] = {}
+
+#: Launches already validated once: (dtypes, device, sizes, strides, accumulate) -> the
+#: compiled kernel. A hit needs only the per-call pointer-alignment check.
+_validated: dict[tuple, object] = {}
+
+
+def _signature(A, B, out, accumulate) -> tuple | None:
+    """What decides a launch's validity and kernel, read cheaply (``out`` None: the
+    default output, allocated); None if the arguments are not tensors."""
+    try:
+        if out is None:
+            return (A.dtype, B.dtype, A.device, B.device, A.shape, B.shape, A.stride(), B.stride())
+        return (
+            A.dtype, B.dtype, out.dtype, accumulate, A.device, B.device, out.device,
+            A.shape, B.shape, out.shape, A.stride(), B.stride(), out.stride(),
+        )  # fmt: skip
+    except (AttributeError, TypeError):
+        return None
 
 
 def _heuristic(m: int, n: int, k: int, num_sms: int) -> GemmConfig:
@@ -99,6 +89,18 @@ def gemm(
     stride a multiple of 8 elements for 16-bit data); M, N, K need not be multiples of
     the tile. Errors are raised before anything is launched.
     """
+    sig = None
+    if config is None and out_dtype is None:
+        sig = _signature(A, B, out, accumulate)
+        launcher = _validated.get(sig)
+        if launcher is not None and not (A.data_ptr() | B.data_ptr()) & 15:
+            if out is None:
+                out = torch.empty((A.shape[0], B.shape[0]), dtype=A.dtype, device=A.device)
+            elif out.data_ptr() & 15:
+                launcher = None
+            if launcher is not None:
+                launcher(A, B, (out,), (), ())
+                return out
     m, n, k, a_major, b_major = gemm_problem(A, B)
     if out is None:
         if accumulate:
@@ -133,4 +135,8 @@ def gemm(
         cfg, A.dtype, AccStore(out.dtype, accumulate), num_sms, a_major, b_major
     )
     gemm_kernels.launch(key, A, B, (out,))
+    if sig is not None:  # validated: later calls with the same signature skip to the launch
+        if len(_validated) > 4096:
+            _validated.clear()
+        _validated[sig] = gemm_kernels.launcher(key)
     return out

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from fractions import Fraction
 
-from ..runtime.cute_env import ensure_arch
+from .cute_env import ensure_arch
 
 ensure_arch()
 

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from fractions import Fraction
 
-from ..runtime.cute_env import ensure_arch
+from .cute_env import ensure_arch
 
 ensure_arch()
 
@@ -44,8 +44,8 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
-from ..runtime.dtypes import to_cutlass
 from .config import DEFAULT_NUM_SMS, GemmConfig, SmemPlan, plan_smem
+from .dtypes import to_cutlass
 from .fragment import Fragment
 from .scheduler import TileScheduler
 from .visitor import AccStore, SubtileContext, TileContext

@@ -11,7 +11,7 @@ so consecutive work shares B columns and A rows in L2.
 
 from __future__ import annotations
 
-from ..runtime.cute_env import ensure_arch
+from .cute_env import ensure_arch
 
 ensure_arch()
 

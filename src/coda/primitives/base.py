@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 import attrs
 import torch
@@ -156,3 +156,15 @@ class Primitive(abc.ABC):
     def trace_end_tile(self, tile: Any, state: Any) -> None:
         """Trace-time twin of ``end_tile`` (write what is left of the per-tile state)."""
         return None
+
+    #: True when ``trace_finalize`` emits this primitive's ``finalize`` into the
+    #: epilogue's finalize kernel (one small GPU launch after the GEMM for all of them);
+    #: primitives without it are finalized by their torch ``finalize`` instead.
+    traces_finalize: ClassVar[bool] = False
+
+    def trace_finalize(self, fin: Any) -> None:
+        """Trace-time twin of ``finalize`` for one result element: read this primitive's
+        partials and write its result at ``fin.index`` (a row, or a column for column
+        results); ``fin`` is a ``coda.primitives.tracing.TraceFinalize``. Only called when
+        ``traces_finalize`` is True."""
+        raise NotImplementedError(f"{type(self).__name__} has no trace_finalize")

@@ -144,6 +144,14 @@ class LogSumExp(StateTransition):
         lse = shift[:, 0] + torch.log((ps * torch.exp(pm - shift)).sum(1))
         return {self.name: lse}
 
+    traces_finalize = True
+
+    def trace_finalize(self, fin: Any) -> None:
+        from coda.primitives import tracing
+
+        pmax, psum = (fin.tensor(n) for n in self.partial_names)
+        tracing.finalize_logsumexp(pmax, psum, fin.tensor(self.name), fin.index)
+
     def trace_begin_tile(self, tile: Any) -> dict:
         return {}
 
@@ -240,6 +248,14 @@ class TargetSelect(StateTransition):
         specs: Mapping[str, ValueSpec],
     ) -> dict[str, torch.Tensor]:
         return {self.name: partials[self.partial_names[0]].sum(1)}
+
+    traces_finalize = True
+
+    def trace_finalize(self, fin: Any) -> None:
+        from coda.primitives import tracing
+
+        p = fin.tensor(self.partial_names[0])
+        tracing.finalize_reduce(p, fin.tensor(self.name), fin.index, None, True, "sum", None)
 
     def trace_begin_tile(self, tile: Any) -> dict:
         return {}

@@ -164,6 +164,18 @@ class TileReduce(Primitive):
         return {self.name: self._post(total, n)}
 
     # ---- CuTeDSL ------------------------------------------------------------------------
+    traces_finalize = True
+
+    def trace_finalize(self, fin: Any) -> None:
+        from coda.primitives import tracing
+
+        p, out = fin.tensor(self.partials_name), fin.tensor(self.name)
+        count = fin.cols(fin.specs[self.of].width) if self.per == "row" else fin.m
+        n = tracing.Float32(count)  # what ``post`` divides by: the reduced extent
+        # sums of squares combine by addition, like sums
+        op = "max" if self.op == "max" else "sum"
+        tracing.finalize_reduce(p, out, fin.index, n, self.per == "row", op, self.post)
+
     # per="row": each thread's rows reduce over a quad, per 64-row band (flush_band).
     # per="col": each column reduces over a warp's 16 rows (lane butterflies), the 4 warps
     # meet in shared scratch (4 x tile columns fp32) and the tile's row of partials is

@@ -30,7 +30,7 @@ from typing import Any
 
 import attrs
 
-from ..runtime.cute_env import ensure_arch
+from ..mainloop.cute_env import ensure_arch
 
 ensure_arch()
 
@@ -461,3 +461,63 @@ def _write_cols(
             for w in cutlass.range_constexpr(1, 4):
                 total = fr.combine(op, total, scratch[base + w * tile_cols + col])
             partials[tm, gcol] = total
+
+
+# ---- finalize: per-tile partials -> results, in the epilogue's finalize kernel ---------
+@attrs.define
+class TraceFinalize:
+    """What a primitive's ``trace_finalize`` sees: ``index``, this thread's row (for row
+    results) or column (for column results), ``tensor(name)`` for its partials and result
+    tensors, the problem's ``m`` and ``n`` (Int32), ``cols(width)`` = N * width and the
+    epilogue's value ``specs``."""
+
+    index: Any
+    tensors: dict
+    m: Any
+    n: Any
+    specs: Any
+
+    def tensor(self, name: str):
+        return self.tensors[name]
+
+    def cols(self, width: Fraction):
+        return value_cols(self.n, Fraction(width))
+
+
+@cute.jit
+def fold_tiles(p, i, per_row: cutlass.Constexpr[bool], op: cutlass.Constexpr[str]):
+    """Combine the partials of result ``i`` over every tile: ``p[i, :]`` of a (rows,
+    tiles) tensor when ``per_row``, else ``p[:, i]`` of a (tiles, cols) one."""
+    acc = fr.identity(op)
+    if cutlass.const_expr(per_row):
+        for t in cutlass.range(cute.size(p, mode=[1]), unroll=4):
+            acc = fr.combine(op, acc, Float32(p[i, t]))
+    else:
+        for t in cutlass.range(cute.size(p, mode=[0]), unroll=4):
+            acc = fr.combine(op, acc, Float32(p[t, i]))
+    return acc
+
+
+@cute.jit
+def finalize_reduce(
+    p, out, i, n, per_row: cutlass.Constexpr[bool], op: cutlass.Constexpr[str], post
+):
+    """``out[i] = post(combined partials, n)`` for a row (or column) reduction."""
+    count = cute.size(p, mode=[0]) if cutlass.const_expr(per_row) else cute.size(p, mode=[1])
+    if i < count:
+        total = fold_tiles(p, i, per_row, op)
+        if cutlass.const_expr(post is not None):
+            total = post(total, n)
+        out[i] = Float32(total)
+
+
+@cute.jit
+def finalize_logsumexp(pmax, psum, out, i):
+    """``out[i]`` = log-sum-exp of row i from its per-tile (max, sum of exp(x - max))."""
+    if i < cute.size(pmax, mode=[0]):
+        top = fold_tiles(pmax, i, True, "max")
+        shift = finite_or_zero(top)
+        total = Float32(0.0)
+        for t in cutlass.range(cute.size(pmax, mode=[1]), unroll=4):
+            total = total + Float32(psum[i, t]) * cute.math.exp(Float32(pmax[i, t]) - shift)
+        out[i] = shift + cute.math.log(total)

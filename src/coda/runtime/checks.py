@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import torch
 
 from ..errors import InputError
-from . import dtypes
+from ..mainloop import dtypes
 
 
 def tensor(name: str, t: object) -> torch.Tensor:

@@ -36,6 +36,7 @@ from ..errors import InputError
 from ..mainloop.config import GemmConfig, choose_epilogue_config
 from . import checks, finalize, gemm_kernels
 from .fused import FusedVisitor, n_multiple, unsupported
+from .operands import cached_problem
 
 #: Output-tile widths tried in order for a fused epilogue: the first whose kernel keeps
 #: everything in registers (no local memory) is used. A narrower tile holds fewer
@@ -83,19 +84,41 @@ class EpiloguePlan:
         self.tile = (config.tile_m, config.tile_n)
         self.visitor = FusedVisitor(epi)
         self.key = gemm_kernels.kernel_key(config, ab_dtype, self.visitor, num_sms, *majors)
-        self.kernel = gemm_kernels.get_kernel(self.key)
+        self.kernel = gemm_kernels.launcher(self.key)
         self.need_n = n_multiple(epi)
-        # (name, role, dtype, width) of each input, in binding order
-        self.inputs = tuple((s.name, s.role, s.dtype, s.width) for s in epi.inputs)
-        # outputs the GEMM kernel writes (tiles and partials) and the finalized results
-        self.kernel_outputs = tuple(s for s in epi.outputs if s.role == "tile" or s.is_partials)
+        # (name, role, dtype, width numerator, denominator) of each input, binding order
+        self.inputs = tuple(
+            (s.name, s.role, s.dtype, s.width.numerator, s.width.denominator) for s in epi.inputs
+        )
         self.store_names = tuple(p.out for p in self.visitor.stores)
         self.load_names = tuple(p.name for p in self.visitor.loads)
         self.extras = tuple(
             (s.name, s.direction == "out", s.role == "scalar") for s in self.visitor.extras_specs
         )
-        self.finalizer = finalize.plan(epi, ab_dtype, self.tile, num_sms)
+        self.finalizer = finalize.plan(epi)
+        # what a call allocates: the kernel's outputs (tiles, partials) and the results the
+        # finalize kernel writes (the torch fallback allocates its own)
+        finalized = self.finalizer.results if self.finalizer is not None else ()
+        self.allocated = tuple(
+            s for s in epi.outputs if s.role == "tile" or s.is_partials or s in finalized
+        )
         self.output_names = tuple(s.name for s in epi.outputs)
+        self._sizes: dict[tuple[int, int], tuple] = {}
+
+    def sizes(self, m: int, n: int) -> tuple:
+        """((name, shape, dtype, is_tile) of each allocated output, finalize extent) at
+        (M, N), computed once per problem size."""
+        got = self._sizes.get((m, n))
+        if got is None:
+            if len(self._sizes) > 256:
+                self._sizes.clear()
+            outs = tuple(
+                (s.name, s.shape(m, n, self.tile), s.dtype, s.role == "tile")
+                for s in self.allocated
+            )
+            extent = self.finalizer.extent(m, n) if self.finalizer is not None else 0
+            got = self._sizes[(m, n)] = (outs, extent)
+        return got
 
     def fast_checks_pass(self, A, B, tensors: Mapping[str, Any], m: int, n: int) -> bool:
         """True when every input has exactly the expected shape, dtype and device and every
@@ -105,7 +128,7 @@ class EpiloguePlan:
         device = self.device
         if A.device != device or B.device != device:
             return False
-        for name, role, dtype, width in self.inputs:
+        for name, role, dtype, num, den in self.inputs:
             t = tensors.get(name)
             if role == "scalar":
                 if not isinstance(t, (float, int)) or isinstance(t, bool):
@@ -115,21 +138,16 @@ class EpiloguePlan:
                 return False
             shape = t.shape
             if role == "tile":
-                if (
-                    len(shape) != 2
-                    or shape[0] != m
-                    or shape[1] * width.denominator != n * width.numerator
-                ):
+                if len(shape) != 2 or shape[0] != m or shape[1] * den != n * num:
                     return False
-                if t.stride(1) != 1 or (t.stride(0) * t.element_size()) % 16 or t.data_ptr() % 16:
+                stride = t.stride()
+                if stride[1] != 1 or (stride[0] * t.element_size()) & 15 or t.data_ptr() & 15:
                     return False
             elif role == "row":
                 if len(shape) != 1 or shape[0] != m or t.stride(0) != 1:
                     return False
             elif role == "col":
-                if len(shape) != 1 or shape[0] * width.denominator != n * width.numerator:
-                    return False
-                if t.stride(0) != 1:
+                if len(shape) != 1 or shape[0] * den != n * num or t.stride(0) != 1:
                     return False
         return True
 
@@ -141,22 +159,26 @@ class EpiloguePlan:
         outputs: Mapping[str, torch.Tensor] | None,
     ) -> dict[str, torch.Tensor]:
         m, n = A.shape[0], B.shape[0]
-        given = outputs or {}
+        outs, extent = self.sizes(m, n)
+        device = self.device
         out: dict[str, torch.Tensor] = {}
-        for spec in self.kernel_outputs:
-            shape = spec.shape(m, n, self.tile)
-            t = given.get(spec.name)
-            if t is None:
-                t = torch.empty(shape, dtype=spec.dtype, device=self.device)
-            elif tuple(t.shape) != shape or t.dtype != spec.dtype or t.device != self.device:
-                raise InputError(
-                    f"outputs[{spec.name!r}] must be {shape} {spec.dtype} on {self.device}"
-                )
-            elif spec.role == "tile":
-                checks.row_major_tma(f"outputs[{spec.name!r}]", t)
-            elif not t.is_contiguous():
-                raise InputError(f"outputs[{spec.name!r}] must be contiguous")
-            out[spec.name] = t
+        if not outputs:
+            given = {}
+            for name, shape, dtype, _ in outs:
+                out[name] = torch.empty(shape, dtype=dtype, device=device)
+        else:
+            given = outputs
+            for name, shape, dtype, is_tile in outs:
+                t = given.get(name)
+                if t is None:
+                    t = torch.empty(shape, dtype=dtype, device=device)
+                elif tuple(t.shape) != shape or t.dtype != dtype or t.device != device:
+                    raise InputError(f"outputs[{name!r}] must be {shape} {dtype} on {device}")
+                elif is_tile:
+                    checks.row_major_tma(f"outputs[{name!r}]", t)
+                elif not t.is_contiguous():
+                    raise InputError(f"outputs[{name!r}] must be contiguous")
+                out[name] = t
         extras = tuple(
             (float(tensors[name]) if scalar else (out[name] if is_out else tensors[name]))
             for name, is_out, scalar in self.extras
@@ -169,7 +191,7 @@ class EpiloguePlan:
             extras,
         )
         if self.finalizer is not None:
-            self.finalizer(out, m, n, given)
+            self.finalizer(out, m, n, extent, given)
         return {name: out[name] for name in self.output_names}
 
 
@@ -203,11 +225,9 @@ def run(
     """Fused ``epi(A, B, **tensors)``. ``outputs`` may pre-supply output tensors (e.g.
     NaN-poisoned ones in tests, or buffers reused across steps); they must have the
     declared shapes and dtypes."""
-    from ..matmul import gemm_problem
-
     if not epi.outputs:
         raise InputError("this epilogue has no outputs: add a TileStore, TileReduce or ...")
-    m, n, k, a_major, b_major = gemm_problem(A, B)
+    m, n, k, a_major, b_major = cached_problem(A, B)
     plan = _plan(epi, A, B, (a_major, b_major), config, m, n, k)
     if check_contents or not plan.fast_checks_pass(A, B, tensors, m, n):
         _full_checks(epi, A, B, tensors, n, plan.need_n, check_contents)

@@ -2,44 +2,146 @@
 
 Sits in ``coda.runtime`` under :mod:`coda.runtime.epilogue_kernels`. Reductions and
 running states (``TileReduce``, ``LogSumExp``, ``TargetSelect``) leave per-tile partials
-(M x tiles or tiles x N); each primitive's ``finalize`` combines them (and applies its
-``post``). :func:`plan` prepares that step once per launch plan.
+(M x tiles or tiles x N*w); each primitive combines them (and applies its ``post``).
+
+Every primitive with ``traces_finalize`` is finalized on the GPU by ONE small kernel per
+epilogue (:mod:`coda.runtime.finalize_kernel`, compiled once per epilogue value and kept
+in the same memory and disk caches as the GEMM kernels), launched right after the GEMM
+on the same stream: one launch instead of a chain of tiny eager ops, no allocation, CUDA
+graph friendly. A user primitive without ``trace_finalize`` is finalized by its torch
+``finalize`` (correct, just slower). :func:`plan` prepares this once per launch plan.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
+from typing import Any
 
-import torch
+import attrs
 
 from ..epilogue import Epilogue
 from ..geometry import Problem
 from ..primitives.base import Primitive
+from . import gemm_kernels
 
 
 def _finalizing(epi: Epilogue) -> tuple[Primitive, ...]:
     return tuple(p for p in epi.primitives if type(p).finalize is not Primitive.finalize)
 
 
-def plan(
-    epi: Epilogue, ab_dtype: torch.dtype, tile: tuple[int, int], num_sms: int
-) -> Callable[[dict, int, int, Mapping], None] | None:
-    """A callable ``(out, m, n, given)`` that adds every finalized result to ``out`` (into
-    the caller's buffer when ``given`` has one), or None when nothing needs finalizing."""
-    prims = _finalizing(epi)
-    if not prims:
-        return None
-    values = epi.values
+@attrs.frozen(cache_hash=True)
+class FinalizeKey:
+    """Everything the finalize kernel of an epilogue depends on (a compile-cache key)."""
 
-    def run(out: dict, m: int, n: int, given: Mapping) -> None:
-        problem = Problem(M=m, N=n, K=1)
-        partials = dict(out)
-        for p in prims:
-            for name, t in p.finalize(partials, problem, values).items():
-                dst = given.get(name)
-                if dst is not None:
-                    dst.copy_(t)
-                    t = dst
-                out[name] = t
+    epilogue: Epilogue
+    dsl: str = attrs.field(factory=gemm_kernels.dsl_version)
 
-    return run
+    def traced(self) -> tuple[Primitive, ...]:
+        return tuple(p for p in _finalizing(self.epilogue) if p.traces_finalize)
+
+    def tensor_names(self) -> tuple[str, ...]:
+        """The partials and results the kernel reads and writes, in argument order."""
+        values = self.epilogue.values
+        names: list[str] = []
+        for p in self.traced():
+            names += [s.name for s in p.tensors(values) if s.direction == "out"]
+        return tuple(names)
+
+    def compile(self, options: str | None = None):
+        """Compile the kernel for sm_90a (uncached; works without a GPU)."""
+        gemm_kernels.ensure_arch()
+        import cutlass.cute as cute
+
+        from .finalize_kernel import FinalizeKernel, fake_args
+
+        names = self.tensor_names()
+        shapes = {
+            name: tuple(f"{name}:{d}" for d in range(_rank(self.epilogue, name))) for name in names
+        }
+        kernel = FinalizeKernel(self.traced(), names, self.epilogue.values)
+        opts = f"{gemm_kernels.TVM_FFI} {options or ''}".strip()
+        return cute.compile(kernel, *fake_args(kernel, shapes), options=opts)
+
+
+def _rank(epi: Epilogue, name: str) -> int:
+    spec = next(s for s in epi.outputs if s.name == name)
+    return 2 if spec.is_partials else 1
+
+
+def _extent_widths(epi: Epilogue, traced) -> tuple[bool, tuple]:
+    """(has row results, widths of its column results): the grid covers M and N * w."""
+    rows, widths = False, []
+    for p in traced:
+        for s in p.tensors(epi.values):
+            if s.direction == "out" and not s.is_partials:
+                if s.role == "row":
+                    rows = True
+                else:
+                    widths.append(s.width)
+    return rows, tuple(widths)
+
+
+class FinalizePlan:
+    """How an epilogue's results are finalized (prepared once per launch plan).
+
+    ``results``: the result tensors the finalize kernel writes (the caller allocates them
+    with the kernel's other outputs); ``extent(m, n)``: the kernel's thread count;
+    ``__call__(out, m, n, extent, given)``: launch the kernel on ``out`` (partials and
+    results by name), then run the torch ``finalize`` of primitives without a traced one.
+    """
+
+    def __init__(self, epi: Epilogue):
+        key = FinalizeKey(epi)
+        traced = key.traced()
+        self.eager = tuple(p for p in _finalizing(epi) if not p.traces_finalize)
+        self.values = epi.values
+        self.names = key.tensor_names()
+        self.results = tuple(
+            s
+            for p in traced
+            for s in p.tensors(epi.values)
+            if s.direction == "out" and not s.is_partials
+        )
+        self.launch = None
+        if traced:
+            fn = gemm_kernels.get_compiled("finalize", key, FinalizeKey.compile)
+            self.launch = getattr(fn, "_tvm_ffi_function", None) or fn
+        self._rows, self._widths = _extent_widths(epi, traced)
+
+    def extent(self, m: int, n: int) -> int:
+        return max(([m] if self._rows else [1]) + [int(n * w) for w in self._widths])
+
+    def __call__(self, out: dict, m: int, n: int, extent: int, given: Mapping) -> None:
+        if self.launch is not None:
+            self.launch(tuple([out[name] for name in self.names]), m, n, extent)
+        if self.eager:
+            problem = Problem(M=m, N=n, K=1)
+            partials = dict(out)
+            for p in self.eager:
+                for name, t in p.finalize(partials, problem, self.values).items():
+                    dst = given.get(name)
+                    if dst is not None:
+                        dst.copy_(t)
+                        t = dst
+                    out[name] = t
+
+
+def plan(epi: Epilogue) -> FinalizePlan | None:
+    """The :class:`FinalizePlan` of ``epi``, or None when nothing needs finalizing."""
+    return FinalizePlan(epi) if _finalizing(epi) else None
+
+
+def compile_artifacts(epi: Epilogue, dump_dir: str) -> tuple[str, bytes]:
+    """(PTX, cubin) of ``epi``'s finalize kernel; for inspection and CPU tests."""
+    fn = FinalizeKey(epi).compile(
+        options=f"--keep-ptx --keep-cubin --gpu-arch sm_90a --dump-dir {dump_dir}"
+    )
+    return fn.__ptx__, fn.__cubin__
+
+
+def uses_kernel(epi: Epilogue) -> bool:
+    """True when ``epi`` has results finalized by the finalize kernel."""
+    return bool(FinalizeKey(epi).traced())
+
+
+__all__: list[Any] = ["FinalizeKey", "FinalizePlan", "compile_artifacts", "plan", "uses_kernel"]

@@ -113,7 +113,7 @@ class FusedVisitor:
         import cutlass.cute as cute
         from cutlass.cute.runtime import make_fake_compact_tensor
 
-        from . import dtypes
+        from ..mainloop import dtypes
 
         out = []
         for spec in self.extras_specs:

@@ -18,15 +18,17 @@ from __future__ import annotations
 import os
 import threading
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import attrs
 import torch
 
+from ..mainloop import dtypes
 from ..mainloop.config import GemmConfig
+from ..mainloop.cute_env import dsl_version, ensure_arch
 from ..mainloop.visitor import AccStore
-from . import disk_cache, dtypes, elf
-from .cute_env import dsl_version, ensure_arch
+from . import disk_cache, elf
 
 
 @attrs.frozen
@@ -147,14 +149,27 @@ def get_kernel(key: GemmKernelKey):
     skip the compile; it is bypassed when ``key`` has no stable identity (a lambda in the
     visitor, say).
     """
+    return get_compiled("gemm", key, compile_kernel)
+
+
+def get_compiled(kind: str, key: Any, compile_fn: Callable[[Any], Any]):
+    """Memory cache, then disk cache, then ``compile_fn(key)``, for any kernel ``key`` (a
+    frozen value) of family ``kind`` ("gemm", "finalize")."""
     fn = _cache.get(key)
     if fn is None:
         with _lock:
             fn = _cache.get(key)
             if fn is None:
-                fn, _local_bytes[key] = _load_or_compile(key)
+                fn, _local_bytes[key] = _load_or_compile(kind, key, compile_fn)
                 _cache[key] = fn
     return fn
+
+
+def launcher(key: GemmKernelKey):
+    """The compiled kernel's bare TVM-FFI function (no Python wrapper layers): call it as
+    ``launcher(A, B, stores, loads, extras)``."""
+    fn = get_kernel(key)
+    return getattr(fn, "_tvm_ffi_function", None) or fn
 
 
 def local_memory_bytes(key: GemmKernelKey) -> int:
@@ -164,18 +179,18 @@ def local_memory_bytes(key: GemmKernelKey) -> int:
     return _local_bytes[key]
 
 
-def _load_or_compile(key: GemmKernelKey) -> tuple[Any, int]:
+def _load_or_compile(kind: str, key: Any, compile_fn) -> tuple[Any, int]:
     canonical = None
     if disk_cache.enabled():
         ensure_arch()
-        canonical = disk_cache.canonical_key("gemm", key)
+        canonical = disk_cache.canonical_key(kind, key)
         if canonical is None:
             disk_cache.stats["bypass"] += 1
         else:
             hit = disk_cache.load(canonical)
             if hit is not None:
                 return hit.fn, elf.local_memory_bytes(hit.code)
-    fn = compile_kernel(key)
+    fn = compile_fn(key)
     if canonical is not None:
         disk_cache.store(canonical, fn)
     # the host object embeds the cubin (in memory: no files written)
@@ -201,4 +216,4 @@ def launch(
 ) -> None:
     """Run the kernel for ``key`` on the current torch stream. ``extras`` are torch
     tensors and Python floats, in the visitor's ``fake_extras`` order."""
-    get_kernel(key)(a, b, stores, loads, extras)
+    launcher(key)(a, b, stores, loads, extras)

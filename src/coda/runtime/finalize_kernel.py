@@ -1,0 +1,72 @@
+"""The epilogue's finalize kernel (CuTeDSL): every per-tile partial -> result, one launch.
+
+Sits in ``coda.runtime`` under :mod:`coda.runtime.finalize` (imported only when a
+finalize kernel is compiled: it imports CuTeDSL). One thread per result element: thread
+``i`` finalizes row ``i`` of every row result and column ``i`` of every column result,
+each primitive emitting its own ``trace_finalize`` (combine the tiles' partials, apply
+``post``). The grid covers the longest result. Shapes are symbolic and every tensor is
+checked by the TVM-FFI entry, like the GEMM kernels.
+"""
+
+from __future__ import annotations
+
+from ..mainloop.cute_env import ensure_arch
+
+ensure_arch()
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Int32
+
+from ..primitives.tracing import TraceFinalize
+
+THREADS = 128
+
+
+class FinalizeKernel:
+    """Compile-time object: ``prims`` (primitives with ``traces_finalize``), ``names``
+    (the tensors they read and write, in argument order), the epilogue's value specs."""
+
+    def __init__(self, prims, names, specs):
+        self.prims = prims
+        self.names = names
+        self.specs = specs
+
+    @cute.jit
+    def __call__(self, tensors, m: Int32, n: Int32, extent: Int32, stream):
+        blocks = (extent + THREADS - 1) // THREADS
+        self.kernel(tensors, m, n).launch(grid=(blocks, 1, 1), block=(THREADS, 1, 1), stream=stream)
+
+    @cute.kernel
+    def kernel(self, tensors, m: Int32, n: Int32):
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        index = bidx * THREADS + tidx
+        by_name = {name: tensors[i] for i, name in enumerate(self.names)}
+        fin = TraceFinalize(index=index, tensors=by_name, m=m, n=n, specs=self.specs)
+        for p in self.prims:
+            p.trace_finalize(fin)
+
+
+def fake_args(kernel: FinalizeKernel, shapes):
+    """Compile-time stand-ins: one fp32 tensor per name (``shapes[name]`` says which
+    symbols its dims use: "rows", "tiles", "cols" or a tuple of them), M, N, the extent
+    and the environment stream."""
+    from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
+
+    symbols: dict[str, object] = {}
+
+    def sym(key):
+        if key not in symbols:
+            symbols[key] = cute.sym_int32()
+        return symbols[key]
+
+    tensors = tuple(
+        make_fake_compact_tensor(
+            cutlass.Float32,
+            tuple(sym(d) for d in shapes[name]),
+            stride_order=tuple(range(len(shapes[name])))[::-1],
+        )
+        for name in kernel.names
+    )
+    return (tensors, Int32(1), Int32(1), Int32(1), make_fake_stream(use_tvm_ffi_env_stream=True))
