@@ -82,13 +82,17 @@ def chunks(V: int, size: int) -> tuple[Chunk, ...]:
     return tuple(out)
 
 
-def stats_chunk_size(M: int, V: int, n_partials: int, budget: int = WORKSPACE_BYTES) -> int:
-    """Forward chunk: partials M * ceil(size / 128) * 4 * n_partials bytes <= budget."""
+def stats_chunk_size(M: int, V: int, n_partials: int, budget: int | None = None) -> int:
+    """Forward chunk: partials M * ceil(size / 128) * 4 * n_partials bytes <= budget
+    (default: ``WORKSPACE_BYTES``, read at call time)."""
+    budget = WORKSPACE_BYTES if budget is None else budget
     tiles = max(1, budget // (max(M, 1) * 4 * n_partials))
     return min(tiles * STATS_TILE, round_up(max(V, 1), TMA_COLS))
 
 
-def grad_chunk_size(M: int, V: int, elem_bytes: int, budget: int = WORKSPACE_BYTES) -> int:
-    """Backward chunk: the dlogits chunk M * size * elem_bytes <= budget (size >= 256)."""
+def grad_chunk_size(M: int, V: int, elem_bytes: int, budget: int | None = None) -> int:
+    """Backward chunk: the dlogits chunk M * size * elem_bytes <= budget (size >= 256;
+    default budget: ``WORKSPACE_BYTES``, read at call time)."""
+    budget = WORKSPACE_BYTES if budget is None else budget
     size = max(GRAD_STEP, budget // (max(M, 1) * elem_bytes) // GRAD_STEP * GRAD_STEP)
     return min(size, round_up(max(V, 1), TMA_COLS))

@@ -1,0 +1,245 @@
+"""LM head + cross-entropy: coda vs eager, torch.compile, Liger-Kernel and Cut Cross-Entropy.
+
+    python benchmarks/cross_entropy.py [--H 2048 4096 8192] [--M 8192 16384] [--V 128256]
+        [--rounds 5] [--out benchmarks/results/cross_entropy_h200.json]
+    python benchmarks/cross_entropy.py --H 2048 --M 8192 --rounds 3          # a short run
+
+For each shape (H, M, V) and pass ("fwd": the loss of inputs that require grad, as in
+training; "fwd+bwd": the loss and its gradients dh, dW by ``torch.autograd.grad``), the
+contenders run in interleaved rounds (common.interleaved) and the median per-round time
+is reported; peak memory is measured once per contender: max_memory_allocated above the
+inputs (h, W, targets), with everything the pass returns alive (for "fwd" the graph
+saved for backward, for "fwd+bwd" the gradients).
+
+* coda: ``coda.fusions.linear_cross_entropy`` (fused epilogues, logits never whole).
+* eager: ``F.cross_entropy((h @ W.T).float(), t)``, Hugging Face's formulation.
+* compile: ``torch.compile`` of the same function.
+* liger: Liger-Kernel's ``LigerFusedLinearCrossEntropyLoss`` (``liger-kernel``).
+* cce: Cut Cross-Entropy's ``linear_cross_entropy`` (``cut-cross-entropy``).
+
+A contender whose package is missing, or that runs out of memory, gets null. The JSON has
+the issue's rows ``{"H", "M", "V", "pass", "coda_ms", "eager_ms", "compile_ms", "liger_ms",
+"cce_ms", "coda_peak_gib", "compile_peak_gib", "liger_peak_gib", "cce_peak_gib"}`` and, next
+to them, ``workspace`` (peak minus the returned gradients dh, dW), ``floor`` (the pass's
+GEMMs alone: 1 for fwd, 3 for fwd+bwd, on cuBLAS and on coda's mainloop) and, with
+``--sweep``, coda's fwd+bwd time and peak per backward chunk size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import sys
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common  # noqa: E402
+
+from coda.fusions.cross_entropy import linear_cross_entropy  # noqa: E402
+from coda.matmul import gemm  # noqa: E402
+
+GiB = 2**30
+CONTENDERS = ("coda", "eager", "compile", "liger", "cce")
+PEAKS = ("coda", "compile", "liger", "cce")
+
+
+def eager_loss(h: torch.Tensor, W: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy((h @ W.T).float(), t, ignore_index=-100)
+
+
+def loss_functions() -> dict[str, Callable | None]:
+    fns: dict[str, Callable | None] = {
+        "coda": lambda h, W, t: linear_cross_entropy(h, W, t),
+        "eager": eager_loss,
+        "compile": torch.compile(eager_loss),
+    }
+    try:
+        from liger_kernel.transformers.fused_linear_cross_entropy import (
+            LigerFusedLinearCrossEntropyLoss,
+        )
+
+        liger = LigerFusedLinearCrossEntropyLoss(ignore_index=-100)
+        fns["liger"] = lambda h, W, t: liger(W, h, t)
+    except ImportError:
+        fns["liger"] = None
+    try:
+        from cut_cross_entropy import linear_cross_entropy as cce
+
+        fns["cce"] = lambda h, W, t: cce(h, W, t, ignore_index=-100)
+    except ImportError:
+        fns["cce"] = None
+    return fns
+
+
+def make_pass(fn: Callable, kind: str, h, W, t) -> Callable[[], object]:
+    if kind == "fwd":
+        return lambda: fn(h, W, t)
+    return lambda: torch.autograd.grad(fn(h, W, t), (h, W))
+
+
+def peak_gib(run: Callable[[], object]) -> tuple[float, float]:
+    """(peak above the current allocation, that minus the bytes of returned tensors)."""
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    out = run()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    returned = 0
+    if isinstance(out, tuple):
+        returned = sum(g.numel() * g.element_size() for g in out)
+    del out
+    return peak / GiB, (peak - returned) / GiB
+
+
+def floor_ms(h, W, kind: str, rounds: int, reps: int) -> dict:
+    """The GEMMs of the pass alone (the logits-sized ones a fused loss cannot avoid)."""
+    M, V = h.shape[0], W.shape[0]
+    logits = torch.empty(M, V, dtype=h.dtype, device=h.device)
+    dh, dW = torch.empty_like(h), torch.empty_like(W)
+
+    def cublas():
+        torch.mm(h, W.t(), out=logits)
+        if kind != "fwd":
+            torch.mm(logits, W, out=dh)
+            torch.mm(logits.t(), h, out=dW)
+
+    def coda():
+        gemm(h, W, out=logits)
+        if kind != "fwd":
+            gemm(logits, W.t(), out=dh)
+            gemm(logits.t(), h.t(), out=dW)
+
+    times = common.interleaved({"cublas": cublas, "coda": coda}, rounds=rounds, reps=reps)
+    return {
+        "cublas_ms": common.median(times["cublas"]),
+        "coda_gemm_ms": common.median(times["coda"]),
+    }
+
+
+def bench_shape(H: int, M: int, V: int, rounds: int, fns: dict, sweep: list[int]) -> dict:
+    g = torch.Generator(device="cuda").manual_seed(0)
+    h = (torch.randn(M, H, device="cuda", generator=g) / 2).to(torch.bfloat16).requires_grad_()
+    W = (torch.randn(V, H, device="cuda", generator=g) / H**0.5).to(torch.bfloat16)
+    W.requires_grad_()
+    t = torch.randint(0, V, (M,), device="cuda", generator=g)
+    out = {"rows": [], "workspace": [], "floor": [], "sweep": []}
+    for kind in ("fwd", "fwd+bwd"):
+        flops = 2 * M * H * V * (1 if kind == "fwd" else 3)
+        reps = max(2, min(20, int(3e14 / flops)))
+        key = {"H": H, "M": M, "V": V, "pass": kind}
+        row = {**key, **{f"{c}_ms": None for c in CONTENDERS}}
+        row.update({f"{c}_peak_gib": None for c in PEAKS})
+        space = {**key, **{f"{c}_workspace_gib": None for c in CONTENDERS}}
+        runs = {}
+        for name, fn in fns.items():
+            if fn is None:
+                continue
+            run = make_pass(fn, kind, h, W, t)
+            try:
+                peak, work = peak_gib(run)
+            except torch.cuda.OutOfMemoryError:
+                print(f"{name} {kind} H={H} M={M}: out of memory", file=sys.stderr)
+                continue
+            if name in PEAKS:
+                row[f"{name}_peak_gib"] = peak
+            space[f"{name}_workspace_gib"] = work
+            runs[name] = run
+        times = common.interleaved(runs, rounds=rounds, reps=reps, warmup=2)
+        for name, ts in times.items():
+            row[f"{name}_ms"] = common.median(ts)
+        out["rows"].append(row)
+        out["workspace"].append(space)
+        out["floor"].append({**key, **floor_ms(h.detach(), W.detach(), kind, rounds, reps)})
+        gc.collect()
+        torch.cuda.empty_cache()
+    for size in sweep:
+        fn = lambda h, W, t, size=size: linear_cross_entropy(h, W, t, chunk_size=size)  # noqa: E731
+        run = make_pass(fn, "fwd+bwd", h, W, t)
+        peak, work = peak_gib(run)
+        ts = common.interleaved({"c": run}, rounds=rounds, reps=2, warmup=1)["c"]
+        out["sweep"].append(
+            {"H": H, "M": M, "V": V, "chunk_size": size, "coda_ms": common.median(ts),
+             "coda_peak_gib": peak, "coda_workspace_gib": work}
+        )  # fmt: skip
+    return out
+
+
+def plot(rows: list[dict], path: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no PNG", file=sys.stderr)
+        return
+    fig, axes = plt.subplots(1, 3, figsize=(18, 5))
+    for ax, kind in zip(axes[:2], ("fwd", "fwd+bwd"), strict=True):
+        sel = [r for r in rows if r["pass"] == kind]
+        labels = [f"H={r['H']}\nM={r['M']}" for r in sel]
+        width = 0.8 / len(CONTENDERS)
+        for i, c in enumerate(CONTENDERS):
+            ys = [r[f"{c}_ms"] / r["compile_ms"] if r[f"{c}_ms"] and r["compile_ms"] else 0
+                  for r in sel]  # fmt: skip
+            ax.bar([x + i * width for x in range(len(sel))], ys, width, label=c)
+        ax.set_xticks([x + 0.4 - width / 2 for x in range(len(sel))], labels)
+        ax.axhline(1.0, color="k", lw=0.5)
+        ax.set_title(f"{kind}: time / torch.compile (lower is better)")
+    sel = [r for r in rows if r["pass"] == "fwd+bwd"]
+    width = 0.8 / len(PEAKS)
+    for i, c in enumerate(PEAKS):
+        ys = [r[f"{c}_peak_gib"] or 0 for r in sel]
+        axes[2].bar([x + i * width for x in range(len(sel))], ys, width, label=c)
+    axes[2].set_xticks(
+        [x + 0.4 - width / 2 for x in range(len(sel))],
+        [f"H={r['H']}\nM={r['M']}" for r in sel],
+    )
+    axes[2].set_title("fwd+bwd peak memory above inputs (GiB)")
+    axes[0].legend()
+    fig.suptitle(f"LM head + cross-entropy, V={sel[0]['V'] if sel else ''}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--H", type=int, nargs="+", default=[2048, 4096, 8192])
+    p.add_argument("--M", type=int, nargs="+", default=[8192, 16384])
+    p.add_argument("--V", type=int, default=128256)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--sweep", type=int, nargs="*", default=[], help="backward chunk sizes")
+    p.add_argument("--out", default="benchmarks/results/cross_entropy_h200.json")
+    args = p.parse_args(argv)
+    fns = loss_functions()
+    result: dict = {"rows": [], "workspace": [], "floor": [], "sweep": []}
+    for H in args.H:
+        for M in args.M:
+            part = bench_shape(H, M, args.V, args.rounds, fns, args.sweep)
+            for k in result:
+                result[k] += part[k]
+    versions = {}
+    for pkg in ("liger_kernel", "cut_cross_entropy"):
+        try:
+            from importlib.metadata import version
+
+            versions[pkg] = version(pkg.replace("_", "-"))
+        except Exception:
+            versions[pkg] = None
+    env = common.environment()
+    env["versions"].update(versions)
+    common.write_json(args.out, {**env, **result})
+    plot(result["rows"], os.path.splitext(args.out)[0] + ".png")
+    common.print_table(result["floor"], ["H", "M", "pass", "cublas_ms", "coda_gemm_ms"])
+    cols = ["H", "M", "pass"] + [f"{c}_ms" for c in CONTENDERS]
+    cols += [f"{c}_peak_gib" for c in PEAKS]
+    common.print_table(result["rows"], cols)
+
+
+if __name__ == "__main__":
+    main()
