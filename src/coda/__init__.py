@@ -17,6 +17,7 @@ The public API (importing coda never imports CuTeDSL; kernels load lazily, later
 * ``coda.testing`` (imported on demand): hypothesis strategies, tolerance helpers, profiles.
 """
 
+from coda._version import __version__
 from coda.epilogue import Epilogue
 from coda.errors import EpilogueError, InputError
 from coda.geometry import Problem, Tiling
@@ -38,8 +39,6 @@ from coda.primitives import ops as ops
 from coda.runtime import epilogue_kernels as _epilogue_kernels  # noqa: F401  (Epilogue's GPU runner)
 from coda.simulator import simulate
 from coda.specs import TensorSpec, ValueSpec
-
-__version__ = "0.1.0"
 
 __all__ = [
     "Elementwise",

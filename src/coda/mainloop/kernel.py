@@ -1,7 +1,10 @@
 """The fixed sm90a PingPong GEMM kernel (CuTeDSL): D = visitor(A @ B^T).
 
 Sits at the bottom of ``coda.mainloop``; everything else in coda plugs into it through
-the epilogue visitor hooks (:mod:`coda.mainloop.visitor`) and never edits it.
+the epilogue visitor hooks (:mod:`coda.mainloop.visitor`) and never edits it. This module
+holds the host launch, the shared-memory plan and the consumer warpgroups (WGMMA
+mainloop and epilogue driver); the producer warps live in :mod:`coda.mainloop.producers`
+and the epilogue's buffers and register/shared copies in :mod:`coda.mainloop.epilogue_io`.
 
 Schedule (one CTA = 3 warpgroups, 384 threads, persistent over output tiles):
 
@@ -46,7 +49,9 @@ from cutlass.tensor_utils import LayoutEnum
 
 from .config import DEFAULT_NUM_SMS, GemmConfig, SmemPlan, plan_smem
 from .dtypes import to_cutlass
+from .epilogue_io import EpilogueIO, as_values, packed, value_layout
 from .fragment import Fragment
+from .producers import Producers
 from .scheduler import TileScheduler
 from .visitor import AccStore, SubtileContext, TileContext
 
@@ -71,24 +76,6 @@ def _nbytes(dtype: torch.dtype) -> int:
     return torch.empty(0, dtype=dtype).element_size()
 
 
-def _packed(dtype, width: Fraction) -> bool:
-    """A width-2 tensor of 16-bit elements moves as 32-bit (column pair) elements."""
-    return width == 2 and dtype.width == 16
-
-
-def _value_layout(frag_shape, frag_geom: Fragment, width: Fraction):
-    """Register layout of a width-``width`` value's fragment (the accumulator's at 1)."""
-    if width == 1:
-        return cute.make_layout(frag_shape)
-    return cute.make_layout(frag_geom.at_width(width).n)
-
-
-def _as_values(rmem, dtype, layout):
-    """A register buffer seen as ``dtype`` elements in ``layout`` (it may hold them packed
-    two to a 32-bit element, or be the very tensor)."""
-    return cute.make_tensor(cute.recast_ptr(rmem.iterator, dtype=dtype), layout)
-
-
 def _widths(visitor, attr: str, count: int) -> tuple[Fraction, ...]:
     """The visitor's widths (relative to N) of its stores or loads; 1 when undeclared."""
     widths = tuple(Fraction(w) for w in getattr(visitor, attr, (1,) * count))
@@ -97,7 +84,7 @@ def _widths(visitor, attr: str, count: int) -> tuple[Fraction, ...]:
     return widths
 
 
-class PingPongGemm:
+class PingPongGemm(Producers, EpilogueIO):
     """Compile-time kernel object for one (config, operand dtype, visitor).
 
     ``__call__`` is the ``@cute.jit`` host function: it builds TMA descriptors for the
@@ -467,7 +454,7 @@ class PingPongGemm:
             for i in cutlass.range_constexpr(n_stores):
                 w = self.store_widths[i]
                 unit = self.store_dtypes[i] if const_expr(w == 1) else Float32
-                if const_expr(_packed(self.store_dtypes[i], w) or w == 1):
+                if const_expr(packed(self.store_dtypes[i], w) or w == 1):
                     # width 2 at 16 bits: a column pair is one 32-bit element of an fp32
                     # view of the buffer, laid out like the accumulator
                     cp = self._make_r2s_copy(tiled_mma, unit)
@@ -481,11 +468,11 @@ class PingPongGemm:
                     r2s.append(frag_geom.points(local_points, w))
                     tRS_sD.append(None)
                     rout = cute.make_rmem_tensor(
-                        _value_layout(frag_shape, frag_geom, w), self.store_dtypes[i]
+                        value_layout(frag_shape, frag_geom, w), self.store_dtypes[i]
                     )
                 tRS_rOut.append(rout)
                 tRS_rOutView.append(
-                    _as_values(rout, self.store_dtypes[i], _value_layout(frag_shape, frag_geom, w))
+                    as_values(rout, self.store_dtypes[i], value_layout(frag_shape, frag_geom, w))
                 )
             s2r = []
             tSR_sC = []
@@ -493,7 +480,7 @@ class PingPongGemm:
             tRS_rC = []
             for i in cutlass.range_constexpr(n_loads):
                 w = self.load_widths[i]
-                if const_expr(_packed(self.load_dtypes[i], w) or w == 1):
+                if const_expr(packed(self.load_dtypes[i], w) or w == 1):
                     unit = self.load_dtypes[i] if const_expr(w == 1) else Float32
                     cp = self._make_s2r_copy(tiled_mma, unit)
                     thr = cp.get_slice(wg_tidx)
@@ -505,11 +492,11 @@ class PingPongGemm:
                     s2r.append(frag_geom.points(local_points, w))
                     tSR_sC.append(None)
                     rc = cute.make_rmem_tensor(
-                        _value_layout(frag_shape, frag_geom, w), self.load_dtypes[i]
+                        value_layout(frag_shape, frag_geom, w), self.load_dtypes[i]
                     )
                     tSR_rC.append(None)
                 tRS_rC.append(
-                    _as_values(rc, self.load_dtypes[i], _value_layout(frag_shape, frag_geom, w))
+                    as_values(rc, self.load_dtypes[i], value_layout(frag_shape, frag_geom, w))
                 )
             store_pipe = pipeline.PipelineTmaStore.create(
                 num_stages=self.epi_stages,
@@ -645,149 +632,6 @@ class PingPongGemm:
                 t += 2 * num_clusters
 
     # ------------------------------------------------------------------- helpers
-    @cute.jit
-    def _produce_ab(
-        self,
-        tma_a,
-        tma_b,
-        sA,
-        sB,
-        gA,
-        gB,
-        k_tiles,
-        ab_pipe,
-        sched,
-        cta_layout_mnk,
-        cta_coord,
-        cta_mn,
-        bidz,
-        num_clusters,
-    ):
-        """Producer warp: TMA loads of A/B k-tiles for every tile of this cluster."""
-        a_mask = cute.make_layout_image_mask(cta_layout_mnk, cta_coord, mode=1)
-        b_mask = cute.make_layout_image_mask(cta_layout_mnk, cta_coord, mode=0)
-        tAsA, tAgA = cpasync.tma_partition(
-            tma_a,
-            cta_coord[1],
-            cute.make_layout(cute.slice_(cta_layout_mnk, (0, None, 0)).shape),
-            cute.group_modes(sA, 0, 2),
-            cute.group_modes(gA, 0, 2),
-        )
-        tBsB, tBgB = cpasync.tma_partition(
-            tma_b,
-            cta_coord[0],
-            cute.make_layout(cute.slice_(cta_layout_mnk, (None, 0, 0)).shape),
-            cute.group_modes(sB, 0, 2),
-            cute.group_modes(gB, 0, 2),
-        )
-        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stages)
-        t = Int32(bidz)
-        while t < sched.num_work:
-            tm, tn = sched.tile_coord(t, cta_mn)
-            for k in cutlass.range(k_tiles, unroll=1):
-                ab_pipe.producer_acquire(state)
-                bar = ab_pipe.producer_get_barrier(state)
-                if const_expr(self.num_mcast_a > 1):
-                    cute.copy(
-                        tma_a,
-                        tAgA[(None, tm, k)],
-                        tAsA[(None, state.index)],
-                        tma_bar_ptr=bar,
-                        mcast_mask=a_mask,
-                    )
-                else:
-                    cute.copy(
-                        tma_a, tAgA[(None, tm, k)], tAsA[(None, state.index)], tma_bar_ptr=bar
-                    )
-                if const_expr(self.num_mcast_b > 1):
-                    cute.copy(
-                        tma_b,
-                        tBgB[(None, tn, k)],
-                        tBsB[(None, state.index)],
-                        tma_bar_ptr=bar,
-                        mcast_mask=b_mask,
-                    )
-                else:
-                    cute.copy(
-                        tma_b, tBgB[(None, tn, k)], tBsB[(None, state.index)], tma_bar_ptr=bar
-                    )
-                ab_pipe.producer_commit(state)
-                state.advance()
-            t += num_clusters
-        ab_pipe.producer_tail(state)
-
-    @cute.jit
-    def _produce_epilogue_loads(self, tma_c, mC, sC, load_pipe, sched, cta_mn, bidz, num_clusters):
-        """Second producer warp: TMA loads of the visitor's M x N operands, subtile by
-        subtile in the epilogue's order, for every tile of this CTA (both warpgroups')."""
-        cfg = self.config
-        n_loads = len(self.load_dtypes)
-        sub_m, sub_n = cfg.subtiles_per_tile
-        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.load_stages)
-        t = Int32(bidz)
-        while t < sched.num_work:
-            tm, tn = sched.tile_coord(t, cta_mn)
-            parts = []
-            for i in cutlass.range_constexpr(n_loads):
-                w = self.load_widths[i]
-                gC = cute.local_tile(mC[i], self._tile(w), (tm, tn))
-                parts.append(
-                    cpasync.tma_partition(
-                        tma_c[i],
-                        0,
-                        cute.make_layout(1),
-                        cute.group_modes(sC[i], 0, 2),
-                        cute.zipped_divide(gC, self._box(w)),
-                    )
-                )
-            for s in cutlass.range_constexpr(sub_m * sub_n):
-                sm, sn = s // sub_n, s % sub_n
-                load_pipe.producer_acquire(state)
-                bar = load_pipe.producer_get_barrier(state)
-                for i in cutlass.range_constexpr(n_loads):
-                    cute.copy(
-                        tma_c[i],
-                        parts[i][1][(None, (sm, sn))],
-                        parts[i][0][(None, state.index)],
-                        tma_bar_ptr=bar,
-                    )
-                load_pipe.producer_commit(state)
-                state.advance()
-            t += num_clusters
-        load_pipe.producer_tail(state)
-
-    def _allocate_epi(self, smem, dtypes, widths, layouts):
-        """Shared buffers of the epilogue's outputs (or operands): for each, the view TMA
-        uses and the view the register copies use (the same tensor, except for packed
-        width-2 16-bit buffers, also seen as fp32 column pairs: a 128-byte row either
-        way, so the same 128B swizzle)."""
-        tma_views, reg_views = [], []
-        for i in range(len(dtypes)):
-            lay = layouts[i]
-            raw = smem.allocate(cute.cosize(lay.outer) * dtypes[i].width // 8, 1024)
-            tma_views.append(
-                cute.make_tensor(cute.recast_ptr(raw, lay.inner, dtype=dtypes[i]), lay.outer)
-            )
-            if _packed(dtypes[i], widths[i]):
-                stages = cute.size(lay.outer, mode=[2])
-                pairs = sm90_utils.make_smem_layout_epi(
-                    Float32, LayoutEnum.ROW_MAJOR, self.config.epi_tile, stages
-                )
-                reg_views.append(
-                    cute.make_tensor(cute.recast_ptr(raw, pairs.inner, dtype=Float32), pairs.outer)
-                )
-            else:
-                reg_views.append(tma_views[-1])
-        return tuple(tma_views), tuple(reg_views)
-
-    def _box(self, width: Fraction) -> tuple[int, int]:
-        """TMA box (= one subtile) of a width-``width`` output or operand."""
-        return (self.config.epi_m, int(self.config.epi_n * width))
-
-    def _tile(self, width: Fraction) -> tuple[int, int]:
-        """The part of a width-``width`` M x N*w tensor that one output tile covers."""
-        return (self.config.tile_m, int(self.config.tile_n * width))
-
     def _turn_wait(self, base: int, wg):
         cute.arch.barrier(barrier_id=base + wg, number_of_threads=2 * THREADS_PER_WG)
 
@@ -813,55 +657,3 @@ class PingPongGemm:
             cute.gemm(atom, acc, tCrA[(None, None, kb, stage)], tCrB[(None, None, kb, stage)], acc)
             atom.set(warpgroup.Field.ACCUMULATE, True)
         warpgroup.commit_group()
-
-    def _c_atom_tiled(self, tiled_mma):
-        c_atom = cute.make_copy_atom(
-            cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4),
-            cutlass.Float16,  # only fixes the thread-value layout of the fragment
-        )
-        return cute.make_tiled_copy_C_atom(c_atom, tiled_mma)
-
-    def _make_r2s_copy(self, tiled_mma, dtype):
-        """Register -> shared copy of one subtile: stmatrix for 16-bit, else plain stores."""
-        store_atom = sm90_utils.get_smem_store_op(LayoutEnum.ROW_MAJOR, dtype, self.acc_dtype)
-        return cute.make_tiled_copy_S(store_atom, self._c_atom_tiled(tiled_mma))
-
-    def _make_s2r_copy(self, tiled_mma, dtype):
-        """Shared -> register copy of one loaded subtile: ldmatrix for 16-bit, else plain."""
-        if const_expr(dtype.width == 16):
-            atom = cute.make_copy_atom(cute.nvgpu.warp.LdMatrix8x8x16bOp(False, 4), dtype)
-        else:
-            atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dtype)
-        return cute.make_tiled_copy_S(atom, self._c_atom_tiled(tiled_mma))
-
-    def _acc_subtile_view(self, acc, r2s):
-        """View the accumulator as (frag..., (subtile_m, subtile_n)) for the r2s copy.
-
-        The WGMMA accumulator of one thread is ((2, 2, tile_n/8), MMA_M, 1): pairs of
-        adjacent columns, rows r and r+8, then 8-column groups. Regroup the column groups
-        by 16 so one epi_n-wide subtile is a contiguous block, then divide by subtiles.
-        """
-        cfg = self.config
-        lay = acc.layout
-        div = cute.logical_divide(lay, ((None, None, 2), None, None))
-        assert cute.size(lay, mode=[2]) == 1, "one MMA atom spans tile_n"
-        # ((2, 2, 2), MMA_M, tile_n/16)
-        frag = cute.make_layout(
-            (
-                (div.shape[0][0], div.shape[0][1], div.shape[0][2][0]),
-                div.shape[1],
-                div.shape[0][2][1],
-            ),
-            stride=(
-                (div.stride[0][0], div.stride[0][1], div.stride[0][2][0]),
-                div.stride[1],
-                div.stride[0][2][1],
-            ),
-        )
-        acc_v = cute.make_tensor(acc.iterator, frag)
-        sub_m, sub_n = cfg.subtiles_per_tile
-        per_sub = (frag.shape[0], frag.shape[1] // sub_m, frag.shape[2] // sub_n)
-        divided = cute.flat_divide(acc_v, per_sub)
-        # ((2,2,2), MMA_M/sub_m, cols/sub_n, 1, sub_m, sub_n) -> group the subtile modes
-        view = cute.group_modes(divided[None, None, None, 0, None, None], 3, 5)
-        return r2s.retile(view)

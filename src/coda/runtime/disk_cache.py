@@ -462,13 +462,13 @@ def canonical_key(kind: str, key: Any) -> str | None:
     import cutlass
     import torch
 
-    import coda
+    from .._version import __version__
 
     parts = {
         "format": str(FORMAT_VERSION),
         "kind": kind,
         "key": key_str,
-        "coda": str(coda.__version__),
+        "coda": str(__version__),
         "coda_source": source_fingerprint(),
         "cutlass_dsl": str(cutlass.__version__),
         "dsl_settings": _dsl_settings(),

@@ -13,7 +13,9 @@ the kernel never writes stays NaN), and compares each output with:
   what unfused eager PyTorch computes (a bf16 ``A @ B.T`` followed by the epilogue).
 
 An output fails when ``err(coda) > 2 * err(eager) + atol`` (errors relative to
-``max(|truth|, 1)``, atol 1e-3), or holds NaN/inf where the truth is finite. Examples are
+``max(|truth|, 1)``; atol 1e-3, or half an ulp at 1.0 of a 16-bit output dtype: one
+rounding of the stored value, which flips when coda's fp32 math and torch's differ in
+the last fp32 bit at a rounding boundary), or holds NaN/inf where the truth is finite. Examples are
 drawn from one seeded hypothesis run; ``--workers`` processes split them (each compiles
 its own kernels) and the parent merges their JSON into one summary.
 """
@@ -56,7 +58,8 @@ def check_example(epi, A, B, tensors, config=None) -> dict[str, Any]:
     record: dict[str, Any] = {"outputs": {}, "failed": False}
     for name, t in truth.items():
         try:
-            c = compare(got[name], t, name=name, baseline=eager[name], atol=ATOL, floor=1.0)
+            atol = max(ATOL, torch.finfo(got[name].dtype).eps / 2)
+            c = compare(got[name], t, name=name, baseline=eager[name], atol=atol, floor=1.0)
             entry = {"err": c.err, "eager_err": c.baseline_err, "limit": c.limit, "ok": c.passed}
         except AssertionError as e:  # non-finite where the truth is finite (e.g. unwritten)
             entry = {"ok": False, "error": str(e)}
