@@ -57,7 +57,12 @@ def inputs(M, H, V, seed, bias=False, rstd=False):
 
 
 def grads_of(fn, tensors, target, dtype, upstream, **opts):
-    leaves = [None if t is None else t.detach().to(dtype).requires_grad_() for t in tensors]
+    # rstd stays fp32 (the op's contract) except in the float64 truth
+    dtypes = (dtype, dtype, dtype, F64 if dtype == F64 else torch.float32)
+    leaves = [
+        None if t is None else t.detach().to(d).requires_grad_()
+        for t, d in zip(tensors, dtypes, strict=True)
+    ]
     h, W, b, r = leaves
     loss = fn(h, W, target, bias=b, rstd=r, **opts)
     wrt = [t for t in leaves if t is not None]
