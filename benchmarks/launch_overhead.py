@@ -4,12 +4,12 @@
 
 What a training step built on coda pays on the CPU for each kernel call, once the kernel
 is compiled and cached: checks, the cached launch plan, output allocation, the launch
-itself and any finalize launch. Each contender runs ``--calls`` times back to back; the
-host time per call is the wall time of that loop (before the closing synchronize) over
-the number of calls. At 512^3 the GPU finishes each call sooner than the host issues the
-next, so the loop measures the host; at 2048^3 the GEMM takes longer than a well-kept
-host path, and the loop shows the host only while it is the slower side. Eager PyTorch
-does the same work with its usual ops (``torch.mm`` and elementwise/reduction kernels).
+itself and any finalize launch. Each contender runs ``--calls`` times back to back behind
+a GPU sleep kernel (``torch.cuda._sleep``) long enough that the GPU is still busy when
+the host has issued every call: the wall time of the loop (before the closing
+synchronize) over the number of calls is then the host's cost per call, whatever the
+GPU time of the work (512^3 and 2048^3 alike). Eager PyTorch does the same work with its
+usual ops (``torch.mm`` and elementwise/reduction kernels).
 Contenders alternate over ``--rounds`` rounds; the median is reported. Rows:
 ``{"kind": "gemm"|"epilogue", "name", "shape", "coda_us", "eager_us"}``.
 """
@@ -34,9 +34,15 @@ from coda.testing.strategies import make_inputs  # noqa: E402
 SHAPES = [(512, 512, 512), (2048, 2048, 2048)]
 
 
+#: GPU cycles of the sleep issued before each timed loop (~0.1 s at H200 clocks)
+SLEEP_CYCLES = 200_000_000
+
+
 def host_us(fn, calls: int) -> float:
-    """Wall microseconds per call of ``calls`` back-to-back calls, measured on the host."""
+    """Wall microseconds per call of ``calls`` back-to-back calls, measured on the host
+    while the GPU is kept busy (so the host never waits for it)."""
     torch.cuda.synchronize()
+    torch.cuda._sleep(SLEEP_CYCLES)
     t0 = time.perf_counter()
     for _ in range(calls):
         fn()

@@ -1,4 +1,5 @@
-"""One ragged-shape GEMM for compute-sanitizer (memcheck / racecheck) runs on the device.
+"""Ragged-shape GEMMs in every operand layout, plain, accumulating and fused, for
+compute-sanitizer (memcheck / racecheck) runs on the device.
 
 compute-sanitizer --tool memcheck  python benchmarks/sanitize_gemm.py
 compute-sanitizer --tool racecheck python benchmarks/sanitize_gemm.py
@@ -7,12 +8,25 @@ compute-sanitizer --tool racecheck python benchmarks/sanitize_gemm.py
 import torch
 
 from coda.matmul import gemm
+from coda.testing.catalog import EPILOGUES
+from coda.testing.layouts import LAYOUTS, operands
+from coda.testing.strategies import make_inputs
 
 m, n, k = 333, 520, 200  # ragged in M, N and K; several tiles and both warpgroups busy
-a = torch.randn(m, k, device="cuda").to(torch.bfloat16)
-b = torch.randn(n, k, device="cuda").to(torch.bfloat16)
-out = gemm(a, b)
-torch.cuda.synchronize()
-err = (out.float() - a.float() @ b.float().t()).abs().max().item()
-print(f"sanitize_gemm {m}x{n}x{k}: max abs err {err:.4f}")
-assert err < 0.5
+a0 = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+b0 = torch.randn(n, k, device="cuda").to(torch.bfloat16)
+ref = a0.float() @ b0.float().t()
+for layout in LAYOUTS:
+    a, b = operands(a0, b0, layout)
+    out = gemm(a, b)
+    acc = torch.ones(m, n, device="cuda")
+    gemm(a, b, out=acc, accumulate=True)
+    epi = EPILOGUES["rmsnorm_fwd"]
+    _, _, tensors = make_inputs(epi, m, n, k, torch.bfloat16, seed=1)
+    fused = epi(a, b, **{key: v.cuda() for key, v in tensors.items()})
+    torch.cuda.synchronize()
+    err = (out.float() - ref).abs().max().item()
+    err_acc = (acc - 1 - ref).abs().max().item()
+    print(f"sanitize_gemm {layout} {m}x{n}x{k}: max abs err {err:.4f}, accumulate {err_acc:.4f}")
+    assert err < 0.5 and err_acc < 0.05
+    assert torch.isfinite(fused["rstd"]).all()
