@@ -172,8 +172,11 @@ def lce_stats(
             extra["rstd"] = rstd
         out = run_epilogue(epi, h, Wc, tloc=_local_targets(target, valid, c), **extra)
         if lse is None:
-            lse, zt = out["lse"], out["zt"]
-            zsum = out["zsum"] if with_sum else torch.zeros_like(lse)
+            # the GPU runtime returns results as views of one workspace with the partials:
+            # copy the (M,) vectors out (outputs of a custom op must not alias each other,
+            # and the saved lse must not keep the partials alive)
+            lse, zt = out["lse"].clone(), out["zt"].clone()
+            zsum = out["zsum"].clone() if with_sum else torch.zeros_like(lse)
         else:
             lse = torch.logaddexp(lse, out["lse"])
             zt = zt + out["zt"]
