@@ -106,18 +106,26 @@ class EpiloguePlan:
         self._sizes: dict[tuple[int, int], tuple] = {}
 
     def sizes(self, m: int, n: int) -> tuple:
-        """((name, shape, dtype, is_tile) of each allocated output, finalize extent) at
-        (M, N), computed once per problem size."""
+        """At (M, N), computed once per problem size: ((name, shape, dtype, is_tile) of each
+        allocated output, the fp32 workspace: (floats, ((name, shape, stride, offset),
+        ...)), the finalize extent). The fp32 partials and results share one workspace
+        allocation (one allocator call instead of one per tensor; views 16-byte aligned)."""
         got = self._sizes.get((m, n))
         if got is None:
             if len(self._sizes) > 256:
                 self._sizes.clear()
-            outs = tuple(
-                (s.name, s.shape(m, n, self.tile), s.dtype, s.role == "tile")
-                for s in self.allocated
-            )
+            outs, views, floats = [], [], 0
+            for s in self.allocated:
+                shape = s.shape(m, n, self.tile)
+                if s.role != "tile" and s.dtype == torch.float32:
+                    stride = (shape[1], 1) if len(shape) == 2 else (1,)
+                    views.append((s.name, shape, stride, floats))
+                    size = shape[0] * (shape[1] if len(shape) == 2 else 1)
+                    floats += -(-size // 4) * 4
+                else:
+                    outs.append((s.name, shape, s.dtype, s.role == "tile"))
             extent = self.finalizer.extent(m, n) if self.finalizer is not None else 0
-            got = self._sizes[(m, n)] = (outs, extent)
+            got = self._sizes[(m, n)] = (tuple(outs), (floats, tuple(views)), extent)
         return got
 
     def fast_checks_pass(self, A, B, tensors: Mapping[str, Any], m: int, n: int) -> bool:
@@ -159,16 +167,21 @@ class EpiloguePlan:
         outputs: Mapping[str, torch.Tensor] | None,
     ) -> dict[str, torch.Tensor]:
         m, n = A.shape[0], B.shape[0]
-        outs, extent = self.sizes(m, n)
+        outs, (floats, views), extent = self.sizes(m, n)
         device = self.device
         out: dict[str, torch.Tensor] = {}
         if not outputs:
             given = {}
             for name, shape, dtype, _ in outs:
                 out[name] = torch.empty(shape, dtype=dtype, device=device)
+            if floats:
+                ws = torch.empty(floats, dtype=torch.float32, device=device)
+                for name, shape, stride, offset in views:
+                    out[name] = ws.as_strided(shape, stride, offset)
         else:
             given = outputs
-            for name, shape, dtype, is_tile in outs:
+            wanted = outs + tuple((v[0], v[1], torch.float32, False) for v in views)
+            for name, shape, dtype, is_tile in wanted:
                 t = given.get(name)
                 if t is None:
                     t = torch.empty(shape, dtype=dtype, device=device)
