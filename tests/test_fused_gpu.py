@@ -111,3 +111,15 @@ CORNERS = {
 @pytest.mark.parametrize("name", list(CORNERS))
 def test_width_corners_match_reference(name, shape):
     _check(CORNERS[name], shape)
+
+
+def test_results_never_alias_each_other():
+    """Finalized results (and M x N outputs) own their storage: custom ops and autograd
+    may return or save them side by side; only the per-tile partials share one buffer."""
+    epi = EPILOGUES["lse_target"]
+    A, B, tensors = make_inputs(epi, 300, 520, 64, bf16, seed=3)
+    tensors = {key: v.cuda() for key, v in tensors.items()}
+    out = epi(A.cuda(), B.cuda(), **tensors)
+    results = [out[s.name] for s in epi.outputs if not s.is_partials]
+    storages = {t.untyped_storage().data_ptr() for t in results}
+    assert len(storages) == len(results)

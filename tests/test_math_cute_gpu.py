@@ -41,16 +41,15 @@ N = 1 << 16
 
 @pytest.fixture(scope="module")
 def device_results(tmp_path_factory):
+    import cuda.bindings.driver as cuda
     import cutlass
     from cutlass.cute.runtime import from_dlpack
-
-    from coda.runtime.gemm_kernels import current_stream
 
     names = list(CASES)
     x, y = inputs(N, seed=2)
     out = torch.full((2 * len(names), N), -7.0, device="cuda").t()  # columns contiguous
     tensors = [from_dlpack(t, assumed_align=16) for t in (x.cuda(), y.cuda(), out)]
-    stream = current_stream(out.device)
+    stream = cuda.CUstream(torch.cuda.current_stream(out.device).cuda_stream)
     f = compile_kernel(names, tmp_path_factory.mktemp("math_gpu"), stream, tensors)
     results = {}
     for s in SCALARS:

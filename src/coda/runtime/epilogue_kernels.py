@@ -107,9 +107,11 @@ class EpiloguePlan:
 
     def sizes(self, m: int, n: int) -> tuple:
         """At (M, N), computed once per problem size: ((name, shape, dtype, is_tile) of each
-        allocated output, the fp32 workspace: (floats, ((name, shape, stride, offset),
-        ...)), the finalize extent). The fp32 partials and results share one workspace
-        allocation (one allocator call instead of one per tensor; views 16-byte aligned)."""
+        allocated output, the partials' workspace: (floats, ((name, shape, stride,
+        offset), ...)), the finalize extent). The fp32 per-tile partials (internal to the
+        finalize, returned for inspection) share one allocation, views 16-byte aligned;
+        results and M x N outputs get their own, so no two results alias each other (as
+        custom ops and autograd require)."""
         got = self._sizes.get((m, n))
         if got is None:
             if len(self._sizes) > 256:
@@ -117,7 +119,7 @@ class EpiloguePlan:
             outs, views, floats = [], [], 0
             for s in self.allocated:
                 shape = s.shape(m, n, self.tile)
-                if s.role != "tile" and s.dtype == torch.float32:
+                if s.is_partials:
                     stride = (shape[1], 1) if len(shape) == 2 else (1,)
                     views.append((s.name, shape, stride, floats))
                     size = shape[0] * (shape[1] if len(shape) == 2 else 1)
