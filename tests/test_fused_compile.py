@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from coda.mainloop.config import GemmConfig
-from coda.runtime import gemm_kernels
+from coda.runtime import finalize, gemm_kernels
 from coda.runtime.epilogue_kernels import epilogue_config
 from coda.runtime.fused import FusedVisitor, unsupported
 from coda.runtime.sass import count_prefix, disassemble, find_nvdisasm, opcode_counts
@@ -67,3 +67,24 @@ def test_drawn_compositions_compile_for_sm90_without_spills(tmp_path_factory, ep
     if any("acc" in p.reads for p in epi.primitives):
         assert count_prefix(ops, "HGMMA") > 0
     assert count_prefix(ops, "LDL") == 0 and count_prefix(ops, "STL") == 0, "spills"
+
+
+@pytest.mark.parametrize("name", [n for n in EPILOGUES if finalize.uses_kernel(EPILOGUES[n])])
+def test_catalogue_finalize_kernel_compiles(name, tmp_path):
+    """Every reducing catalogue epilogue finalizes its partials in ONE small kernel: it
+    compiles for sm_90a, reads the partials and writes the results, with no local memory
+    (and the log-sum-exp's exp runs in it)."""
+    epi = EPILOGUES[name]
+    ptx, cubin = finalize.compile_artifacts(epi, str(tmp_path))
+    assert "ld.global" in ptx and "st.global" in ptx and len(cubin) > 0
+    if any(type(p).__name__ == "LogSumExp" for p in epi.primitives):
+        assert "ex2.approx" in ptx
+    if find_nvdisasm() is not None:
+        ops = opcode_counts(disassemble(cubin))
+        assert count_prefix(ops, "LDL") == 0 and count_prefix(ops, "STL") == 0
+
+
+def test_only_reducing_epilogues_have_a_finalize_kernel():
+    assert not finalize.uses_kernel(EPILOGUES["residual_store"])
+    assert not finalize.uses_kernel(EPILOGUES["swiglu_fwd"])
+    assert finalize.uses_kernel(EPILOGUES["lse_target"])
