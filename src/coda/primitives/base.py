@@ -164,7 +164,8 @@ class Primitive(abc.ABC):
 
     def trace_finalize(self, fin: Any) -> None:
         """Trace-time twin of ``finalize`` for one result element: read this primitive's
-        partials and write its result at ``fin.index`` (a row, or a column for column
-        results); ``fin`` is a ``coda.primitives.tracing.TraceFinalize``. Only called when
+        partials and write its result at ``fin.row`` (a warp per row: ``fin.lane`` is the
+        thread's lane) or, for column results, at ``fin.col`` (a thread per column);
+        ``fin`` is a ``coda.primitives.tracing.TraceFinalize``. Only called when
         ``traces_finalize`` is True."""
         raise NotImplementedError(f"{type(self).__name__} has no trace_finalize")

@@ -150,7 +150,7 @@ class LogSumExp(StateTransition):
         from coda.primitives import tracing
 
         pmax, psum = (fin.tensor(n) for n in self.partial_names)
-        tracing.finalize_logsumexp(pmax, psum, fin.tensor(self.name), fin.index)
+        tracing.finalize_logsumexp(pmax, psum, fin.tensor(self.name), fin.row, fin.lane)
 
     def trace_begin_tile(self, tile: Any) -> dict:
         return {}
@@ -255,7 +255,7 @@ class TargetSelect(StateTransition):
         from coda.primitives import tracing
 
         p = fin.tensor(self.partial_names[0])
-        tracing.finalize_reduce(p, fin.tensor(self.name), fin.index, None, True, "sum", None)
+        tracing.finalize_row_reduce(p, fin.tensor(self.name), fin.row, fin.lane, None, "sum", None)
 
     def trace_begin_tile(self, tile: Any) -> dict:
         return {}

@@ -170,11 +170,13 @@ class TileReduce(Primitive):
         from coda.primitives import tracing
 
         p, out = fin.tensor(self.partials_name), fin.tensor(self.name)
-        count = fin.cols(fin.specs[self.of].width) if self.per == "row" else fin.m
-        n = tracing.Float32(count)  # what ``post`` divides by: the reduced extent
         # sums of squares combine by addition, like sums
         op = "max" if self.op == "max" else "sum"
-        tracing.finalize_reduce(p, out, fin.index, n, self.per == "row", op, self.post)
+        if self.per == "row":  # ``post`` divides by the reduced extent: N * width ...
+            n = tracing.Float32(fin.cols(fin.specs[self.of].width))
+            tracing.finalize_row_reduce(p, out, fin.row, fin.lane, n, op, self.post)
+        else:  # ... or M
+            tracing.finalize_col_reduce(p, out, fin.col, tracing.Float32(fin.m), op, self.post)
 
     # per="row": each thread's rows reduce over a quad, per 64-row band (flush_band).
     # per="col": each column reduces over a warp's 16 rows (lane butterflies), the 4 warps

@@ -464,14 +464,21 @@ def _write_cols(
 
 
 # ---- finalize: per-tile partials -> results, in the epilogue's finalize kernel ---------
+# Row results: one warp per row, its 32 lanes striding over the row's tiles (coalesced
+# reads of the (rows, tiles) partials, however many tiles: an LM head has ~1000), then a
+# butterfly across the warp. Column results: one thread per column, looping over the
+# tiles' rows of the (tiles, cols) partials (consecutive threads, consecutive columns).
 @attrs.define
 class TraceFinalize:
-    """What a primitive's ``trace_finalize`` sees: ``index``, this thread's row (for row
-    results) or column (for column results), ``tensor(name)`` for its partials and result
-    tensors, the problem's ``m`` and ``n`` (Int32), ``cols(width)`` = N * width and the
-    epilogue's value ``specs``."""
+    """What a primitive's ``trace_finalize`` sees: ``row`` and ``lane``, this warp's row
+    and this thread's lane in it (for row results), ``col``, this thread's column (for
+    column results), ``tensor(name)`` for its partials and result tensors, the problem's
+    ``m`` and ``n`` (Int32), ``cols(width)`` = N * width and the epilogue's value
+    ``specs``."""
 
-    index: Any
+    row: Any
+    lane: Any
+    col: Any
     tensors: dict
     m: Any
     n: Any
@@ -484,40 +491,62 @@ class TraceFinalize:
         return value_cols(self.n, Fraction(width))
 
 
+def warp_allreduce(op: str, v):
+    """Reduce over the 32 lanes of a warp; every lane gets the result."""
+    for off in (1, 2, 4, 8, 16):
+        v = fr.combine(op, v, cute.arch.shuffle_sync_bfly(v, offset=off))
+    return v
+
+
 @cute.jit
-def fold_tiles(p, i, per_row: cutlass.Constexpr[bool], op: cutlass.Constexpr[str]):
-    """Combine the partials of result ``i`` over every tile: ``p[i, :]`` of a (rows,
-    tiles) tensor when ``per_row``, else ``p[:, i]`` of a (tiles, cols) one."""
+def fold_row(p, row, lane, op: cutlass.Constexpr[str]):
+    """Combine ``p[row, :]`` (a (rows, tiles) tensor) over every tile, across the warp:
+    every lane returns the result."""
     acc = fr.identity(op)
-    if cutlass.const_expr(per_row):
-        for t in cutlass.range(cute.size(p, mode=[1]), unroll=4):
-            acc = fr.combine(op, acc, Float32(p[i, t]))
-    else:
-        for t in cutlass.range(cute.size(p, mode=[0]), unroll=4):
-            acc = fr.combine(op, acc, Float32(p[t, i]))
+    for t in cutlass.range(lane, cute.size(p, mode=[1]), 32, unroll=2):
+        acc = fr.combine(op, acc, Float32(p[row, t]))
+    return warp_allreduce(op, acc)
+
+
+@cute.jit
+def fold_col(p, col, op: cutlass.Constexpr[str]):
+    """Combine ``p[:, col]`` (a (tiles, cols) tensor) over every tile, in this thread."""
+    acc = fr.identity(op)
+    for t in cutlass.range(cute.size(p, mode=[0]), unroll=4):
+        acc = fr.combine(op, acc, Float32(p[t, col]))
     return acc
 
 
 @cute.jit
-def finalize_reduce(
-    p, out, i, n, per_row: cutlass.Constexpr[bool], op: cutlass.Constexpr[str], post
-):
-    """``out[i] = post(combined partials, n)`` for a row (or column) reduction."""
-    count = cute.size(p, mode=[0]) if cutlass.const_expr(per_row) else cute.size(p, mode=[1])
-    if i < count:
-        total = fold_tiles(p, i, per_row, op)
+def finalize_row_reduce(p, out, row, lane, n, op: cutlass.Constexpr[str], post):
+    """``out[row] = post(combined partials of the row, n)``: one warp per row."""
+    if row < cute.size(p, mode=[0]):
+        total = fold_row(p, row, lane, op)
         if cutlass.const_expr(post is not None):
             total = post(total, n)
-        out[i] = Float32(total)
+        if lane == 0:
+            out[row] = Float32(total)
 
 
 @cute.jit
-def finalize_logsumexp(pmax, psum, out, i):
-    """``out[i]`` = log-sum-exp of row i from its per-tile (max, sum of exp(x - max))."""
-    if i < cute.size(pmax, mode=[0]):
-        top = fold_tiles(pmax, i, True, "max")
-        shift = finite_or_zero(top)
+def finalize_col_reduce(p, out, col, n, op: cutlass.Constexpr[str], post):
+    """``out[col] = post(combined partials of the column, n)``: one thread per column."""
+    if col < cute.size(p, mode=[1]):
+        total = fold_col(p, col, op)
+        if cutlass.const_expr(post is not None):
+            total = post(total, n)
+        out[col] = Float32(total)
+
+
+@cute.jit
+def finalize_logsumexp(pmax, psum, out, row, lane):
+    """``out[row]`` = log-sum-exp of the row from its per-tile (max, sum of exp(x - max)),
+    one warp per row."""
+    if row < cute.size(pmax, mode=[0]):
+        shift = finite_or_zero(fold_row(pmax, row, lane, "max"))
         total = Float32(0.0)
-        for t in cutlass.range(cute.size(pmax, mode=[1]), unroll=4):
-            total = total + Float32(psum[i, t]) * cute.math.exp(Float32(pmax[i, t]) - shift)
-        out[i] = shift + cute.math.log(total)
+        for t in cutlass.range(lane, cute.size(pmax, mode=[1]), 32, unroll=2):
+            total = total + Float32(psum[row, t]) * cute.math.exp(Float32(pmax[row, t]) - shift)
+        total = warp_allreduce("sum", total)
+        if lane == 0:
+            out[row] = shift + cute.math.log(total)

@@ -109,7 +109,8 @@ class FinalizePlan:
         self._rows, self._widths = _extent_widths(epi, traced)
 
     def extent(self, m: int, n: int) -> int:
-        return max(([m] if self._rows else [1]) + [int(n * w) for w in self._widths])
+        """Threads of the finalize kernel: a warp per row, a thread per column."""
+        return max(([32 * m] if self._rows else [1]) + [int(n * w) for w in self._widths])
 
     def __call__(self, out: dict, m: int, n: int, extent: int, given: Mapping) -> None:
         if self.launch is not None:

@@ -1,11 +1,12 @@
 """The epilogue's finalize kernel (CuTeDSL): every per-tile partial -> result, one launch.
 
 Sits in ``coda.runtime`` under :mod:`coda.runtime.finalize` (imported only when a
-finalize kernel is compiled: it imports CuTeDSL). One thread per result element: thread
-``i`` finalizes row ``i`` of every row result and column ``i`` of every column result,
-each primitive emitting its own ``trace_finalize`` (combine the tiles' partials, apply
-``post``). The grid covers the longest result. Shapes are symbolic and every tensor is
-checked by the TVM-FFI entry, like the GEMM kernels.
+finalize kernel is compiled: it imports CuTeDSL). Warp ``w`` finalizes row ``w`` of every
+row result (its lanes stride over the row's tiles: coalesced however many tiles there
+are) and thread ``i`` column ``i`` of every column result, each primitive emitting its
+own ``trace_finalize`` (combine the tiles' partials, apply ``post``). The grid's
+``extent`` threads cover 32 x M (rows) and the longest column result. Shapes are
+symbolic and every tensor is checked by the TVM-FFI entry, like the GEMM kernels.
 """
 
 from __future__ import annotations
@@ -43,7 +44,9 @@ class FinalizeKernel:
         bidx, _, _ = cute.arch.block_idx()
         index = bidx * THREADS + tidx
         by_name = {name: tensors[i] for i, name in enumerate(self.names)}
-        fin = TraceFinalize(index=index, tensors=by_name, m=m, n=n, specs=self.specs)
+        fin = TraceFinalize(
+            row=index // 32, lane=tidx % 32, col=index, tensors=by_name, m=m, n=n, specs=self.specs
+        )
         for p in self.prims:
             p.trace_finalize(fin)
 
