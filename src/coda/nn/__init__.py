@@ -10,10 +10,18 @@ Hugging Face Llama modules (or any module with their attribute names) with ``fro
 * ``FusedLlamaMLP``: post-attention norm + gate/up + SwiGLU (one fused GEMM), down
   projection + residual + next norm caches (one fused GEMM).
 * ``FusedLlamaDecoderLayer``, ``FusedLlamaStack``: layers and the whole decoder stack.
+* ``LinearCrossEntropyLoss``: the LM head + cross-entropy, logits never materialized.
 """
 
 from coda.nn.attention import FusedLlamaAttention
 from coda.nn.decoder import FusedLlamaDecoderLayer, FusedLlamaStack
+from coda.nn.loss import LinearCrossEntropyLoss
 from coda.nn.mlp import FusedLlamaMLP
 
-__all__ = ["FusedLlamaAttention", "FusedLlamaDecoderLayer", "FusedLlamaMLP", "FusedLlamaStack"]
+__all__ = [
+    "FusedLlamaAttention",
+    "FusedLlamaDecoderLayer",
+    "FusedLlamaMLP",
+    "FusedLlamaStack",
+    "LinearCrossEntropyLoss",
+]

@@ -55,9 +55,12 @@ def norm_eps(norm: Any) -> float:
 
 
 def silu_act(mlp: Any) -> None:
-    """Check that an MLP's activation (``act_fn``, if present) is SiLU."""
+    """Check that an MLP's activation (``act_fn``, if present) is SiLU: ``nn.SiLU``,
+    ``F.silu``, or transformers' ``SiLUActivation`` (its ``ACT2FN["silu"]`` since 5.x)."""
     act = getattr(mlp, "act_fn", None)
     if act is None or isinstance(act, nn.SiLU) or act is F.silu:
+        return
+    if type(act).__name__ == "SiLUActivation" and type(act).__module__.startswith("transformers"):
         return
     raise ValueError(f"{type(mlp).__name__}.act_fn is {act!r}; the fused MLP is SwiGLU (SiLU)")
 

@@ -1,0 +1,628 @@
+"""coda.integrations.transformers: run a Hugging Face Llama model on coda with one call.
+
+The top layer of coda (above ``coda.nn``; nothing imports it). ``transformers`` is not a
+dependency: this module reads the model's modules by attribute name and imports
+``transformers`` only to build its output classes when a patched forward runs.
+
+``apply_coda(model)`` patches *instances* (never classes, never a copy of a Hugging Face
+``forward`` body) at two stable seams:
+
+* the decoder stack (``LlamaModel``, i.e. ``model.model``): its ``forward`` runs the
+  embeddings, then ``coda.nn.FusedLlamaStack`` (the deferred-RMSNorm stream from GEMM to
+  GEMM, causal SDPA, GQA), then the model's own final norm module, whenever the call is a
+  plain one (no KV cache, no padding mask, see ``fusable``); any other call (generation
+  with a cache, padding masks, ``output_hidden_states``...) runs the original forward.
+* the causal LM (``LlamaForCausalLM``, i.e. ``model``): in training mode with ``labels``
+  (or ``shift_labels``), the loss is ``coda.nn.LinearCrossEntropyLoss`` over the stack's
+  residual stream with the final norm deferred into the loss (Hugging Face's shifted
+  labels, -100 ignored, ``num_items_in_batch``); the logits are never materialized and
+  ``logits`` is ``None``. In eval mode, or without labels, the original forward runs and
+  returns real logits (``generate()`` keeps working; USERS.md item 4).
+
+Weights are the model's own parameters, shared, never copied: the fused modules are a
+template on the ``meta`` device, called with ``torch.func.functional_call`` on tensors
+read from the Hugging Face modules at every forward. The fused layouts (q/k rows permuted
+so the rotary pairs are adjacent, gate/up interleaved) are assembled from ``q_proj`` /
+``k_proj`` / ``v_proj`` and ``gate_proj`` / ``up_proj`` per forward (a transient,
+weight-sized tensor per layer that the fused ops save for backward; autograd routes its
+gradient back to the Hugging Face parameters). ``state_dict``, optimizers and checkpoints
+see exactly the parameters they saw before.
+
+``apply_coda`` returns a ``CodaPatch``: what was replaced, call counters (fused vs.
+original, with the reason of every fallback) and ``revert()``, which restores the
+instances' original ``forward``. It raises ``NothingMatchedError`` when the model has no
+Llama-style decoder stack and ``UnsupportedModelError``, naming the config field or module
+attribute, when the model computes something the fused ops do not (biases, another
+activation, attention dropout, RoPE variants with runtime or scaled cos/sin, LoRA or
+quantized projections, a custom loss function). PEFT models are unwrapped with
+``get_base_model()``. Families: ``llama`` and ``mistral`` (Mistral's sliding window is
+honoured by falling back to the original forward for sequences longer than the window).
+"""
+
+from __future__ import annotations
+
+import inspect
+import types
+from collections import Counter
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.func import functional_call
+
+from coda.fusions import layouts
+from coda.nn import (
+    FusedLlamaAttention,
+    FusedLlamaDecoderLayer,
+    FusedLlamaMLP,
+    FusedLlamaStack,
+    LinearCrossEntropyLoss,
+    _hf,
+)
+
+__all__ = [
+    "SUPPORTED_FAMILIES",
+    "SUPPORTED_ROPE_TYPES",
+    "CodaPatch",
+    "NothingMatchedError",
+    "Replacement",
+    "UnsupportedModelError",
+    "apply_coda",
+    "revert_coda",
+]
+
+#: ``config.model_type`` values whose decoder computes exactly what the fused stack does
+SUPPORTED_FAMILIES = ("llama", "mistral")
+#: RoPE types whose ``inv_freq`` is static and whose cos/sin are unscaled
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+_FAMILY_NOTES = {
+    "qwen2": "Qwen2Attention's q_proj/k_proj/v_proj always carry a bias (not a config field)",
+    "qwen3": "Qwen3 normalizes q and k per head (q_norm, k_norm)",
+    "gemma": "Gemma's RMSNorm scales by (1 + weight) and its MLP is GeGLU",
+    "gemma2": "Gemma 2 softcaps attention and logits and has extra norms",
+    "phi3": "Phi-3 fuses qkv_proj and gate_up_proj in its own layouts",
+}
+
+# arguments of the Llama forwards that the fused paths read or may ignore; any other
+# argument given a value (flash-attention varlen kwargs, cache_position...) falls back
+_KNOWN_ARGS = frozenset(
+    {
+        "input_ids",
+        "attention_mask",
+        "position_ids",
+        "past_key_values",
+        "inputs_embeds",
+        "use_cache",
+        "labels",
+        "shift_labels",
+        "logits_to_keep",
+        "return_dict",
+        "num_items_in_batch",
+        "output_attentions",
+        "output_hidden_states",
+    }
+)
+
+
+class UnsupportedModelError(ValueError):
+    """The model computes something coda's fused ops do not; the message names every
+    offending config field or module attribute."""
+
+
+class NothingMatchedError(ValueError):
+    """``apply_coda`` found no Llama-style decoder stack to patch."""
+
+
+@dataclass(frozen=True)
+class Replacement:
+    """One patched seam: ``path`` of the module in the (unwrapped) model ('' = the model
+    itself), its class, and what its ``forward`` now runs."""
+
+    path: str
+    module: str
+    runs: str
+
+    def __str__(self) -> str:
+        return f"{self.path or '<model>'} ({self.module}).forward: {self.runs}"
+
+
+def _rope_type(config: Any) -> tuple[str, str]:
+    """(rope type, the config field it came from); transformers >= 5 uses
+    ``rope_parameters``, older versions ``rope_scaling`` (None = default)."""
+    for field in ("rope_parameters", "rope_scaling"):
+        params = getattr(config, field, None)
+        if isinstance(params, Mapping):
+            kind = params.get("rope_type", params.get("type"))
+            return (str(kind) if kind is not None else "default"), field
+    return "default", "rope_scaling"
+
+
+def _config_problems(config: Any) -> list[str]:
+    problems = []
+    family = getattr(config, "model_type", None)
+    if family not in SUPPORTED_FAMILIES:
+        note = _FAMILY_NOTES.get(family)
+        problems.append(
+            f"config.model_type={family!r} is not supported (supported: "
+            f"{', '.join(SUPPORTED_FAMILIES)})" + (f": {note}" if note else "")
+        )
+    for field in ("attention_bias", "mlp_bias"):
+        if getattr(config, field, False):
+            problems.append(f"config.{field}=True: the fused GEMMs add no bias")
+    act = getattr(config, "hidden_act", "silu")
+    if act not in ("silu", "swish"):
+        problems.append(f"config.hidden_act={act!r}: the fused MLP is SwiGLU (SiLU)")
+    dropout = float(getattr(config, "attention_dropout", 0.0) or 0.0)
+    if dropout:
+        problems.append(f"config.attention_dropout={dropout}: the fused attention has none")
+    kind, field = _rope_type(config)
+    if kind not in SUPPORTED_ROPE_TYPES:
+        problems.append(
+            f"config.{field}['rope_type']={kind!r}: the fused RoPE implements "
+            f"{', '.join(SUPPORTED_ROPE_TYPES)} (static frequencies, unscaled cos/sin)"
+        )
+    return problems
+
+
+def _linear_problem(owner: Any, name: str, path: str) -> str | None:
+    lin = getattr(owner, name, None)
+    if lin is None:
+        return f"{path}.{name} is missing"
+    if type(lin) is not nn.Linear:
+        return (
+            f"{path}.{name} is a {type(lin).__module__}.{type(lin).__qualname__}, not a plain "
+            "nn.Linear (LoRA adapters or quantized layers on the projections the fused ops "
+            "read are not supported: merge the adapters first)"
+        )
+    if lin.bias is not None:
+        return f"{path}.{name}.bias is set: the fused GEMMs add no bias"
+    return None
+
+
+@dataclass
+class _Geometry:
+    """What the fused template needs beyond the weights (read once, at apply time)."""
+
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    rotary_dim: int
+    inv_freq: torch.Tensor  # fp32, CPU: exactly what the model's rotary module holds
+    layer_eps: list[tuple[float, float]]
+    final_eps: float
+
+
+def _stack_problems(stack: Any, path: str, num_layers: int) -> tuple[list[str], _Geometry | None]:
+    problems: list[str] = []
+    layers = list(stack.layers)[:num_layers]
+    if not layers:
+        return [f"{path}layers is empty"], None
+    rotary = getattr(stack, "rotary_emb", None)
+    if rotary is None or not hasattr(rotary, "inv_freq"):
+        problems.append(f"{path}rotary_emb (a module with inv_freq) is missing")
+    elif float(getattr(rotary, "attention_scaling", 1.0)) != 1.0:
+        problems.append(
+            f"{path}rotary_emb.attention_scaling={float(rotary.attention_scaling)}: scaled "
+            "cos/sin are not supported by the fused RoPE"
+        )
+    geometry, layer_eps = None, []
+    for i, layer in enumerate(layers):
+        lp = f"{path}layers.{i}"
+        missing = [
+            n
+            for n in ("self_attn", "mlp", "input_layernorm", "post_attention_layernorm")
+            if not hasattr(layer, n)
+        ]
+        if missing:
+            problems.append(f"{lp} has no {', '.join(missing)}")
+            continue
+        attn, mlp = layer.self_attn, layer.mlp
+        for owner, names, sub in (
+            (attn, ("q_proj", "k_proj", "v_proj", "o_proj"), "self_attn"),
+            (mlp, ("gate_proj", "up_proj", "down_proj"), "mlp"),
+        ):
+            problems += [p for n in names if (p := _linear_problem(owner, n, f"{lp}.{sub}"))]
+        try:
+            _hf.silu_act(mlp)
+        except ValueError as e:
+            problems.append(f"{lp}.mlp.act_fn: {e}")
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            if not (hasattr(getattr(layer, norm), "weight") and _has_eps(getattr(layer, norm))):
+                problems.append(f"{lp}.{norm} is not an RMSNorm with weight and eps")
+        if problems or not hasattr(attn, "head_dim"):
+            if not hasattr(attn, "head_dim"):
+                problems.append(f"{lp}.self_attn.head_dim is missing")
+            continue
+        D = int(attn.head_dim)
+        dims = (
+            attn.q_proj.in_features,
+            attn.q_proj.out_features // D,
+            attn.k_proj.out_features // D,
+            D,
+            mlp.gate_proj.out_features,
+        )
+        if geometry is None:
+            geometry = dims
+        elif dims != geometry:
+            problems.append(
+                f"{lp} has (hidden, heads, kv_heads, head_dim, intermediate)={dims}, "
+                f"not {geometry} as layer 0"
+            )
+        layer_eps.append(
+            (_hf.norm_eps(layer.input_layernorm), _hf.norm_eps(layer.post_attention_layernorm))
+        )
+    norm = getattr(stack, "norm", None)
+    if norm is None or not hasattr(norm, "weight") or not _has_eps(norm):
+        problems.append(f"{path}norm is not an RMSNorm with weight and eps")
+    if problems or geometry is None:
+        return problems, None
+    H, heads, kv_heads, D, F = geometry
+    inv_freq = rotary.inv_freq.detach().to("cpu", torch.float32).reshape(-1)
+    if 2 * inv_freq.numel() != D:
+        problems.append(
+            f"{path}rotary_emb.inv_freq has {inv_freq.numel()} entries for head_dim {D}: "
+            "partial rotary (partial_rotary_factor) is not what Llama's attention applies"
+        )
+        return problems, None
+    geo = _Geometry(H, heads, kv_heads, D, F, D, inv_freq, layer_eps, _hf.norm_eps(norm))
+    return problems, geo
+
+
+def _has_eps(norm: Any) -> bool:
+    return hasattr(norm, "variance_epsilon") or hasattr(norm, "eps")
+
+
+def _template(geo: _Geometry, dtype: torch.dtype) -> FusedLlamaStack:
+    """The fused stack with every parameter on ``meta`` (no memory): its forward runs
+    through ``functional_call`` on the Hugging Face model's tensors."""
+    kw = dict(device="meta", dtype=dtype)
+    layers = []
+    for eps_attn, eps_mlp in geo.layer_eps:
+        attn = FusedLlamaAttention(
+            geo.hidden,
+            geo.heads,
+            geo.kv_heads,
+            geo.head_dim,
+            rotary_dim=geo.rotary_dim,
+            inv_freq=geo.inv_freq,
+            eps=eps_attn,
+            **kw,
+        )
+        mlp = FusedLlamaMLP(geo.hidden, geo.intermediate, eps_mlp, **kw)
+        layers.append(FusedLlamaDecoderLayer(attn, mlp))
+    return FusedLlamaStack(layers, torch.empty(geo.hidden, **kw), geo.final_eps)
+
+
+def _is_stack(module: Any) -> bool:
+    return isinstance(module, nn.Module) and all(
+        hasattr(module, n) for n in ("embed_tokens", "layers", "norm")
+    )
+
+
+def _arguments(fn: Callable[..., Any], args: tuple, kwargs: dict) -> dict[str, Any] | None:
+    """The call's arguments by name (``**kwargs`` flattened), bound to ``fn``'s signature;
+    None when they do not bind (the original forward then raises its own error)."""
+    try:
+        bound = inspect.signature(fn).bind(*args, **kwargs)
+    except (TypeError, ValueError):
+        return None
+    out: dict[str, Any] = {}
+    params = inspect.signature(fn).parameters
+    for name, value in bound.arguments.items():
+        if params[name].kind is inspect.Parameter.VAR_KEYWORD:
+            out.update(value)
+        elif params[name].kind is not inspect.Parameter.VAR_POSITIONAL:
+            out[name] = value
+    return out
+
+
+class CodaPatch:
+    """The result of ``apply_coda``: what was replaced (``replaced``), counters of the
+    patched forwards (``calls``: ``fused_stack``, ``fused_loss``, ``original``) and the
+    reason of every fallback to the original forward (``fallbacks``), and ``revert()``."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        stack: nn.Module,
+        stack_path: str,
+        causal_lm: nn.Module | None,
+        geometry: _Geometry,
+        *,
+        fuse_loss: bool,
+        strict: bool,
+    ) -> None:
+        self.model = model
+        self.family = str(getattr(getattr(model, "config", None), "model_type", None))
+        self.fuse_loss = fuse_loss
+        self.strict = strict
+        self.calls: Counter[str] = Counter()
+        self.fallbacks: Counter[str] = Counter()
+        self.active = False
+        self._stack_path = stack_path
+        self._geometry = geometry
+        self._freq: dict[torch.device, torch.Tensor] = {}
+        dtype = stack.layers[0].self_attn.q_proj.weight.dtype
+        self._template = _template(geometry, dtype)
+        self._loss = LinearCrossEntropyLoss(shift=True)
+        self._patched: list[tuple[nn.Module, Any, Callable[..., Any]]] = []
+        replaced = [
+            Replacement(
+                stack_path.rstrip("."),
+                type(stack).__name__,
+                f"coda.nn.FusedLlamaStack over {len(geometry.layer_eps)} layer(s) for plain "
+                "calls (no KV cache or padding mask); the original forward otherwise",
+            )
+        ]
+        if causal_lm is not None:
+            replaced.append(
+                Replacement(
+                    "",
+                    type(causal_lm).__name__,
+                    "in training with labels: the fused stack + coda.nn.LinearCrossEntropyLoss "
+                    "(logits never materialized, returned as None); the original forward "
+                    "(real logits) otherwise",
+                )
+            )
+        self.replaced: tuple[Replacement, ...] = tuple(replaced)
+        self._install(stack, _stack_forward)
+        if causal_lm is not None:
+            self._install(causal_lm, _causal_lm_forward)
+        self.active = True
+
+    # ---- patching -------------------------------------------------------------------
+    def _install(self, module: nn.Module, fn: Callable[..., Any]) -> None:
+        previous = module.__dict__.get("forward")  # an instance-level forward, if any
+        module.__dict__["forward"] = types.MethodType(fn, module)
+        module.__dict__["_coda_patch"] = self
+        self._patched.append((module, previous, fn))
+
+    def original(self, module: nn.Module) -> Callable[..., Any]:
+        """``module``'s forward as it was before ``apply_coda``."""
+        for mod, previous, _ in self._patched:
+            if mod is module:
+                return previous if previous is not None else type(module).forward.__get__(module)
+        raise KeyError(f"{type(module).__name__} is not patched by this CodaPatch")
+
+    def revert(self) -> None:
+        """Restore every patched instance's original ``forward`` (the model then runs
+        exactly as before ``apply_coda``). Raises if already reverted, or if something
+        replaced a patched ``forward`` after ``apply_coda``."""
+        if not self.active:
+            raise RuntimeError("this CodaPatch was already reverted")
+        for module, _, fn in self._patched:
+            current = module.__dict__.get("forward")
+            if getattr(current, "__func__", None) is not fn:
+                raise RuntimeError(
+                    f"{type(module).__name__}.forward was replaced after apply_coda; "
+                    "revert that patch first"
+                )
+        for module, previous, _ in reversed(self._patched):
+            if previous is None:
+                del module.__dict__["forward"]
+            else:
+                module.__dict__["forward"] = previous
+            del module.__dict__["_coda_patch"]
+        self.active = False
+
+    def __str__(self) -> str:
+        lines = [f"coda patch of a {type(self.model).__name__} ({self.family}):"]
+        lines += [f"  {r}" for r in self.replaced]
+        return "\n".join(lines)
+
+    __repr__ = __str__
+
+    # ---- the fused paths ------------------------------------------------------------
+    def fusable(self, stack: nn.Module, args: Mapping[str, Any], training: bool) -> str | None:
+        """None when the call can run the fused stack, else the reason it cannot."""
+        if args.get("past_key_values") is not None:
+            return "past_key_values"
+        config = getattr(stack, "config", None)
+        use_cache = args.get("use_cache")
+        if use_cache is None:
+            use_cache = getattr(config, "use_cache", False)
+        if use_cache and not training:
+            return "use_cache"
+        for flag in ("output_attentions", "output_hidden_states"):
+            if args.get(flag, getattr(config, flag, False)):
+                return flag
+        for name, value in args.items():
+            if name not in _KNOWN_ARGS and value is not None:
+                return f"argument {name}"
+        if training and getattr(stack, "gradient_checkpointing", False):
+            return "gradient_checkpointing"
+        ids, embeds = args.get("input_ids"), args.get("inputs_embeds")
+        if (ids is None) == (embeds is None):
+            return "input_ids/inputs_embeds"  # the original raises its own error
+        seq = (ids if embeds is None else embeds).shape[1]
+        window = getattr(config, "sliding_window", None)
+        if window is not None and seq > int(window):
+            return "sliding_window"
+        mask = args.get("attention_mask")
+        if mask is not None and not (
+            isinstance(mask, torch.Tensor) and mask.dim() == 2 and bool(mask.all())
+        ):
+            return "attention_mask"
+        return None
+
+    def _fallback(self, reason: str, training: bool) -> None:
+        self.calls["original"] += 1
+        self.fallbacks[reason] += 1
+        if self.strict and training:
+            raise RuntimeError(
+                f"coda: a training forward fell back to the original forward ({reason}); "
+                "apply_coda(..., strict=False) allows it"
+            )
+
+    def _frequencies(self, device: torch.device) -> torch.Tensor:
+        freq = self._freq.get(device)
+        if freq is None:
+            g = self._geometry
+            freq = layouts.rope_frequencies(g.inv_freq, g.heads, g.kv_heads, g.head_dim)
+            freq = self._freq[device] = freq.to(device)
+        return freq
+
+    def fused_parameters(self, stack: nn.Module, device: torch.device) -> dict[str, torch.Tensor]:
+        """The template's parameters and buffers, read from ``stack``'s modules: the
+        model's own tensors, and the fused q|k|v and gate/up layouts assembled from them
+        (differentiable, so gradients reach the model's parameters)."""
+        g = self._geometry
+        freq = self._frequencies(device)
+        params: dict[str, torch.Tensor] = {"norm_weight": stack.norm.weight}
+        for i, layer in enumerate(list(stack.layers)[: len(g.layer_eps)]):
+            attn, mlp, p = layer.self_attn, layer.mlp, f"layers.{i}."
+            params[p + "attn.norm_weight"] = layer.input_layernorm.weight
+            params[p + "attn.qkv_weight"] = layouts.qkv_weight(
+                attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight, g.head_dim
+            )
+            params[p + "attn.o_weight"] = attn.o_proj.weight
+            params[p + "attn.freq"] = freq
+            params[p + "mlp.norm_weight"] = layer.post_attention_layernorm.weight
+            # interleaved: row 2i = gate_proj row i, row 2i + 1 = up_proj row i
+            gate_up = torch.stack((mlp.gate_proj.weight, mlp.up_proj.weight), dim=1)
+            params[p + "mlp.gate_up_weight"] = gate_up.flatten(0, 1)
+            params[p + "mlp.down_weight"] = mlp.down_proj.weight
+        return params
+
+    def run_stack(self, stack: nn.Module, args: Mapping[str, Any]) -> torch.Tensor:
+        """Embeddings + the fused decoder layers: the last residual stream (B, S, H),
+        before the final norm."""
+        embeds = args.get("inputs_embeds")
+        if embeds is None:
+            embeds = stack.embed_tokens(args["input_ids"])
+        B, S, H = embeds.shape
+        positions = args.get("position_ids")
+        if positions is None:
+            positions = torch.arange(S, device=embeds.device)[None]
+        positions = positions.expand(B, S)
+        params = self.fused_parameters(stack, embeds.device)
+        stream = functional_call(self._template, params, (embeds, positions), strict=True)
+        return stream.x.view(B, S, H)
+
+
+def _loss_problem(causal_lm: nn.Module) -> str | None:
+    """None when the model's loss is Hugging Face's causal-LM cross-entropy, else the
+    attribute that customizes it."""
+    custom = causal_lm.__dict__.get("_loss_function")
+    if custom is not None and getattr(custom, "__name__", None) != "ForCausalLMLoss":
+        return "loss_function"
+    if getattr(causal_lm, "loss_type", None) not in (None, "ForCausalLM"):
+        return "loss_type"
+    if type(causal_lm.lm_head) is not nn.Linear:
+        return "lm_head"
+    return None
+
+
+def _return_dict(module: nn.Module, args: Mapping[str, Any]) -> bool:
+    value = args.get("return_dict")
+    if value is None:
+        value = getattr(getattr(module, "config", None), "return_dict", True)
+    return bool(value)
+
+
+def _stack_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """The patched forward of a ``LlamaModel`` instance (bound with ``types.MethodType``)."""
+    patch: CodaPatch = self.__dict__["_coda_patch"]
+    original = patch.original(self)
+    named = _arguments(original, args, kwargs)
+    reason = "arguments" if named is None else patch.fusable(self, named, self.training)
+    if reason is not None:
+        patch._fallback(reason, self.training)
+        return original(*args, **kwargs)
+    from transformers.modeling_outputs import BaseModelOutputWithPast
+
+    hidden = self.norm(patch.run_stack(self, named))  # the model's own final norm
+    patch.calls["fused_stack"] += 1
+    out = BaseModelOutputWithPast(last_hidden_state=hidden, past_key_values=None)
+    return out if _return_dict(self, named) else out.to_tuple()
+
+
+def _causal_lm_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """The patched forward of a ``LlamaForCausalLM`` instance: the fused loss in training
+    with labels, the original forward otherwise."""
+    patch: CodaPatch = self.__dict__["_coda_patch"]
+    original = patch.original(self)
+    named = _arguments(original, args, kwargs)
+    if named is None or not self.training or not patch.fuse_loss:
+        return original(*args, **kwargs)
+    labels, shift_labels = named.get("labels"), named.get("shift_labels")
+    if labels is None and shift_labels is None:
+        return original(*args, **kwargs)
+    stack = self.model
+    reason = patch.fusable(stack, named, True) or _loss_problem(self)
+    if reason is not None:
+        patch._fallback(reason, True)
+        return original(*args, **kwargs)
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    x = patch.run_stack(stack, named)
+    norm = stack.norm
+    loss = patch._loss(
+        x,
+        self.lm_head.weight,
+        labels if shift_labels is None else None,
+        shift_labels=shift_labels,
+        bias=self.lm_head.bias,
+        num_items_in_batch=named.get("num_items_in_batch"),
+        norm_weight=norm.weight,
+        norm_eps=_hf.norm_eps(norm),
+    )
+    patch.calls["fused_stack"] += 1
+    patch.calls["fused_loss"] += 1
+    out = CausalLMOutputWithPast(loss=loss, logits=None)
+    return out if _return_dict(self, named) else out.to_tuple()
+
+
+def apply_coda(model: nn.Module, *, fuse_loss: bool = True, strict: bool = False) -> CodaPatch:
+    """Patch a Hugging Face ``LlamaForCausalLM`` / ``MistralForCausalLM`` (or their
+    ``*Model`` decoder stack, or a PEFT model wrapping one) to run on coda; see the module
+    doc. ``fuse_loss=False`` keeps Hugging Face's loss (the stack is still fused).
+    ``strict=True`` raises instead of falling back to the original forward in training.
+    Returns the ``CodaPatch`` (``revert()`` undoes it)."""
+    base = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
+    if not isinstance(base, nn.Module):
+        raise NothingMatchedError(f"{type(model).__name__} is not an nn.Module")
+    if "_coda_patch" in base.__dict__:
+        raise ValueError("this model is already patched by coda: revert the patch first")
+    if _is_stack(base):
+        stack, stack_path, causal_lm = base, "", None
+    elif _is_stack(getattr(base, "model", None)):
+        stack, stack_path = base.model, "model."
+        causal_lm = base if hasattr(base, "lm_head") else None
+    else:
+        raise NothingMatchedError(
+            f"no Llama-style decoder stack (a module with embed_tokens, layers and norm, as "
+            f"the model itself or its .model) in {type(base).__name__}: nothing was patched"
+        )
+    config = getattr(base, "config", getattr(stack, "config", None))
+    problems = _config_problems(config)
+    num_layers = int(getattr(config, "num_hidden_layers", len(stack.layers)))
+    more, geometry = _stack_problems(stack, stack_path, num_layers)
+    problems += more
+    if causal_lm is not None and fuse_loss:
+        if (reason := _loss_problem(causal_lm)) is not None:
+            problems.append(
+                f"{reason} is not Hugging Face's causal-LM cross-entropy over a plain "
+                "nn.Linear head: apply_coda(..., fuse_loss=False) keeps the model's loss"
+            )
+    if problems or geometry is None:
+        raise UnsupportedModelError(
+            f"coda cannot run this {type(base).__name__}:\n  " + "\n  ".join(problems)
+        )
+    return CodaPatch(
+        base, stack, stack_path, causal_lm, geometry, fuse_loss=fuse_loss, strict=strict
+    )
+
+
+def revert_coda(model: nn.Module) -> None:
+    """Undo ``apply_coda(model)`` (the same model, or its PEFT wrapper)."""
+    base = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
+    patch = base.__dict__.get("_coda_patch")
+    if patch is None:
+        raise ValueError(f"this {type(base).__name__} is not patched by coda")
+    patch.revert()
