@@ -448,6 +448,13 @@ class CodaPatch:
             isinstance(mask, torch.Tensor) and mask.dim() == 2 and bool(mask.all())
         ):
             return "attention_mask"
+        positions = args.get("position_ids")
+        if mask is None and positions is not None and positions.shape[-1] > 1:
+            # without a mask, transformers (>= 5) reads position ids that do not step by 1
+            # as packed sequences and attends block-diagonally; the fused attention is
+            # causal over the whole row
+            if not bool((positions.diff(dim=-1) == 1).all()):
+                return "position_ids (packed sequences)"
         return None
 
     def _fallback(self, reason: str, training: bool) -> None:
@@ -554,7 +561,9 @@ def _causal_lm_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     if labels is None and shift_labels is None:
         return original(*args, **kwargs)
     stack = self.model
-    reason = patch.fusable(stack, named, True) or _loss_problem(self)
+    if patch.fusable(stack, named, True) is not None:
+        return original(*args, **kwargs)  # the stack's seam counts (or refuses) the fallback
+    reason = _loss_problem(self)
     if reason is not None:
         patch._fallback(reason, True)
         return original(*args, **kwargs)

@@ -1,0 +1,435 @@
+"""coda.integrations.transformers on CPU: a real ``transformers`` LlamaForCausalLM (and
+MistralForCausalLM) from tiny random configs (no downloads), patched by ``apply_coda``,
+against the unpatched model.
+
+The patched model runs coda's fused ops on the CPU reference path (``Epilogue.reference``
+in fp32: float64 is refused there), so it runs in fp32 against the same weights in a
+float64 Hugging Face model; the bound is a normwise relative error of 2^-15 (the fused
+ops' fp32 tolerance in tests/test_nn_llama.py). Checked: loss, logits and every
+parameter's gradient, HF label semantics (shift, -100, ``num_items_in_batch``,
+``shift_labels``), real logits in eval and ``generate()``, fallbacks to the original
+forward (cache, padding, sliding window) with their reasons, ``revert``, shared weights
+and ``state_dict``, and the errors for unsupported configs and for models with nothing
+to patch. Skipped when ``transformers`` is not installed (it is not a coda dependency).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+from torch import nn
+
+transformers = pytest.importorskip("transformers")
+
+from transformers import (  # noqa: E402
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
+
+from coda.integrations.transformers import (  # noqa: E402
+    NothingMatchedError,
+    UnsupportedModelError,
+    apply_coda,
+    revert_coda,
+)
+from coda.testing.tolerance import assert_close_to_reference  # noqa: E402
+
+TOL = 2.0**-15
+F64 = torch.float64
+
+BASE = dict(vocab_size=50, hidden_size=16, intermediate_size=24, num_hidden_layers=2)
+CONFIGS = {
+    # GQA, 2 layers, linear RoPE scaling
+    "gqa": dict(
+        BASE,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rope_parameters=dict(rope_type="linear", factor=2.0, rope_theta=10000.0),
+    ),
+    # MHA, tied embeddings, H = 24 (not a multiple of 16)
+    "mha_tied": dict(
+        BASE,
+        vocab_size=37,
+        hidden_size=24,
+        intermediate_size=20,
+        num_hidden_layers=1,
+        num_attention_heads=3,
+        num_key_value_heads=3,
+        tie_word_embeddings=True,
+    ),
+    # MQA with head_dim != hidden / heads
+    "mqa_head_dim": dict(
+        BASE,
+        vocab_size=64,
+        hidden_size=20,
+        intermediate_size=28,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=6,
+    ),
+    # Llama-3 RoPE scaling, theta 500000
+    "llama3_rope": dict(
+        BASE,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        rope_parameters=dict(
+            rope_type="llama3",
+            factor=8.0,
+            low_freq_factor=1.0,
+            high_freq_factor=4.0,
+            original_max_position_embeddings=16,
+            rope_theta=500000.0,
+        ),
+    ),
+}
+
+
+def randomize(model: nn.Module, seed: int) -> None:
+    """Weights of order one (HF's init, std 0.02, makes every logit nearly equal)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            r = torch.randn(p.shape, generator=g, dtype=p.dtype)
+            p.copy_(1 + 0.2 * r if p.dim() == 1 else r / math.sqrt(p.shape[-1]))
+
+
+def pair(cls=LlamaForCausalLM, config_cls=LlamaConfig, seed: int = 0, patch=True, **config):
+    """(float64 Hugging Face model, its fp32 copy patched by coda, the patch)."""
+    torch.manual_seed(seed)
+    ref = cls(config_cls(**config, attn_implementation="eager"))
+    randomize(ref, seed)
+    ref = ref.to(F64)
+    mine = copy.deepcopy(ref).float()
+    return ref, mine, apply_coda(mine) if patch else None
+
+
+def batch(vocab: int, B: int = 2, S: int = 9, seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (B, S), generator=g)
+    labels = torch.randint(0, vocab, (B, S), generator=g)
+    labels[0, :3] = -100  # a prompt
+    labels[1, -2:] = -100  # padding at the end
+    return ids, labels
+
+
+def assert_grads_match(mine: nn.Module, ref: nn.Module) -> None:
+    ours = dict(mine.named_parameters())
+    theirs = dict(ref.named_parameters())
+    assert ours.keys() == theirs.keys()
+    for name, p in theirs.items():
+        assert p.grad is not None and ours[name].grad is not None, name
+        assert_close_to_reference(ours[name].grad, p.grad, name=f"d{name}", tol=TOL)
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_training_loss_and_every_gradient_match_hf(name):
+    ref, mine, patch = pair(**CONFIGS[name])
+    ids, labels = batch(ref.config.vocab_size)
+    ref.train(), mine.train()
+    out_ref = ref(ids, labels=labels)
+    out = mine(ids, labels=labels)
+    assert patch.calls == {"fused_stack": 1, "fused_loss": 1}, patch.fallbacks
+    assert out.logits is None  # the fused loss never materializes them
+    assert_close_to_reference(out.loss, out_ref.loss, name="loss", tol=TOL)
+    out_ref.loss.backward()
+    out.loss.backward()
+    assert_grads_match(mine, ref)
+
+
+@pytest.mark.parametrize("name", ["gqa", "mha_tied"])
+def test_logits_without_labels_match_hf_and_are_differentiable(name):
+    ref, mine, patch = pair(**CONFIGS[name])
+    ids, _ = batch(ref.config.vocab_size, S=7)
+    # explicit position ids that are not 0..S-1 (with a mask: not read as packed sequences)
+    positions = torch.randint(0, 64, ids.shape, generator=torch.Generator().manual_seed(2))
+    mask = torch.ones_like(ids)
+    ref.train(), mine.train()
+    logits_ref = ref(ids, position_ids=positions, attention_mask=mask).logits
+    logits = mine(ids, position_ids=positions, attention_mask=mask).logits
+    assert patch.calls == {"fused_stack": 1}
+    assert_close_to_reference(logits, logits_ref, name="logits", tol=TOL)
+    r = torch.randn(logits_ref.shape, dtype=F64)
+    (logits_ref * r).sum().backward()
+    (logits * r.float()).sum().backward()
+    assert_grads_match(mine, ref)
+    # eval without a cache: the fused stack, real logits
+    mine.eval(), ref.eval()
+    with torch.no_grad():
+        logits = mine(ids, use_cache=False).logits
+        assert_close_to_reference(logits, ref(ids).logits, name="eval logits", tol=TOL)
+    assert patch.calls["fused_stack"] == 2
+
+
+def test_hf_label_semantics_num_items_and_shift_labels():
+    ref, mine, patch = pair(**CONFIGS["gqa"])
+    ids, labels = batch(ref.config.vocab_size)
+    ref.train(), mine.train()
+    n = 3 * int((labels[:, 1:] != -100).sum())  # as if 3 accumulation micro-batches
+    want = ref(ids, labels=labels, num_items_in_batch=n).loss
+    got = mine(ids, labels=labels, num_items_in_batch=n).loss
+    assert_close_to_reference(got, want, name="loss / num_items_in_batch", tol=TOL)
+    mean = ref(ids, labels=labels).loss
+    assert not torch.allclose(want, mean)  # the divisor matters for this batch
+    shifted = torch.nn.functional.pad(labels[:, 1:], (0, 1), value=-100)
+    got = mine(ids, shift_labels=shifted, labels=labels).loss
+    assert_close_to_reference(got, mean, name="loss(shift_labels)", tol=TOL)
+    got_tuple = mine(ids, labels=labels, return_dict=False)
+    assert isinstance(got_tuple, tuple) and len(got_tuple) == 1
+    assert_close_to_reference(got_tuple[0], mean, name="loss (tuple)", tol=TOL)
+    assert patch.calls["fused_loss"] == 3 and not patch.fallbacks
+
+
+def test_eval_with_labels_and_generate_keep_real_logits():
+    torch.manual_seed(0)
+    config = LlamaConfig(**CONFIGS["gqa"], attn_implementation="eager")
+    plain = LlamaForCausalLM(config)
+    randomize(plain, 3)
+    mine = copy.deepcopy(plain)
+    patch = apply_coda(mine)
+    ids, labels = batch(config.vocab_size)
+    plain.eval(), mine.eval()
+    with torch.no_grad():
+        want, got = plain(ids, labels=labels), mine(ids, labels=labels)
+    assert got.logits is not None
+    assert torch.equal(got.logits, want.logits) and torch.equal(got.loss, want.loss)
+    kw = dict(max_new_tokens=5, do_sample=False)
+    assert torch.equal(mine.generate(ids[:1, :4], **kw), plain.generate(ids[:1, :4], **kw))
+    assert patch.calls["fused_stack"] == 0 and patch.calls["original"] > 0
+    assert set(patch.fallbacks) <= {"use_cache", "past_key_values"}
+
+
+def test_fallbacks_are_counted_correct_and_strict_raises():
+    ref, mine, patch = pair(**CONFIGS["gqa"])
+    ids, labels = batch(ref.config.vocab_size)
+    mask = torch.ones_like(ids)
+    mask[1, -2:] = 0  # right padding
+    ref.train(), mine.train()
+    want = ref(ids, labels=labels, attention_mask=mask).loss
+    got = mine(ids, labels=labels, attention_mask=mask).loss
+    assert_close_to_reference(got, want, name="loss (padding, original forward)", tol=TOL)
+    assert patch.fallbacks == {"attention_mask": 1}
+    # an all-ones mask is no padding: fused
+    mine(ids, labels=labels, attention_mask=torch.ones_like(ids))
+    assert patch.calls["fused_loss"] == 1
+    patch.strict = True
+    with pytest.raises(RuntimeError, match="attention_mask"):
+        mine(ids, labels=labels, attention_mask=mask)
+
+
+def test_packed_position_ids_fall_back_to_hf_attention():
+    ref, mine, patch = pair(**CONFIGS["gqa"])
+    ids, labels = batch(ref.config.vocab_size, S=7)
+    ref.train(), mine.train()
+    offset = torch.arange(7)[None] + 3  # consecutive: one sequence per row, fused
+    assert_close_to_reference(
+        mine(ids, labels=labels, position_ids=offset).loss,
+        ref(ids, labels=labels, position_ids=offset).loss,
+        name="loss (offset positions)",
+        tol=TOL,
+    )
+    assert patch.calls["fused_loss"] == 1
+    packed = torch.tensor([[0, 1, 2, 0, 1, 2, 3]]).expand(2, 7)  # two sequences per row
+    assert_close_to_reference(
+        mine(ids, labels=labels, position_ids=packed).loss,
+        ref(ids, labels=labels, position_ids=packed).loss,
+        name="loss (packed sequences, original forward)",
+        tol=TOL,
+    )
+    assert patch.fallbacks == {"position_ids (packed sequences)": 1}
+
+
+def test_mistral_sliding_window():
+    cfg = dict(CONFIGS["gqa"], sliding_window=6)
+    del cfg["rope_parameters"]
+    ref, mine, patch = pair(MistralForCausalLM, MistralConfig, **cfg)
+    assert patch.family == "mistral"
+    ref.train(), mine.train()
+    for S in (6, 9):  # within the window: fused; beyond: the original forward
+        ids, labels = batch(cfg["vocab_size"], S=S)
+        want, got = ref(ids, labels=labels).loss, mine(ids, labels=labels).loss
+        assert_close_to_reference(got, want, name=f"mistral loss S={S}", tol=TOL)
+    assert patch.calls["fused_loss"] == 1 and patch.fallbacks == {"sliding_window": 1}
+
+
+def test_revert_restores_the_original_model():
+    torch.manual_seed(0)
+    config = LlamaConfig(**CONFIGS["gqa"], attn_implementation="eager")
+    plain = LlamaForCausalLM(config)
+    randomize(plain, 4)
+    mine = copy.deepcopy(plain)
+    patch = apply_coda(mine)
+    assert "forward" in mine.__dict__ and "forward" in mine.model.__dict__
+    with pytest.raises(ValueError, match="already patched"):
+        apply_coda(mine)
+    patch.revert()
+    assert "forward" not in mine.__dict__ and "forward" not in mine.model.__dict__
+    assert "_coda_patch" not in mine.__dict__ and "_coda_patch" not in mine.model.__dict__
+    ids, labels = batch(config.vocab_size)
+    plain.train(), mine.train()
+    want, got = plain(ids, labels=labels), mine(ids, labels=labels)
+    assert torch.equal(got.logits, want.logits) and torch.equal(got.loss, want.loss)
+    assert patch.calls == {}  # nothing ran through the patch after revert
+    with pytest.raises(RuntimeError, match="already reverted"):
+        patch.revert()
+    with pytest.raises(ValueError, match="not patched"):
+        revert_coda(mine)
+    # apply again, then revert with the function
+    apply_coda(mine)
+    assert mine(ids, labels=labels).logits is None
+    revert_coda(mine)
+    assert torch.equal(mine(ids, labels=labels).loss, want.loss)
+
+
+def test_revert_refuses_when_forward_was_replaced_after_apply():
+    _, mine, patch = pair(**CONFIGS["mha_tied"])
+    mine.forward = lambda *a, **k: None
+    with pytest.raises(RuntimeError, match="replaced after apply_coda"):
+        patch.revert()
+
+
+def test_weights_are_shared_and_state_dict_round_trips():
+    torch.manual_seed(0)
+    config = LlamaConfig(**CONFIGS["gqa"], attn_implementation="eager")
+    model = LlamaForCausalLM(config)
+    randomize(model, 5)
+    params = dict(model.named_parameters())
+    before = {k: (v.data_ptr(), v.clone()) for k, v in model.state_dict().items()}
+    patch = apply_coda(model)
+    assert dict(model.named_parameters()) == params  # the same Parameter objects
+    after = model.state_dict()
+    assert after.keys() == before.keys()
+    for k, (ptr, value) in before.items():
+        assert after[k].data_ptr() == ptr and torch.equal(after[k], value), k
+    assert sum(p.numel() for p in model.parameters()) == sum(p.numel() for p in params.values())
+    # load another model's weights: the patched forward computes with them
+    other = LlamaForCausalLM(config)
+    randomize(other, 6)
+    model.load_state_dict(other.state_dict())
+    ids, labels = batch(config.vocab_size)
+    other.train(), model.train()
+    assert_close_to_reference(
+        model(ids, labels=labels).loss, other(ids, labels=labels).loss, name="loss", tol=TOL
+    )
+    # and an optimizer step on the shared parameters changes what the patched model computes
+    loss0 = model(ids, labels=labels).loss
+    loss0.backward()
+    torch.optim.SGD(model.parameters(), lr=0.1).step()
+    assert model(ids, labels=labels).loss < loss0
+    assert patch.calls["fused_loss"] == 3
+
+
+def test_peft_style_wrapper_is_unwrapped():
+    class Wrapper(nn.Module):  # the get_base_model() interface of peft.PeftModel
+        def __init__(self, model):
+            super().__init__()
+            self.base = model
+
+        def get_base_model(self):
+            return self.base
+
+        def forward(self, *args, **kwargs):
+            return self.base(*args, **kwargs)
+
+    ref, mine, _ = pair(**CONFIGS["mha_tied"], patch=False)
+    wrapped = Wrapper(mine)
+    patch = apply_coda(wrapped)
+    assert patch.model is mine
+    ids, labels = batch(ref.config.vocab_size)
+    ref.train(), wrapped.train()
+    assert_close_to_reference(
+        wrapped(ids, labels=labels).loss, ref(ids, labels=labels).loss, name="loss", tol=TOL
+    )
+    assert patch.calls["fused_loss"] == 1
+    revert_coda(wrapped)
+    assert "forward" not in mine.__dict__
+
+
+def test_adapter_wrapped_projection_is_refused_by_name():
+    class LoraLinear(nn.Module):  # a projection wrapped the way PEFT's LoRA wraps it
+        def __init__(self, base):
+            super().__init__()
+            self.base_layer, self.weight = base, base.weight
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**CONFIGS["gqa"]))
+    attn = model.model.layers[1].self_attn
+    attn.v_proj = LoraLinear(attn.v_proj)
+    with pytest.raises(UnsupportedModelError, match=r"model\.layers\.1\.self_attn\.v_proj"):
+        apply_coda(model)
+    assert "forward" not in model.__dict__  # nothing patched on error
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        (dict(attention_bias=True), "config.attention_bias"),
+        (dict(mlp_bias=True), "config.mlp_bias"),
+        (dict(hidden_act="gelu"), "config.hidden_act"),
+        (dict(attention_dropout=0.1), "config.attention_dropout"),
+        (
+            dict(rope_parameters=dict(rope_type="dynamic", factor=2.0, rope_theta=1e4)),
+            r"config\.rope_parameters\['rope_type'\]='dynamic'",
+        ),
+        (
+            dict(
+                rope_parameters=dict(
+                    rope_type="yarn", factor=2.0, rope_theta=1e4, original_max_position_embeddings=8
+                )
+            ),
+            r"rotary_emb\.attention_scaling",
+        ),
+    ],
+)
+def test_unsupported_config_error_names_the_field(change, field):
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**dict(CONFIGS["gqa"], **change)))
+    with pytest.raises(UnsupportedModelError, match=field):
+        apply_coda(model)
+    assert "forward" not in model.__dict__ and "forward" not in model.model.__dict__
+
+
+def test_qwen2_is_refused_for_its_qkv_bias():
+    cfg = {k: v for k, v in CONFIGS["gqa"].items() if k != "rope_parameters"}
+    model = Qwen2ForCausalLM(Qwen2Config(**cfg))
+    with pytest.raises(UnsupportedModelError, match="qwen2") as info:
+        apply_coda(model)
+    assert "self_attn.q_proj.bias" in str(info.value)
+
+
+def test_custom_loss_function_is_refused_unless_fuse_loss_false():
+    ref, model, _ = pair(**CONFIGS["mha_tied"], patch=False)
+    model.loss_function = lambda logits, labels, **kw: logits.sum()
+    with pytest.raises(UnsupportedModelError, match="loss_function"):
+        apply_coda(model)
+    patch = apply_coda(model, fuse_loss=False)  # the stack is fused, HF's (custom) loss kept
+    ids, labels = batch(ref.config.vocab_size)
+    model.train()
+    out = model(ids, labels=labels)
+    assert patch.calls == {"fused_stack": 1}
+    assert_close_to_reference(out.loss, ref(ids).logits.sum(), name="custom loss", tol=TOL)
+
+
+def test_nothing_matched_raises():
+    with pytest.raises(NothingMatchedError, match="nothing was patched"):
+        apply_coda(nn.Sequential(nn.Linear(4, 4)))
+    with pytest.raises(NothingMatchedError):
+        apply_coda(nn.Linear(4, 4))
+
+
+def test_bare_decoder_stack_is_patched():
+    ref, _, _ = pair(**CONFIGS["gqa"], patch=False)
+    stack = copy.deepcopy(ref.model).float()
+    patch = apply_coda(stack)
+    assert [r.path for r in patch.replaced] == [""]
+    ids, _ = batch(ref.config.vocab_size)
+    stack.train(), ref.train()
+    got = stack(ids).last_hidden_state
+    assert_close_to_reference(got, ref.model(ids).last_hidden_state, name="hidden", tol=TOL)
+    assert patch.calls == {"fused_stack": 1}
