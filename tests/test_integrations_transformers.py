@@ -43,6 +43,16 @@ from coda.testing.tolerance import assert_close_to_reference  # noqa: E402
 
 TOL = 2.0**-15
 F64 = torch.float64
+HF5 = int(transformers.__version__.split(".")[0]) >= 5
+
+
+def rope(rope_type: str, rope_theta: float, **params) -> dict:
+    """Config kwargs for a RoPE variant in the installed transformers' spelling
+    (``rope_parameters`` since 5.0, ``rope_scaling`` + ``rope_theta`` before)."""
+    if HF5:
+        return dict(rope_parameters=dict(rope_type=rope_type, rope_theta=rope_theta, **params))
+    return dict(rope_scaling=dict(rope_type=rope_type, **params), rope_theta=rope_theta)
+
 
 BASE = dict(vocab_size=50, hidden_size=16, intermediate_size=24, num_hidden_layers=2)
 CONFIGS = {
@@ -51,7 +61,7 @@ CONFIGS = {
         BASE,
         num_attention_heads=4,
         num_key_value_heads=2,
-        rope_parameters=dict(rope_type="linear", factor=2.0, rope_theta=10000.0),
+        **rope("linear", 10000.0, factor=2.0),
     ),
     # MHA, tied embeddings, H = 24 (not a multiple of 16)
     "mha_tied": dict(
@@ -79,13 +89,13 @@ CONFIGS = {
         BASE,
         num_attention_heads=2,
         num_key_value_heads=1,
-        rope_parameters=dict(
-            rope_type="llama3",
+        **rope(
+            "llama3",
+            500000.0,
             factor=8.0,
             low_freq_factor=1.0,
             high_freq_factor=4.0,
             original_max_position_embeddings=16,
-            rope_theta=500000.0,
         ),
     ),
 }
@@ -246,8 +256,8 @@ def test_packed_position_ids_fall_back_to_hf_attention():
 
 
 def test_mistral_sliding_window():
-    cfg = dict(CONFIGS["gqa"], sliding_window=6)
-    del cfg["rope_parameters"]
+    cfg = {k: v for k, v in CONFIGS["gqa"].items() if not k.startswith("rope")}
+    cfg["sliding_window"] = 6
     ref, mine, patch = pair(MistralForCausalLM, MistralConfig, **cfg)
     assert patch.family == "mistral"
     ref.train(), mine.train()
@@ -374,16 +384,12 @@ def test_adapter_wrapped_projection_is_refused_by_name():
         (dict(hidden_act="gelu"), "config.hidden_act"),
         (dict(attention_dropout=0.1), "config.attention_dropout"),
         (
-            dict(rope_parameters=dict(rope_type="dynamic", factor=2.0, rope_theta=1e4)),
-            r"config\.rope_parameters\['rope_type'\]='dynamic'",
+            rope("dynamic", 1e4, factor=2.0),
+            r"config\.rope_(parameters|scaling)\['rope_type'\]='dynamic'",
         ),
         (
-            dict(
-                rope_parameters=dict(
-                    rope_type="yarn", factor=2.0, rope_theta=1e4, original_max_position_embeddings=8
-                )
-            ),
-            r"rotary_emb\.attention_scaling",
+            rope("yarn", 1e4, factor=2.0, original_max_position_embeddings=8),
+            r"(?s)'yarn'.*rotary_emb\.attention_scaling",
         ),
     ],
 )
@@ -396,7 +402,7 @@ def test_unsupported_config_error_names_the_field(change, field):
 
 
 def test_qwen2_is_refused_for_its_qkv_bias():
-    cfg = {k: v for k, v in CONFIGS["gqa"].items() if k != "rope_parameters"}
+    cfg = {k: v for k, v in CONFIGS["gqa"].items() if not k.startswith("rope")}
     model = Qwen2ForCausalLM(Qwen2Config(**cfg))
     with pytest.raises(UnsupportedModelError, match="qwen2") as info:
         apply_coda(model)
@@ -433,3 +439,24 @@ def test_bare_decoder_stack_is_patched():
     got = stack(ids).last_hidden_state
     assert_close_to_reference(got, ref.model(ids).last_hidden_state, name="hidden", tol=TOL)
     assert patch.calls == {"fused_stack": 1}
+
+
+def test_deepcopy_of_a_patched_model_is_patched_on_its_own_weights():
+    ref, mine, patch = pair(**CONFIGS["gqa"])
+    clone = copy.deepcopy(mine)  # e.g. a frozen reference model for RL / distillation
+    clone_patch = clone.__dict__["_coda_patch"]
+    assert clone_patch is not patch and clone_patch.model is clone
+    with torch.no_grad():
+        clone.model.layers[0].mlp.down_proj.weight.mul_(3)
+        ref_changed = copy.deepcopy(ref)
+        ref_changed.model.layers[0].mlp.down_proj.weight.mul_(3)
+    ids, labels = batch(ref.config.vocab_size)
+    for m in (ref, ref_changed, mine, clone):
+        m.train()
+    assert_close_to_reference(
+        clone(ids, labels=labels).loss, ref_changed(ids, labels=labels).loss, name="clone", tol=TOL
+    )
+    assert_close_to_reference(mine(ids, labels=labels).loss, ref(ids, labels=labels).loss, tol=TOL)
+    assert clone_patch.calls["fused_loss"] == 1 and patch.calls["fused_loss"] == 1
+    clone_patch.revert()
+    assert "forward" not in clone.__dict__ and "forward" in mine.__dict__

@@ -129,18 +129,21 @@ class Replacement:
         return f"{self.path or '<model>'} ({self.module}).forward: {self.runs}"
 
 
-def _rope_type(config: Any) -> tuple[str, str]:
-    """(rope type, the config field it came from); transformers >= 5 uses
-    ``rope_parameters``, older versions ``rope_scaling`` (None = default)."""
+def _rope_type(config: Any, rotary: Any) -> tuple[str, str]:
+    """(the RoPE type the model runs, the config field that sets it). The rotary module's
+    ``rope_type`` is authoritative (what the installed transformers read); the field is
+    ``rope_parameters`` (transformers >= 5) or ``rope_scaling`` (4.x)."""
+    kind = getattr(rotary, "rope_type", None)
     for field in ("rope_parameters", "rope_scaling"):
         params = getattr(config, field, None)
         if isinstance(params, Mapping):
-            kind = params.get("rope_type", params.get("type"))
-            return (str(kind) if kind is not None else "default"), field
-    return "default", "rope_scaling"
+            declared = params.get("rope_type", params.get("type"))
+            if kind is None or declared == kind:
+                return str(declared if declared is not None else "default"), field
+    return str(kind if kind is not None else "default"), "rope_scaling"
 
 
-def _config_problems(config: Any) -> list[str]:
+def _config_problems(config: Any, rotary: Any) -> list[str]:
     problems = []
     family = getattr(config, "model_type", None)
     if family not in SUPPORTED_FAMILIES:
@@ -158,7 +161,7 @@ def _config_problems(config: Any) -> list[str]:
     dropout = float(getattr(config, "attention_dropout", 0.0) or 0.0)
     if dropout:
         problems.append(f"config.attention_dropout={dropout}: the fused attention has none")
-    kind, field = _rope_type(config)
+    kind, field = _rope_type(config, rotary)
     if kind not in SUPPORTED_ROPE_TYPES:
         problems.append(
             f"config.{field}['rope_type']={kind!r}: the fused RoPE implements "
@@ -609,7 +612,7 @@ def apply_coda(model: nn.Module, *, fuse_loss: bool = True, strict: bool = False
             f"the model itself or its .model) in {type(base).__name__}: nothing was patched"
         )
     config = getattr(base, "config", getattr(stack, "config", None))
-    problems = _config_problems(config)
+    problems = _config_problems(config, getattr(stack, "rotary_emb", None))
     num_layers = int(getattr(config, "num_hidden_layers", len(stack.layers)))
     more, geometry = _stack_problems(stack, stack_path, num_layers)
     problems += more
