@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import math
+import re
 
 import pytest
 import torch
@@ -228,6 +229,9 @@ def test_fallbacks_are_counted_correct_and_strict_raises():
     # an all-ones mask is no padding: fused
     mine(ids, labels=labels, attention_mask=torch.ones_like(ids))
     assert patch.calls["fused_loss"] == 1
+    out = mine(ids, output_hidden_states=True)  # per-layer states: the original forward
+    assert len(out.hidden_states) == ref.config.num_hidden_layers + 1
+    assert patch.fallbacks["output_hidden_states"] == 1
     patch.strict = True
     with pytest.raises(RuntimeError, match="attention_mask"):
         mine(ids, labels=labels, attention_mask=mask)
@@ -460,3 +464,15 @@ def test_deepcopy_of_a_patched_model_is_patched_on_its_own_weights():
     assert clone_patch.calls["fused_loss"] == 1 and patch.calls["fused_loss"] == 1
     clone_patch.revert()
     assert "forward" not in clone.__dict__ and "forward" in mine.__dict__
+
+
+def test_docs_example_runs():
+    """docs/integrations.md: its example runs as written."""
+    from pathlib import Path
+
+    page = Path(__file__).resolve().parents[1] / "docs" / "integrations.md"
+    (block,) = re.findall(r"```python\n(.*?)```", page.read_text(), flags=re.S)
+    ns: dict = {}
+    exec(compile(block, "docs/integrations.md", "exec"), ns)  # noqa: S102
+    assert ns["generated"].shape == (2, 12)
+    assert not ns["patch"].active and "forward" not in ns["model"].__dict__

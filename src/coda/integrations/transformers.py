@@ -432,7 +432,8 @@ class CodaPatch:
         if use_cache and not training:
             return "use_cache"
         for flag in ("output_attentions", "output_hidden_states"):
-            if args.get(flag, getattr(config, flag, False)):
+            value = args.get(flag)
+            if value if value is not None else getattr(config, flag, False):
                 return flag
         for name, value in args.items():
             if name not in _KNOWN_ARGS and value is not None:
