@@ -15,24 +15,9 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from _fusion_helpers import F32, F64, close, leaf, randn
 from coda.fusions import linear_add_rms_norm, rms_norm_linear, rms_norm_stats
 from coda.testing import examples
-from coda.testing.tolerance import assert_close_to_reference
-
-F32, F64 = torch.float32, torch.float64
-TOL = 2.0**-15  # coda.testing.tolerance's fp32 tolerance
-
-
-def randn(g, *shape, scale=1.0):
-    return torch.randn(*shape, generator=g, dtype=F64) * scale
-
-
-def leaf(t, dtype=F32):
-    return t.detach().to(dtype).requires_grad_()
-
-
-def close(actual, truth, name):
-    assert_close_to_reference(actual, truth, name=name, tol=TOL)
 
 
 @st.composite

@@ -15,24 +15,9 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from _fusion_helpers import F64, close, leaf, randn
 from coda.fusions import NormedStream, layouts, qkv_rope, rms_norm_stats
 from coda.testing import examples
-from coda.testing.tolerance import assert_close_to_reference
-
-F32, F64 = torch.float32, torch.float64
-TOL = 2.0**-15
-
-
-def randn(g, *shape, scale=1.0):
-    return torch.randn(*shape, generator=g, dtype=F64) * scale
-
-
-def leaf(t, dtype=F32):
-    return t.detach().to(dtype).requires_grad_()
-
-
-def close(actual, truth, name):
-    assert_close_to_reference(actual, truth, name=name, tol=TOL)
 
 
 def hf_rotary(t, positions, inv_freq, rotary_dim):
