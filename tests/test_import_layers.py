@@ -31,6 +31,7 @@ LAYERS = {
     # tools over the whole library
     "testing": 7,
     "demo": 7,
+    "demo_llama": 7,
     "__main__": 8,
     "__init__": 8,
 }
