@@ -108,3 +108,25 @@ def test_every_operand_major_and_accumulate_compile(sass_of, a_major, b_major, a
         assert "cp.reduce.async.bulk.tensor" in ptx
     else:
         assert count_prefix(ops, "UTMASTG") > 0 and count_prefix(ops, "UTMAREDG") == 0
+
+
+@pytest.mark.parametrize("a_major,b_major", [("k", "k"), ("k", "n")])
+def test_split_k_compiles_to_reduce_add_stores(sass_of, a_major, b_major):
+    """Split-K units store through TMA reduce-add only (their partial sums add in global
+    memory), on the same spill-free WGMMA mainloop."""
+    config = GemmConfig(tile_n=192, cluster_m=2, split_k=3)
+    ptx, sass = sass_of(config, torch.bfloat16, torch.float32, a_major, b_major, True)
+    ops = opcode_counts(sass)
+    assert count_prefix(ops, "HGMMA") > 0
+    assert count_prefix(ops, "UTMAREDG") > 0 and count_prefix(ops, "UTMASTG") == 0
+    assert count_prefix(ops, "LDL") == 0 and count_prefix(ops, "STL") == 0, "local-memory spills"
+
+
+def test_split_k_refuses_visitors_that_do_not_only_accumulate():
+    from coda.mainloop.kernel import PingPongGemm
+    from coda.mainloop.dtypes import to_cutlass
+
+    with pytest.raises(ValueError, match="split_k=2"):
+        PingPongGemm(
+            GemmConfig(split_k=2), to_cutlass(torch.bfloat16), AccStore(torch.float32, False)
+        )

@@ -19,6 +19,26 @@ def test_schedule_visits_every_cluster_once(cm, cn, group):
     assert sorted(order) == [(i, j) for i in range(cm) for j in range(cn)]
 
 
+@given(st.integers(1, 20), st.integers(1, 20), st.integers(1, 6), st.integers(2, 8))
+def test_split_schedule_visits_every_cluster_and_split_once(cm, cn, group, splits):
+    order = host_tile_order(cm, cn, group, splits)
+    assert sorted(order) == [(i, j, s) for i in range(cm) for j in range(cn) for s in range(splits)]
+    # the split index is the outermost digit: split s is one whole schedule
+    per = cm * cn
+    assert [o[:2] for o in order[:per]] == host_tile_order(cm, cn, group)
+
+
+def test_split_k_only_for_long_k_small_outputs():
+    # dh of an LM head chunk: 2048 x 2048 output, K = vocabulary
+    assert choose_config(2048, 2048, 128256, split_ok=True).split_k > 1
+    assert choose_config(2048, 2048, 128256).split_k == 1  # not allowed (bf16 output)
+    # full waves or short K: no split
+    assert choose_config(16384, 4096, 4096, split_ok=True).split_k == 1
+    assert choose_config(256, 256, 512, split_ok=True).split_k == 1
+    with pytest.raises(ValueError, match="split_k"):
+        GemmConfig(split_k=0)
+
+
 def test_schedule_groups_rows():
     # group of 2 cluster-rows, walked column by column
     assert host_tile_order(3, 2, 2) == [(0, 0), (1, 0), (0, 1), (1, 1), (2, 0), (2, 1)]

@@ -56,13 +56,13 @@ def _signature(A, B, out, accumulate) -> tuple | None:
         return None
 
 
-def _heuristic(m: int, n: int, k: int, num_sms: int) -> GemmConfig:
-    key = (m, n, k, num_sms)
+def _heuristic(m: int, n: int, k: int, num_sms: int, split_ok: bool) -> GemmConfig:
+    key = (m, n, k, num_sms, split_ok)
     cfg = _configs.get(key)
     if cfg is None:
         if len(_configs) > 4096:
             _configs.clear()
-        cfg = _configs[key] = choose_config(m, n, k, num_sms)
+        cfg = _configs[key] = choose_config(m, n, k, num_sms, split_ok=split_ok)
     return cfg
 
 
@@ -85,20 +85,25 @@ def gemm(
     so accumulating costs no extra pass (use an fp32 ``out`` for weight gradients summed
     over micro-batches). fp32 accumulation inside. ``config``: a :class:`GemmConfig`,
     ``None`` for the shape heuristic, or ``"autotune"`` to time a few configs on first use
-    of a shape. The contiguous dimension of every tensor is padded to 16 bytes (its other
-    stride a multiple of 8 elements for 16-bit data); M, N, K need not be multiples of
-    the tile. Errors are raised before anything is launched.
+    of a shape. With an fp32 output the heuristic may split K (several units of work per
+    output tile, adding through TMA reduce-add) when M x N has too few tiles to fill the
+    GPU; the output is then zeroed first unless ``accumulate``. The contiguous dimension
+    of every tensor is padded to 16 bytes (its other stride a multiple of 8 elements for
+    16-bit data); M, N, K need not be multiples of the tile. Errors are raised before anything is launched.
     """
     sig = None
     if config is None and out_dtype is None:
         sig = _signature(A, B, out, accumulate)
-        launcher = _validated.get(sig)
-        if launcher is not None and not (A.data_ptr() | B.data_ptr()) & 15:
+        hit = _validated.get(sig)
+        if hit is not None and not (A.data_ptr() | B.data_ptr()) & 15:
+            launcher, zero = hit
             if out is None:
                 out = torch.empty((A.shape[0], B.shape[0]), dtype=A.dtype, device=A.device)
             elif out.data_ptr() & 15:
                 launcher = None
             if launcher is not None:
+                if zero:
+                    out.zero_()
                 launcher(A, B, (out,), (), ())
                 return out
     m, n, k, a_major, b_major = gemm_problem(A, B)
@@ -122,7 +127,8 @@ def gemm(
         device = checks.same_device([("A", A), ("B", B), ("out", out)])
         num_sms = checks.hopper_device(device)
     if config is None:
-        cfg = _heuristic(m, n, k, num_sms)
+        # split-K sums fp32 partials in the output: only for fp32 outputs
+        cfg = _heuristic(m, n, k, num_sms, out.dtype == torch.float32)
     elif isinstance(config, GemmConfig):
         cfg = config
     elif config == "autotune":
@@ -131,12 +137,16 @@ def gemm(
         cfg = best_config(m, n, k, A.dtype, out.dtype, device, layout=(a_major, b_major))
     else:
         raise TypeError(f"config must be a GemmConfig, None or 'autotune', got {config!r}")
+    # split-K units add into the output: zero it first unless accumulating anyway
+    zero = cfg.split_k > 1 and not accumulate
     key = gemm_kernels.kernel_key(
-        cfg, A.dtype, AccStore(out.dtype, accumulate), num_sms, a_major, b_major
+        cfg, A.dtype, AccStore(out.dtype, accumulate or zero), num_sms, a_major, b_major
     )
+    if zero:
+        out.zero_()
     gemm_kernels.launch(key, A, B, (out,))
     if sig is not None:  # validated: later calls with the same signature skip to the launch
         if len(_validated) > 4096:
             _validated.clear()
-        _validated[sig] = gemm_kernels.launcher(key)
+        _validated[sig] = (gemm_kernels.launcher(key), zero)
     return out

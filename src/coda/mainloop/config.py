@@ -25,6 +25,13 @@ _TILE_M = (128,)
 # H200 and are not offered).
 _TILE_N = (64, 96, 128, 160, 192)
 _CLUSTERS = ((1, 1), (2, 1), (1, 2))
+#: Largest split-K factor a config may ask for.
+MAX_SPLIT_K = 8
+#: Split-K only when every split keeps at least this many k-tiles (K >= 1024 per split).
+MIN_SPLIT_K_TILES = 16
+#: Estimated cost of one work unit's epilogue (an fp32 reduce-add tile store), in k-tiles
+#: of its mainloop: the price split-K pays per extra unit.
+SPLIT_EPILOGUE_K_TILES = 4
 
 
 def _check_in(allowed):
@@ -55,6 +62,9 @@ class GemmConfig:
     epi_n: int = attrs.field(default=32, validator=_check_in((32,)))
     group_m: int = attrs.field(default=8)
     epi_stages: int = attrs.field(default=4)
+    #: split-K: each output tile's K loop runs as this many units of work whose results
+    #: add in global memory (TMA reduce-add); > 1 only for a plain accumulating store
+    split_k: int = attrs.field(default=1)
 
     def __attrs_post_init__(self) -> None:
         if (self.cluster_m, self.cluster_n) not in _CLUSTERS:
@@ -66,6 +76,8 @@ class GemmConfig:
             raise ValueError("group_m must be >= 1")
         if not 1 <= self.epi_stages <= 8:
             raise ValueError("epi_stages must be in [1, 8]")
+        if not 1 <= self.split_k <= MAX_SPLIT_K:
+            raise ValueError(f"split_k must be in [1, {MAX_SPLIT_K}]; got {self.split_k}")
 
     @property
     def tile_shape_mnk(self) -> tuple[int, int, int]:
@@ -127,7 +139,9 @@ def plan_smem(
 _TILE_EFFICIENCY = {192: 1.0, 128: 0.98}
 
 
-def choose_config(m: int, n: int, k: int, num_sms: int = DEFAULT_NUM_SMS) -> GemmConfig:
+def choose_config(
+    m: int, n: int, k: int, num_sms: int = DEFAULT_NUM_SMS, split_ok: bool = False
+) -> GemmConfig:
     """Heuristic config for an (m, n, k) problem with 16-bit inputs.
 
     A 2x1 cluster whenever there are two tile rows (B multicast halves its L2 traffic).
@@ -136,17 +150,28 @@ def choose_config(m: int, n: int, k: int, num_sms: int = DEFAULT_NUM_SMS) -> Gem
     tiles costing tile_n / efficiency each. 128 x 192 wins on large problems; 128 x 128
     when 192-wide tiles would leave a last wave mostly empty (e.g. the weight-gradient
     GEMMs of a Llama block, whose M x N is small and K = tokens long).
+
+    ``split_ok`` (the caller stores into an fp32 output it zeroed or accumulates into):
+    split-K is also considered, a unit of work costing its share of the k-tiles plus
+    ``SPLIT_EPILOGUE_K_TILES`` for its reduce-add store, with every split keeping at
+    least ``MIN_SPLIT_K_TILES`` k-tiles; ties keep fewer splits.
     """
     tiles_m = -(-m // 128)
+    k_tiles = max(1, -(-k // 64))
     cluster_m = 2 if tiles_m >= 2 else 1
     clusters = max(1, num_sms // cluster_m)
+    max_split = min(MAX_SPLIT_K, k_tiles // MIN_SPLIT_K_TILES) if split_ok else 1
 
-    def cost(tile_n: int) -> float:
-        cluster_tiles = -(-tiles_m // cluster_m) * -(-n // tile_n)
-        return -(-cluster_tiles // clusters) * tile_n / _TILE_EFFICIENCY[tile_n]
+    def cost(choice: tuple[int, int]) -> float:
+        tile_n, splits = choice
+        units = -(-tiles_m // cluster_m) * -(-n // tile_n) * splits
+        per_unit = -(-k_tiles // splits) + (SPLIT_EPILOGUE_K_TILES if splits > 1 else 0)
+        return -(-units // clusters) * per_unit * tile_n / _TILE_EFFICIENCY[tile_n]
 
-    tile_n = min(_TILE_EFFICIENCY, key=cost)  # dict order: 192 first wins ties
-    return GemmConfig(tile_n=tile_n, cluster_m=cluster_m)
+    # dict order: 192 first wins ties, then fewer splits
+    choices = [(t, s) for s in range(1, max(1, max_split) + 1) for t in _TILE_EFFICIENCY]
+    tile_n, splits = min(choices, key=cost)
+    return GemmConfig(tile_n=tile_n, cluster_m=cluster_m, split_k=splits)
 
 
 def choose_epilogue_config(m: int, n: int, k: int, num_sms: int = DEFAULT_NUM_SMS) -> GemmConfig:

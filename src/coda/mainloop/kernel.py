@@ -120,6 +120,17 @@ class PingPongGemm(Producers, EpilogueIO):
         )
         if len(self.store_accumulate) != len(self.store_dtypes):
             raise ValueError("visitor store_accumulate must give one flag per stored tensor")
+        if config.split_k > 1 and not (
+            self.store_accumulate
+            and all(self.store_accumulate)
+            and not self.load_dtypes
+            and self.visitor.smem_bytes(config) == 0
+        ):
+            raise ValueError(
+                f"split_k={config.split_k} sums partial products in global memory: it needs a "
+                f"visitor that only stores acc through reduce-add (AccStore(accumulate=True)), "
+                f"no M x N loads and no tile reductions"
+            )
         self.scratch_floats = self.visitor.smem_bytes(config) // 4
         self.smem, self.epi_stages, self.load_stages = self._fit_smem(config)
         self.ab_stages = self.smem.ab_stages
@@ -248,7 +259,9 @@ class PingPongGemm(Producers, EpilogueIO):
         clusters_m = cute.ceil_div(tiles_m, cfg.cluster_m)
         clusters_n = cute.ceil_div(tiles_n, cfg.cluster_n)
         max_clusters = self.num_sms // self.cluster_size
-        num_clusters = cutlass.min(clusters_m * clusters_n, Int32(max_clusters))
+        num_clusters = cutlass.min(
+            clusters_m * clusters_n * Int32(cfg.split_k), Int32(max_clusters)
+        )
 
         ab_stages = self.ab_stages
 
@@ -336,7 +349,9 @@ class PingPongGemm(Producers, EpilogueIO):
         cta_coord = cta_layout_mnk.get_flat_coord(cta_rank)
         _, _, bidz = cute.arch.block_idx()
         _, _, num_clusters = cute.arch.grid_dim()
-        sched = TileScheduler(clusters_m, clusters_n, (cfg.cluster_m, cfg.cluster_n), cfg.group_m)
+        sched = TileScheduler(
+            clusters_m, clusters_n, (cfg.cluster_m, cfg.cluster_n), cfg.group_m, cfg.split_k
+        )
         cta_mn = (Int32(cta_coord[0]), Int32(cta_coord[1]))
 
         smem = cutlass.memory.SmemAllocator()
@@ -393,6 +408,10 @@ class PingPongGemm(Producers, EpilogueIO):
         gA = cute.local_tile(mA, cute.slice_(tile_mnk, (None, 0, None)), (None, None))
         gB = cute.local_tile(mB, cute.slice_(tile_mnk, (0, None, None)), (None, None))
         k_tiles = cute.size(gA, mode=[3])
+        if const_expr(cfg.split_k > 1):
+            # every unit of work runs k_tiles k-tiles from split * k_tiles (the last split's
+            # k-tiles past K are out of bounds: TMA fills them with zeros)
+            k_tiles = cute.ceil_div(k_tiles, cfg.split_k)
 
         pipeline.pipeline_init_wait(cluster_shape_mn=cfg.cluster_shape_mnk[:2])
 

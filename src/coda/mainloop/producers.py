@@ -62,7 +62,9 @@ class Producers:
         t = Int32(bidz)
         while t < sched.num_work:
             tm, tn = sched.tile_coord(t, cta_mn)
-            for k in cutlass.range(k_tiles, unroll=1):
+            k0 = sched.k_split(t) * k_tiles
+            for kk in cutlass.range(k_tiles, unroll=1):
+                k = k0 + kk
                 ab_pipe.producer_acquire(state)
                 bar = ab_pipe.producer_get_barrier(state)
                 if const_expr(self.num_mcast_a > 1):
