@@ -32,6 +32,7 @@ LAYERS = {
     "testing": 7,
     "demo": 7,
     "demo_llama": 7,
+    "llama_training": 7,
     "__main__": 8,
     "__init__": 8,
 }
