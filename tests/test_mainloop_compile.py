@@ -123,8 +123,8 @@ def test_split_k_compiles_to_reduce_add_stores(sass_of, a_major, b_major):
 
 
 def test_split_k_refuses_visitors_that_do_not_only_accumulate():
-    from coda.mainloop.kernel import PingPongGemm
     from coda.mainloop.dtypes import to_cutlass
+    from coda.mainloop.kernel import PingPongGemm
 
     with pytest.raises(ValueError, match="split_k=2"):
         PingPongGemm(

@@ -82,3 +82,19 @@ def test_device_sincos_match_emulation(device_results, name):
     for got in results[name, SCALARS[0]]:  # (fragment path, scalar path)
         same = (got.view(torch.int32) == emu.view(torch.int32)) | (got.isnan() & emu.isnan())
         assert same.all(), (x[~same][:8], got[~same][:8], emu[~same][:8])
+
+
+@pytest.mark.parametrize("name", ["sigmoid", "silu"])
+def test_sigmoid_silu_ulp(device_results, name):
+    """sigmoid/silu use rcp.approx.f32 (<= 1 ulp) instead of IEEE division: their error,
+    in ulp of the correctly rounded result (normal results only), stays within 4."""
+    x, y, results = device_results
+    vec, scal = results[name, SCALARS[0]]
+    ref = expected(name, x, y, SCALARS[0], torch.float64)
+    ok = torch.isfinite(ref) & (ref.abs() > 1e-30)
+    r32 = ref[ok].float()
+    ulp = (torch.nextafter(r32.abs(), torch.tensor(float("inf"))) - r32.abs()).double()
+    for got in (vec, scal):
+        err = ((got[ok].double() - ref[ok].double()).abs() / ulp).max().item()
+        print(f"{name}: max {err:.2f} ulp")
+        assert err <= 4.0, err

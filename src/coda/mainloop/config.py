@@ -62,6 +62,8 @@ class GemmConfig:
     epi_n: int = attrs.field(default=32, validator=_check_in((32,)))
     group_m: int = attrs.field(default=8)
     epi_stages: int = attrs.field(default=4)
+    #: buffers of the epilogue's M x N operand loads (subtiles in flight per loaded tensor)
+    load_stages: int = attrs.field(default=4)
     #: split-K: each output tile's K loop runs as this many units of work whose results
     #: add in global memory (TMA reduce-add); > 1 only for a plain accumulating store
     split_k: int = attrs.field(default=1)
@@ -76,6 +78,8 @@ class GemmConfig:
             raise ValueError("group_m must be >= 1")
         if not 1 <= self.epi_stages <= 8:
             raise ValueError("epi_stages must be in [1, 8]")
+        if not 1 <= self.load_stages <= 16:
+            raise ValueError("load_stages must be in [1, 16]")
         if not 1 <= self.split_k <= MAX_SPLIT_K:
             raise ValueError(f"split_k must be in [1, {MAX_SPLIT_K}]; got {self.split_k}")
 

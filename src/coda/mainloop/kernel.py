@@ -61,7 +61,6 @@ PRODUCER_WARP = NUM_CONSUMER_WGS * 4  # first warp of warpgroup 2: A/B loads
 EPI_LOAD_WARP = PRODUCER_WARP + 1  # second warp of warpgroup 2: epilogue operand loads
 REGS_PRODUCER = 40
 REGS_CONSUMER = 232
-LOAD_STAGES = 4
 
 
 class _Barrier:
@@ -149,7 +148,12 @@ class PingPongGemm(Producers, EpilogueIO):
             for d, w in zip(self.visitor.load_dtypes, self.load_widths, strict=True)
         )
         for min_ab in (4, 2):
-            for epi_st, load_st in ((config.epi_stages, LOAD_STAGES), (2, 2), (1, 2), (1, 1)):
+            for epi_st, load_st in (
+                (config.epi_stages, config.load_stages),
+                (2, 2),
+                (1, 2),
+                (1, 1),
+            ):
                 epi_st, load_st = min(epi_st, config.epi_stages), min(load_st, n_sub)
                 extra = load_bytes * load_st + 4 * self.scratch_floats
                 try:

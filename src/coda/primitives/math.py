@@ -27,11 +27,17 @@ fp32 routines (``__nv_expf``, ``__nv_tanhf``, ...); sin/cos are coda's own code 
 needs local memory, see the table). The PTX ``.approx`` hardware intrinsics appear only
 where libdevice uses them inside an accurate routine (``ex2.approx`` after an exact
 two-constant range reduction in exp, ``rcp.approx`` inside tanh) or are accurate on
-their own (``ex2.approx.f32`` for exp2, ``rsqrt.approx.f32``: <= 2 ulp). The fast variants
-were rejected: ``tanh.approx.f32`` has a relative error of ~2^-11; ``sin/cos.approx.f32``
-an absolute error of ~2^-20 on [-pi, pi] only, useless for RoPE-sized angles;
-``exp(x)`` as ``ex2.approx(x * log2 e)`` loses ~|x| ulp in the product (~7e-6 relative at
-|x| = 80); ``lg2.approx`` has an absolute, not relative, error bound (bad near x = 1).
+their own (``ex2.approx.f32`` for exp2, ``rsqrt.approx.f32``: <= 2 ulp). The reciprocal
+in sigmoid and silu is the one exception: in kernels ``rcp.approx.ftz.f32`` (<= 1 ulp;
+results below 2^-126, i.e. x < -87, flush to 0) replaces the IEEE division, whose
+per-element slow-path call (``CALL.REL``, ``BSSY`` / ``BSYNC`` in the SASS: 7240 -> 5336
+instructions in the SwiGLU-backward kernel) kept that epilogue far longer than the GEMM
+tile it hides behind (fused / plain 1.71 at M=16384, N=K=2048, measured before the
+change; host ``cute.jit`` code keeps the division). The fast variants were rejected:
+``tanh.approx.f32`` has a relative error of ~2^-11; ``sin/cos.approx.f32`` an absolute
+error of ~2^-20 on [-pi, pi] only, useless for RoPE-sized angles; ``exp(x)`` as
+``ex2.approx(x * log2 e)`` loses ~|x| ulp in the product (~7e-6 relative at |x| = 80);
+``lg2.approx`` has an absolute, not relative, error bound (bad near x = 1).
 
 Max error measured on an H200 against float64 (``tests/test_math_cute_gpu.py`` cases, 1M
 inputs incl. edge values; ulp of the exact result where it exceeds 1e-3, 0.5 = correctly
@@ -54,9 +60,9 @@ sin, cos (*)           coda's own, registers only (libdevice's Payne-Hanek array
                        Cephes minimax polynomials for sin r, cos r on [-pi/4, pi/4],
                        the quadrant j mod 4 by select; NaN for +-inf, NaN and past
                        the range |x| <= 2^21 pi/2 ~ 3.29e6 (see ``_cute_sincos``)
-sigmoid                ``1 / (1 + exp(-x))`` (IEEE ``rcp.rn.f32``)                    2.8
-silu                   ``x / (1 + exp(-x))`` (torch's formula, IEEE ``div.rn.f32``;   2.9
-                       silu(-inf) = nan as in torch)
+sigmoid                ``rcp.approx.ftz.f32(1 + exp(-x))`` (<= 1 ulp reciprocal)      (**)
+silu                   ``x * rcp.approx.ftz.f32(1 + exp(-x))`` (silu(-inf) = nan as  (**)
+                       in torch)
 softplus               ``where(x > 20, x, log1p(exp(x)))`` (torch's beta=1,           2.6
                        threshold=20)
 gelu_tanh              ``0.5 x (1 + tanh(k (x + 0.044715 x^3)))``, k = sqrt(2/pi),   (*)
@@ -68,6 +74,10 @@ minimum, clamp         propagates as in torch); clamp = min(max(x, lo), hi), so
 where                  ``cute.where`` (``arith.select``) on fragments, ``select`` on  exact
                        scalars
 =====================  =============================================================  ========
+
+(**) sigmoid / silu: 2.8 / 2.9 ulp measured with the IEEE division they used before;
+with ``rcp.approx`` (PTX bound: 1 ulp) not yet re-measured on the GPU
+(``tests/test_math_cute_gpu.py::test_sigmoid_silu_ulp`` asserts <= 4 ulp).
 
 (*) gelu_tanh: <= 4.4e-7 absolute; relative error grows for x < -3, where 1 + tanh(...)
 cancels (torch's fp32 kernel: the same). Signed zeros may differ from torch (relu(-0.0) is
@@ -264,12 +274,37 @@ def _cute_where(cond: Any, a: Any, b: Any) -> Any:
     return type(a)(cutlass.select_(cond, a, b))
 
 
+def _in_device_code() -> bool:
+    """True while tracing a kernel (a ``gpu.func``), False in host ``cute.jit`` code, which
+    the CPU lowers with LLVM and which has no NVVM ``rcp.approx``."""
+    from cutlass._mlir import ir
+
+    try:
+        op = ir.InsertionPoint.current.block.owner
+    except (ValueError, AttributeError):
+        return True
+    while op is not None:
+        if op.name in ("gpu.func", "gpu.module"):
+            return True
+        op = op.parent
+    return False
+
+
+def _cute_reciprocal(y: Any) -> Any:
+    """1 / y: ``rcp.approx.ftz.f32`` in kernels (<= 1 ulp; results below 2^-126 flush to
+    0), the IEEE division in host code. The IEEE division's per-element slow-path call made
+    SwiGLU epilogues far longer than their GEMM tile (see the module doc)."""
+    if _in_device_code():
+        return _cute().math.rcp(y, approx=True, ftz=True)
+    return 1.0 / y
+
+
 def _cute_sigmoid(x: Any) -> Any:
-    return 1.0 / (1.0 + _cute().math.exp(-x))
+    return _cute_reciprocal(1.0 + _cute().math.exp(-x))
 
 
 def _cute_silu(x: Any) -> Any:
-    return x / (1.0 + _cute().math.exp(-x))
+    return x * _cute_reciprocal(1.0 + _cute().math.exp(-x))
 
 
 def _cute_softplus(x: Any) -> Any:
