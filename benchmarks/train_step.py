@@ -43,17 +43,17 @@ the rise of ``max_memory_allocated`` above ``memory_allocated`` over one step af
 other models' memory is constant during that step and cancels; in isolated mode the raw
 ``max_memory_allocated`` of that step is recorded as well (``details``).
 
-Block (``block`` rows): one Llama decoder layer alone at H=2048 and H=4096 (the configs'
-layer shapes), M = batch x seq tokens, ``fwd`` (no_grad) and ``fwd+bwd``
-(``torch.autograd.grad`` of the input and every weight for a fixed random output
-gradient): coda's fused layer (``coda.nn.FusedLlamaDecoderLayer.from_hf``; its input
-stream's norm caches are made outside the timed region, as the previous layer's GEMM
-makes them in a stack, and it makes the next layer's), ``torch.compile`` of the HF
-``LlamaDecoderLayer`` (cos/sin made outside), and the floor: the layer's four GEMMs
-(QKV, O, gate+up, down; fwd+bwd adds dgrad dY @ W and wgrad dY.T @ X each) plus SDPA
-(causal, k/v repeated to the query heads outside the timed region; fwd+bwd: its forward
-and backward) alone, with the GEMMs on cuBLAS (``torch.mm``) and on coda's mainloop
-(``coda.gemm``).
+Block (``block`` rows): one Llama decoder layer alone at the hidden sizes of ``--configs``
+(H=2048 and H=4096 by default, with those configs' layer shapes), M = batch x seq tokens,
+``fwd`` (no_grad) and ``fwd+bwd`` (``torch.autograd.grad`` of the input and every weight
+for a fixed random output gradient): coda's fused layer
+(``coda.nn.FusedLlamaDecoderLayer.from_hf``; its input stream's norm caches are made
+outside the timed region, as the previous layer's GEMM makes them in a stack, and it makes
+the next layer's), ``torch.compile`` of the HF ``LlamaDecoderLayer`` (cos/sin made
+outside), and the floor: the layer's four GEMMs (QKV, O, gate+up, down; fwd+bwd adds dgrad
+dY @ W and wgrad dY.T @ X each) plus SDPA (causal, k/v repeated to the query heads outside
+the timed region; fwd+bwd: its forward and backward) alone, with the GEMMs on cuBLAS
+(``torch.mm``) and on coda's mainloop (``coda.gemm``).
 
 Every method (and block contender) runs inside a guard: a failure records its error
 string (``details`` / ``errors``) and a null number, and the run goes on. Writes JSON
@@ -827,7 +827,7 @@ def main(argv: list[str] | None = None) -> int:
             errors += [f"{name} {m}: {e}" for m, e in det.get("errors", {}).items()]
     if not args.no_block:
         M = args.batch * args.seq
-        for _, size in sorted({s.hidden: s for s in all_configs.values()}.items()):
+        for _, size in sorted({all_configs[n].hidden: all_configs[n] for n in names}.items()):
             block += bench_block(size, M, args, errors)
     payload = {
         **env,

@@ -147,8 +147,49 @@ def test_gpu_note(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=0: "NVIDIA H200")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i=0: (9, 0))
-    assert "training comparison (coda vs eager bf16" in coda.demo_llama.gpu_note()
-    assert "not implemented yet" in coda.demo_llama.gpu_note()
+    assert coda.demo_llama.hopper()
+    note = coda.demo_llama.gpu_note()
+    assert "runs the GPU training comparison (coda vs eager, bf16" in note
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i=0: (8, 0))
+    assert not coda.demo_llama.hopper()
+    assert "not Hopper" in coda.demo_llama.gpu_note()
+
+
+def test_gpu_training_report_on_a_cpu_setup():
+    """The GPU path's run and report (run_gpu_training), on a tiny CPU fp32 setup: the
+    loss table, tokens/s, the agreement rule and the checks."""
+    from coda import llama_training as lt
+
+    setup = lt.TrainSetup(
+        size=lt.PRESETS["tiny"],
+        seq=32,
+        batch=2,
+        steps=4,
+        lr=3e-3,
+        dtype=torch.float32,
+        reference_dtype=None,
+        device="cpu",
+    )
+    lines: list[str] = []
+    report = coda.demo_llama.run_gpu_training(setup=setup, emit=lines.append, show_progress=False)
+    assert report.passed, "\n".join(lines)
+    text = "\n".join(lines)
+    assert "trains on coda and in eager PyTorch (cpu, float32)" in text
+    assert re.search(
+        r"^\s+coda: +[\d,]+ tokens/s \(median step [\d.]+ ms\), peak memory n/a", text, re.M
+    )
+    assert "ok   loss curves agree: max |MA4(coda) - MA4(eager)|" in text
+    assert "ok   every coda step fused: stack 4/4, loss 4/4, fallbacks 0" in text
+    table = re.findall(r"^ +(\d+) +([\d.]+) +([\d.]+) +(\S+) +(\S+)$", text, re.M)
+    assert [int(r[0]) for r in table] == [1, 2, 3, 4]
+    assert all(abs(float(r[1]) - float(r[2])) < 1e-4 for r in table)
+    assert lines[-1] == "PASS: coda trains the model like eager PyTorch"
+
+
+def test_cli_device_gpu_without_hopper_exits_2(capsys, monkeypatch):
+    monkeypatch.setattr(coda.demo_llama, "hopper", lambda: False)
+    assert main(["demo", "--device", "gpu", "--parts", "train"]) == 2
+    assert "no Hopper (sm_90) GPU" in capsys.readouterr().err
 
 
 def test_demo_detects_a_wrong_epilogue(monkeypatch):

@@ -33,6 +33,7 @@ LAYERS = {
     "demo": 7,
     "demo_llama": 7,
     "llama_training": 7,
+    "bench": 7,
     "__main__": 8,
     "__init__": 8,
 }
