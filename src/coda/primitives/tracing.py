@@ -178,16 +178,28 @@ def full(layout, value):
     return t.load()
 
 
+def same_index_groups(frag: fr.Fragment, axis: int) -> tuple[tuple[int, ...], ...]:
+    """Element indices of ``frag`` grouped by their static row (axis 0) or column
+    (axis 1) offset: the elements of one group read the same vector entry."""
+    keys = sorted({off[axis] for off in frag.offsets})
+    return tuple(tuple(i for i, off in enumerate(frag.offsets) if off[axis] == k) for k in keys)
+
+
 @cute.jit
-def gather(layout, coords, vec, axis: cutlass.Constexpr[int], limit):
+def gather(layout, coords, vec, axis: cutlass.Constexpr[int], limit, groups: cutlass.Constexpr):
     """Fragment of ``vec[coord[axis]]`` (fp32) for every element: a row vector broadcast
-    over columns (axis 0) or a column vector over rows (axis 1); 0 past ``limit``."""
+    over columns (axis 0) or a column vector over rows (axis 1); 0 past ``limit``.
+    ``groups`` (``same_index_groups``): one global load per group, copied to the rest
+    (a subtile's 16 elements per thread span 2 rows and 8 columns)."""
     t = cute.make_rmem_tensor(layout, Float32)
-    for i in cutlass.range_constexpr(cute.size(layout)):
-        j = coords[i][axis]
-        t[i] = Float32(0.0)
+    for g in cutlass.range_constexpr(len(groups)):
+        first = groups[g][0]
+        j = coords[first][axis]
+        t[first] = Float32(0.0)
         if j < limit:
-            t[i] = Float32(vec[j])
+            t[first] = Float32(vec[j])
+        for m in cutlass.range_constexpr(1, len(groups[g])):
+            t[groups[g][m]] = t[first]
     return t.load()
 
 

@@ -80,7 +80,8 @@ class VecLoad(Primitive):
         axis = 0 if self.per == "row" else 1
         vec = ctx.extra(self.name)
         limit = view.shape_mn[axis]
-        values[self.name] = tracing.gather(view.layout, view.coords, vec, axis, limit)
+        groups = tracing.same_index_groups(view.frag, axis)
+        values[self.name] = tracing.gather(view.layout, view.coords, vec, axis, limit, groups)
 
 
 @attrs.frozen
