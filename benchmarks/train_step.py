@@ -244,6 +244,8 @@ class Method:
             model.parameters(), lr=1e-5, weight_decay=0.01, fused=DEVICE == "cuda" or None
         )
         self.first_loss: float | None = None
+        self.calls: dict[str, int] | None = None
+        self.fallbacks: dict[str, int] | None = None
 
     def step(self) -> None:
         with swapped(self.globals):
@@ -270,7 +272,12 @@ class Method:
         return (own + raw - before) / GiB, raw / GiB
 
     def close(self) -> None:
-        self.model = self.run = self.opt = None  # type: ignore[assignment]
+        """Drop the model, optimizer and patch (keeping coda's call counters), so their
+        memory can be freed."""
+        if self.patch is not None:
+            self.calls = dict(self.patch.calls)
+            self.fallbacks = dict(self.patch.fallbacks)
+        self.model = self.run = self.opt = self.patch = None  # type: ignore[assignment]
 
 
 def estimate_gib(size: LlamaSize, tokens: int, n_models: int) -> float:
@@ -349,14 +356,14 @@ def bench_config(
     live: dict[str, Method] = {}
     if mode == "interleaved":
         copies = {m: (base if m == "eager" else copy.deepcopy(base)) for m in methods}
-        if "eager" not in methods:
-            del base
+        del base
         for m in methods:
             meth = make(m, copies.pop(m))
             if meth is not None and warm(meth):
                 live[m] = meth
             elif meth is not None:
                 meth.close()
+        meth = None
         _free()
         for _ in progress(range(args.rounds), args.rounds, f"{name} rounds"):
             for m in list(live):
@@ -387,6 +394,8 @@ def bench_config(
             if meth is None or not warm(meth):
                 if meth is not None:
                     meth.close()
+                meth = None
+                torch._dynamo.reset()
                 _free()
                 continue
             try:
@@ -396,15 +405,17 @@ def bench_config(
             except Exception as exc:
                 details["errors"][m] = _short(exc)
             live[m] = meth
-            details["first_loss"][m] = meth.first_loss
             meth.close()
+            meth = None
+            torch._dynamo.reset()  # the compiled graphs hold the model's tensors
             _free()
-    for m, meth in live.items():
-        if meth.first_loss is not None:
-            details["first_loss"][m] = meth.first_loss
-        if meth.patch is not None:
-            details["coda_calls"] = dict(meth.patch.calls)
-            details["coda_fallbacks"] = dict(meth.patch.fallbacks)
+    for m, done in live.items():
+        done.close()
+        if done.first_loss is not None:
+            details["first_loss"][m] = done.first_loss
+        if done.calls is not None:
+            details["coda_calls"] = done.calls
+            details["coda_fallbacks"] = done.fallbacks
     row: dict[str, Any] = {"config": name, "H": size.hidden, "layers": size.layers, "seq": args.seq}
     for m in METHODS:
         ok = m in methods and m not in details["errors"] and times[m]
@@ -469,7 +480,8 @@ class Block:
         self.next_gamma = (1 + 0.1 * torch.randn(H, device=DEVICE, generator=g)).to(DTYPE)
         self.x2 = self.x.detach().view(M, H).clone().requires_grad_()
         with torch.no_grad():
-            h, rstd = rms_norm_stats(self.x2.detach(), self.fused.norm_weight.detach(), 1e-5)
+            gamma = self.fused.norm_weight.detach()
+            h, rstd = rms_norm_stats(self.x2.detach(), gamma, self.fused.eps)
         self.h, self.rstd = h, rstd
         self.dy2 = self.dy.view(M, H)
 
@@ -502,7 +514,7 @@ class Block:
 
         def call() -> torch.Tensor:
             stream = NormedStream(self.x2, self.h, self.rstd)
-            return self.fused(stream, self.positions, self.next_gamma, 1e-5).x
+            return self.fused(stream, self.positions, self.next_gamma, self.fused.eps).x
 
         if backward:
             return lambda: torch.autograd.grad(call(), inputs, self.dy2)
