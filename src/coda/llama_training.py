@@ -28,8 +28,9 @@ low-precision runs of a chaotic optimization drift apart by chance).
 Peak memory per method, when several models share one GPU: the method's own resident
 bytes (parameters and optimizer state, counted from its tensors) plus the most that
 ``torch.cuda.max_memory_allocated`` rose above ``memory_allocated`` during any of its
-steps (activations, gradients, temporaries). The other models' resident memory is
-constant during the step, so it cancels.
+steps after the first (activations, gradients, temporaries; the first step also creates
+the optimizer state). The other models' resident memory is constant during the step, so
+it cancels.
 """
 
 from __future__ import annotations
@@ -351,7 +352,9 @@ def train_side_by_side(
                 end.record()
                 end.synchronize()
                 ms = start.elapsed_time(end)
-                workspace[name] = max(workspace[name], torch.cuda.max_memory_allocated() - before)
+                if step:  # step 0 also allocates the optimizer state (counted as resident)
+                    rise = torch.cuda.max_memory_allocated() - before
+                    workspace[name] = max(workspace[name], rise)
             else:
                 ms = 1e3 * (time.perf_counter() - t0)
             step_ms[name].append(ms)
