@@ -1,11 +1,14 @@
 """coda.fusions.linear_cross_entropy on CPU: loss and every gradient (dh, dW, dbias, drstd)
 of every option against textbook eager PyTorch (``F.cross_entropy`` on float64 logits).
 
-On CPU the op runs its epilogues' ``reference`` (fp32 inside) chunk by chunk over the
-vocabulary exactly as the GPU does (chunk sizes are drawn, ragged V and the padded V mod 8
-tail included), so fp32 inputs are held to fp32 accuracy against float64: an algebra
-mistake misses by orders of magnitude. bf16 inputs are held to the GPU rule (error at most
-twice eager bf16 PyTorch's, plus a small atol).
+On CPU the op runs its epilogues' ``reference`` (fp32 inside) chunk by chunk exactly as
+the GPU does (vocabulary chunks of the recompute path and row chunks of the
+gradient-in-forward path are drawn, ragged V and the V mod 8 tail included), so fp32
+inputs are held to fp32 accuracy against float64: an algebra mistake misses by orders of
+magnitude. bf16 inputs are held to the GPU rule (error at most twice eager bf16
+PyTorch's, plus a small atol). Each property runs on both paths: the recompute path
+forced (``grad_in_forward=False``) and the automatic choice (tests/test_cross_entropy_fused.py
+covers the gradient-in-forward path's own properties).
 """
 
 from __future__ import annotations
@@ -14,139 +17,67 @@ import pytest
 import torch
 import torch.nn.functional as F
 from hypothesis import given, settings
-from hypothesis import strategies as st
 
+from _ce_helpers import (
+    BF16,
+    F32,
+    F64,
+    TOL,
+    leaves,
+    loss_and_grads,
+    make,
+    names,
+    options,
+    problems,
+    textbook,
+    upstream,
+)
 from coda.errors import InputError
 from coda.fusions import cross_entropy as ce
 from coda.fusions.cross_entropy import linear_cross_entropy
 from coda.testing import examples
 from coda.testing.tolerance import assert_close_to_reference
 
-F32, F64, BF16 = torch.float32, torch.float64, torch.bfloat16
-TOL = 2e-5  # normwise relative, fp32 computation against float64
+PATHS = {"recompute": dict(grad_in_forward=False), "auto": {}}
 
 
-def textbook(h, W, target, *, bias=None, rstd=None, softcap=None, label_smoothing=0.0,
-             z_loss=0.0, ignore_index=-100, reduction="mean", num_items_in_batch=None):  # fmt: skip
-    """The unfused loss, written from the definitions (h: (M, H), target: (M,))."""
-    logits = h @ W.T
-    if rstd is not None:
-        logits = logits * rstd[:, None]
-    if bias is not None:
-        logits = logits + bias
-    if softcap is not None:
-        logits = softcap * torch.tanh(logits / softcap)
-    rows = F.cross_entropy(
-        logits, target, ignore_index=ignore_index, reduction="none",
-        label_smoothing=label_smoothing,
-    )  # fmt: skip
-    valid = target != ignore_index
-    if z_loss:
-        rows = rows + z_loss * torch.logsumexp(logits, -1) ** 2 * valid
-    if reduction == "none":
-        return rows
-    if num_items_in_batch is not None:
-        return rows.sum() / num_items_in_batch
-    if reduction == "sum":
-        return rows.sum()
-    return rows.sum() / valid.sum().clamp(min=1)
-
-
-@st.composite
-def problems(draw):
-    M = draw(st.integers(1, 48))
-    V = draw(st.integers(1, 90))
-    return dict(
-        M=M,
-        H=draw(st.integers(1, 24)),
-        V=V,
-        chunk_size=draw(st.one_of(st.none(), st.sampled_from([8, 16, 24, 40, 64]))),
-        bias=draw(st.booleans()),
-        rstd=draw(st.booleans()),
-        softcap=draw(st.sampled_from([None, None, 1.5, 30.0])),
-        label_smoothing=draw(st.sampled_from([0.0, 0.0, 0.1, 1.0])),
-        z_loss=draw(st.sampled_from([0.0, 0.0, 1e-2])),
-        reduction=draw(st.sampled_from(["mean", "sum", "none"])),
-        ignore_index=draw(st.sampled_from([-100, -1, 0])),
-        ignored=draw(st.sampled_from([0.0, 0.3, 1.0])),
-        seed=draw(st.integers(0, 2**31 - 1)),
-    )
-
-
-def make(p, dtype=F32):
-    """Inputs of problem ``p`` as float64 masters (h, W, bias, rstd) and targets."""
-    g = torch.Generator().manual_seed(p["seed"])
-    M, H, V = p["M"], p["H"], p["V"]
-    h = torch.randn(M, H, generator=g, dtype=F64)
-    W = torch.randn(V, H, generator=g, dtype=F64) * (2.0 / max(H, 1) ** 0.5)
-    bias = torch.randn(V, generator=g, dtype=F64) if p["bias"] else None
-    rstd = 0.5 + torch.rand(M, generator=g, dtype=F64) if p["rstd"] else None
-    low = 1 if p["ignore_index"] == 0 else 0
-    target = torch.randint(low, max(V, low + 1), (M,), generator=g)
-    target[torch.rand(M, generator=g) < p["ignored"]] = p["ignore_index"]
-    if V == 1 and p["ignore_index"] == 0:
-        target.fill_(0)  # the only class is the ignored one
-    cast = [None if t is None else t.to(dtype).to(F64) for t in (h, W, bias, rstd)]
-    return (*cast, target)
-
-
-def leaves(tensors, dtype):
-    return [None if t is None else t.detach().to(dtype).requires_grad_() for t in tensors]
-
-
-def options(p):
-    keys = ("softcap", "label_smoothing", "z_loss", "ignore_index", "reduction")
-    return {k: p[k] for k in keys}
-
-
-def run_both(p, dtype=F32):
-    """(coda outputs, float64 textbook outputs): the loss, then dh, dW, dbias, drstd."""
+def run_both(p, dtype=F32, **kwargs):
+    """(coda outputs, float64 textbook outputs): the loss, then dh, dW[, dbias][, drstd]."""
     h, W, bias, rstd, target = make(p, dtype)
-    upstream = None
-    if p["reduction"] == "none":
-        upstream = torch.randn(p["M"], generator=torch.Generator().manual_seed(p["seed"] + 1))
-    out = []
-    for prec, fn in ((dtype, _coda), (F64, textbook)):
-        ins = leaves((h, W, bias, rstd), prec)
-        extra = {"chunk_size": p["chunk_size"]} if fn is _coda else {}
-        loss = fn(ins[0], ins[1], target, bias=ins[2], rstd=ins[3], **options(p), **extra)
-        grad = torch.ones_like(loss) if upstream is None else upstream.to(loss.dtype)
-        wrt = [t for t in ins if t is not None]
-        grads = torch.autograd.grad(loss, wrt, grad)
-        out.append((loss, *grads))
-    return out
+    chunks = {"chunk_size": p["chunk_size"], "chunk_rows": p["chunk_rows"]}
+    ours = loss_and_grads(linear_cross_entropy, p, dtype, (h, W, bias, rstd), target,
+                          **chunks, **kwargs)  # fmt: skip
+    truth = loss_and_grads(textbook, p, F64, (h, W, bias, rstd), target)
+    return ours, truth
 
 
-def _coda(h, W, target, *, rstd=None, **kw):
-    return linear_cross_entropy(h, W, target, rstd=rstd, **kw)
-
-
+@pytest.mark.parametrize("path", list(PATHS))
 @settings(max_examples=examples(250))
-@given(problems())
-def test_loss_and_gradients_match_textbook(p):
-    coda, truth = run_both(p)
-    names = ["loss", "dh", "dW", "dbias", "drstd"]
-    names = [n for n in names if not (n == "dbias" and not p["bias"])]
-    names = [n for n in names if not (n == "drstd" and not p["rstd"])]
-    for name, a, t in zip(names, coda, truth, strict=True):
+@given(p=problems())
+def test_loss_and_gradients_match_textbook(p, path):
+    """Both paths: the recompute one forced, and the automatic choice (gradient-in-forward
+    for "mean"/"sum", the recompute path for "none")."""
+    coda, truth = run_both(p, **PATHS[path])
+    for name, a, t in zip(names(p), coda, truth, strict=True):
         assert torch.isfinite(a).all(), name
         assert_close_to_reference(a, t, name=name, tol=TOL, floor=0.1)
 
 
+@pytest.mark.parametrize("path", list(PATHS))
 @settings(max_examples=examples(60))
-@given(problems())
-def test_bf16_no_worse_than_eager_bf16(p):
+@given(p=problems())
+def test_bf16_no_worse_than_eager_bf16(p, path):
     """bf16 h and W: err(coda) <= 2 err(eager bf16) + atol against float64 (the GPU rule;
-    the dlogits chunks are stored in bf16 here as on the GPU)."""
+    the dlogits chunks, and on the gradient-in-forward path the stored logits, are
+    rounded to bf16 here as on the GPU)."""
     p = {**p, "bias": False, "rstd": False, "M": max(p["M"], 8), "H": max(p["H"], 8)}
-    coda, truth = run_both(p, BF16)
+    coda, truth = run_both(p, BF16, **PATHS[path])
     h, W, _, _, target = make(p, BF16)
     hb, Wb = leaves((h, W), BF16)
     eager = textbook(hb, Wb, target, **options(p))
-    up = torch.ones_like(eager)
-    if p["reduction"] == "none":
-        up = torch.randn(p["M"], generator=torch.Generator().manual_seed(p["seed"] + 1))
-    base = (eager, *torch.autograd.grad(eager, (hb, Wb), up.to(BF16)))
+    up = upstream(p)
+    up = torch.ones_like(eager) if up is None else up.to(BF16)
+    base = (eager, *torch.autograd.grad(eager, (hb, Wb), up))
     for name, a, t, b in zip(("loss", "dh", "dW"), coda, truth, base, strict=True):
         assert_close_to_reference(a, t, name=name, baseline=b, atol=2e-3, floor=1e-2)
 
@@ -265,7 +196,8 @@ def test_return_lse_and_z_loss():
 
 
 def test_frozen_head_skips_dW(monkeypatch):
-    """W without requires_grad: no dW GEMM runs (one GEMM per chunk, for dh), W.grad None."""
+    """Recompute path, W without requires_grad: no dW GEMM runs (one GEMM per chunk, for
+    dh), W.grad None."""
     calls = []
     real = ce.matmul
 
@@ -277,12 +209,12 @@ def test_frozen_head_skips_dW(monkeypatch):
     h = torch.randn(10, 16, requires_grad=True)
     W = torch.randn(40, 16)
     target = torch.randint(0, 40, (10,))
-    linear_cross_entropy(h, W, target, chunk_size=16).backward()
+    linear_cross_entropy(h, W, target, chunk_size=16, grad_in_forward=False).backward()
     assert W.grad is None and h.grad is not None
     assert len(calls) == 3  # chunks [0,16) [16,32) [32,40): dh only
     calls.clear()
     W.requires_grad_()
-    linear_cross_entropy(h, W, target, chunk_size=16).backward()
+    linear_cross_entropy(h, W, target, chunk_size=16, grad_in_forward=False).backward()
     assert len(calls) == 6 and W.grad is not None
 
 
@@ -302,6 +234,9 @@ def test_out_of_range_targets_raise_on_cpu():
         (dict(label_smoothing=1.5), "label_smoothing"),
         (dict(softcap=0.0), "softcap"),
         (dict(chunk_size=12), "multiple of 8"),
+        (dict(chunk_rows=0), "chunk_rows"),
+        (dict(reduction="none", grad_in_forward=True), "grad_in_forward=True"),
+        (dict(return_lse=True, grad_in_forward=True), "grad_in_forward=True"),
     ],
 )
 def test_bad_arguments(kwargs, match):

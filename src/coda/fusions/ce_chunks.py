@@ -16,9 +16,18 @@ unless a chunk size is given:
   there is more than one chunk (one chunk writes dh directly); per-chunk partials of the
   dbias / drstd reductions (<= 2 * B / 64); O(M) row vectors.
 
-So the peak workspace is about B + 4 M H (+ B / 32), independent of V and of M x V: at
-M = 16384, H = 4096 that is 0.25 + 0.25 GiB where materialized logits and their gradient
-take 2 x 4 GiB.
+So the peak workspace of this recompute path is about B + 4 M H (+ B / 32), independent
+of V and of M x V: at M = 16384, H = 4096 that is 0.25 + 0.25 GiB where materialized
+logits and their gradient take 2 x 4 GiB.
+
+**Gradient-in-forward path** (``coda.fusions.ce_fused``): the rows are walked in chunks of
+``rows`` rows (``grad_rows``: a multiple of ``ROW_STEP``, each of two row buffers of
+rows x ``main_cols(V)`` elements of h's dtype within ``GRAD_ROWS_BYTES``); the vocabulary
+is one GEMM over its first ``main_cols(V)`` columns per row chunk, the V mod 8 tail
+columns plain torch. Workspace (``grad_in_forward_workspace``): the two row buffers, an
+fp32 V x H dW accumulator when there is more than one row chunk, the per-chunk partials
+of the fused reductions, fp32 rows x H temporaries when V mod 8 != 0, O(M) vectors; and,
+in the backward, one copy of the gradients (the saved ones times the upstream scalar).
 """
 
 from __future__ import annotations
@@ -26,12 +35,18 @@ from __future__ import annotations
 import attrs
 
 __all__ = [
+    "GRAD_ROWS_BYTES",
+    "ROW_STEP",
     "TMA_COLS",
     "WORKSPACE_BYTES",
     "Chunk",
     "chunks",
     "grad_chunk_size",
+    "grad_in_forward_workspace",
+    "grad_rows",
+    "main_cols",
     "round_up",
+    "row_chunks",
     "stats_chunk_size",
 ]
 
@@ -43,6 +58,12 @@ TMA_COLS = 8
 GRAD_STEP = 256
 #: Column tile of the fused forward (its partials are per 128 columns).
 STATS_TILE = 128
+#: Default budget of EACH of the two row buffers of the gradient-in-forward path.
+GRAD_ROWS_BYTES = 512 * 2**20
+#: Automatic row chunks of the gradient-in-forward path are multiples of this (tile_m).
+ROW_STEP = 128
+#: Narrowest column tile the fused kernels fall back to (partials per this many columns).
+MIN_TILE = 64
 
 
 def round_up(x: int, m: int) -> int:
@@ -96,3 +117,50 @@ def grad_chunk_size(M: int, V: int, elem_bytes: int, budget: int | None = None) 
     budget = WORKSPACE_BYTES if budget is None else budget
     size = max(GRAD_STEP, budget // (max(M, 1) * elem_bytes) // GRAD_STEP * GRAD_STEP)
     return min(size, round_up(max(V, 1), TMA_COLS))
+
+
+# ---- the gradient-in-forward path ---------------------------------------------------------
+
+
+def main_cols(V: int) -> int:
+    """Vocabulary columns that run through the fused GEMM: V without its V mod 8 tail."""
+    return V - V % TMA_COLS
+
+
+def grad_rows(M: int, V: int, elem_bytes: int, budget: int | None = None) -> int:
+    """Rows per chunk: rows * main_cols(V) * elem_bytes <= budget (one row buffer; default
+    ``GRAD_ROWS_BYTES``, read at call time), a multiple of ``ROW_STEP`` (at least one
+    step), and no more than M rounded up to a step (one chunk when everything fits)."""
+    budget = GRAD_ROWS_BYTES if budget is None else budget
+    per_row = max(main_cols(V), 1) * elem_bytes
+    rows = max(ROW_STEP, budget // per_row // ROW_STEP * ROW_STEP)
+    return min(rows, round_up(max(M, 1), ROW_STEP))
+
+
+def row_chunks(M: int, rows: int) -> tuple[tuple[int, int], ...]:
+    """Row ranges [r0, r1) of ``rows`` rows (the last ragged) covering [0, M)."""
+    if rows <= 0:
+        raise ValueError(f"rows per chunk must be positive; got {rows}")
+    return tuple((r, min(r + rows, M)) for r in range(0, M, rows))
+
+
+def grad_in_forward_workspace(
+    M: int, V: int, H: int, elem_bytes: int, rows: int, acc_bytes: int | None = None
+) -> int:
+    """Upper bound (bytes) of the gradient-in-forward path's workspace: its peak memory
+    minus inputs, the loss and the gradients (dh, dW, dbias, drstd) it returns, for h of
+    ``elem_bytes`` per element and the acc stored in ``acc_bytes`` (default: the same).
+    The larger of the forward's (the two row buffers, the fp32 dW accumulator with more
+    than one row chunk, per-chunk partials at the narrowest tile, the tail's fp32
+    temporaries, 8 fp32 vectors of M) and the backward's (one copy of dh and dW: the
+    saved gradients times the upstream gradient)."""
+    acc_bytes = elem_bytes if acc_bytes is None else acc_bytes
+    m, n = min(rows, M), main_cols(V)
+    tiles_n, tiles_m = -(-n // MIN_TILE), -(-m // MIN_TILE)
+    forward = m * n * (acc_bytes + elem_bytes)
+    forward += 4 * V * H if len(row_chunks(M, rows)) > 1 else 0
+    forward += 4 * (m * tiles_n * 5 + tiles_m * n)  # lse/zt/zsum/drstd (row), dbias (col)
+    forward += 2 * 4 * m * H if V % TMA_COLS else 0
+    forward += 8 * 4 * M + 4 * V
+    backward = (M + V) * H * elem_bytes
+    return max(forward, backward)

@@ -50,6 +50,7 @@ from coda.primitives import (
     LogSumExp,
     OneHot,
     TargetSelect,
+    TileLoad,
     TileReduce,
     TileStore,
     VecLoad,
@@ -57,11 +58,22 @@ from coda.primitives import (
 )
 from coda.primitives import math as cm
 
-__all__ = ["Softcap", "SoftcapGrad", "grad_epilogue", "stats_epilogue"]
+__all__ = [
+    "STORED_ACC",
+    "RoundTo",
+    "Softcap",
+    "SoftcapGrad",
+    "grad_epilogue",
+    "grad_map_epilogue",
+    "stats_epilogue",
+    "stats_store_epilogue",
+]
 
 F32 = torch.float32
 #: dtype of the chunk-local targets the ops pass (-1: no target in this chunk)
 TARGET_DTYPE = torch.int32
+#: name of the GEMM result stored by ``stats_store_epilogue`` and loaded by ``grad_map_epilogue``
+STORED_ACC = "stored_acc"
 
 
 @attrs.frozen
@@ -87,6 +99,17 @@ class SoftcapGrad:
         return g - g * (u * u)
 
 
+@attrs.frozen
+class RoundTo:
+    """x rounded to ``dtype`` and back (``cm.round_to``): the value a store + load gives."""
+
+    dtype: torch.dtype
+    __name__ = "round_to"
+
+    def __call__(self, x: Any) -> Any:
+        return cm.round_to(x, self.dtype)
+
+
 def scale_shift(acc: Any, rstd: Any, bias: Any) -> Any:
     """rstd * acc + bias."""
     return acc * rstd + bias
@@ -107,27 +130,94 @@ def ce_grad_sum(z: Any, lse: Any, ga: Any, gt: Any, hit: Any, gs: Any) -> Any:
     return ga * cm.exp(z - lse) + gt * hit + gs
 
 
-def _logits(bias_dtype: torch.dtype | None, rstd: bool, softcap: float | None) -> tuple[list, str]:
-    """The primitives recomputing z from acc, and the name of z."""
+def _logits(
+    bias_dtype: torch.dtype | None, rstd: bool, softcap: float | None, src: str = "acc"
+) -> tuple[list, str]:
+    """The primitives computing z from the GEMM result ``src`` (``acc``, or the stored
+    acc that the gradient-in-forward path loads back), and the name of z."""
     prims: list = []
-    name = "acc"
+    name = src
     if rstd:
         prims.append(VecLoad("rstd", per="row", dtype=F32))
     if bias_dtype is not None:
         prims.append(VecLoad("bias", per="col", dtype=bias_dtype))
     if rstd and bias_dtype is not None:
-        prims.append(Elementwise("s", scale_shift, ins=("acc", "rstd", "bias")))
+        prims.append(Elementwise("s", scale_shift, ins=(src, "rstd", "bias")))
         name = "s"
     elif rstd:
-        prims.append(Elementwise("s", ops.mul, ins=("acc", "rstd")))
+        prims.append(Elementwise("s", ops.mul, ins=(src, "rstd")))
         name = "s"
     elif bias_dtype is not None:
-        prims.append(Elementwise("s", ops.add, ins=("acc", "bias")))
+        prims.append(Elementwise("s", ops.add, ins=(src, "bias")))
         name = "s"
     if softcap is not None:
         prims.append(Elementwise("z", Softcap(softcap), ins=(name,)))
         name = "z"
     return prims, name
+
+
+def _stats(
+    bias_dtype: torch.dtype | None,
+    rstd: bool,
+    softcap: float | None,
+    with_sum: bool,
+    masked: bool,
+    src: str = "acc",
+) -> list:
+    """The forward chain: z from ``src``, then lse, zt (and zsum) of its columns."""
+    prims, z = _logits(bias_dtype, rstd, softcap, src)
+    lse_of = z
+    if masked:
+        prims.append(VecLoad("valid", per="col", dtype=F32))
+        prims.append(Elementwise("z_lse", mask_neg_inf, ins=(z, "valid")))
+        lse_of = "z_lse"
+    prims.append(LogSumExp("lse", of=lse_of))
+    prims.append(
+        TargetSelect("zt", of=z, target="tloc", ignore_index=-1, target_dtype=TARGET_DTYPE)
+    )
+    if with_sum:
+        prims.append(TileReduce("zsum", of=z, op="sum"))
+    return prims
+
+
+def _grad(
+    prims: list,
+    z: str,
+    src: str,
+    out_dtype: torch.dtype | None,
+    rstd: bool,
+    softcap: float | None,
+    with_sum: bool,
+    dbias: bool,
+    drstd: bool,
+) -> Epilogue:
+    """The backward chain after ``prims`` (which define z, named ``z``, from ``src``):
+    g = dL/dz from the row gradients, the softcap chain, the drstd / dbias reductions and
+    the stored dlogits = rstd * g."""
+    prims = list(prims)
+    prims += [VecLoad(n, per="row", dtype=F32) for n in ("lse", "ga", "gt")]
+    prims.append(OneHot("hit", target="tloc", target_dtype=TARGET_DTYPE))
+    ins = (z, "lse", "ga", "gt", "hit")
+    if with_sum:
+        prims.append(VecLoad("gs", per="row", dtype=F32))
+        prims.append(Elementwise("g0", ce_grad_sum, ins=(*ins, "gs")))
+    else:
+        prims.append(Elementwise("g0", ce_grad, ins=ins))
+    g = "g0"
+    if softcap is not None:
+        prims.append(Elementwise("g2", SoftcapGrad(softcap), ins=(g, z)))
+        g = "g2"
+    if drstd:
+        prims.append(Elementwise("g_acc", ops.mul, ins=(g, src)))
+        prims.append(TileReduce("drstd", of="g_acc", op="sum"))
+    if dbias:
+        prims.append(TileReduce("dbias", of=g, op="sum", per="col"))
+    if out_dtype is not None:
+        if rstd:
+            prims.append(Elementwise("dl", ops.mul, ins=(g, "rstd")))
+            g = "dl"
+        prims.append(TileStore(g, out_dtype, name="dlogits"))
+    return Epilogue(prims)
 
 
 @functools.cache
@@ -140,18 +230,29 @@ def stats_epilogue(
 ) -> Epilogue:
     """Outputs ``lse``, ``zt`` (and ``zsum``) of one chunk; inputs ``tloc`` (int32 chunk-
     local targets, -1 for none) and, as enabled, ``rstd``, ``bias``, ``valid``."""
-    prims, z = _logits(bias_dtype, rstd, softcap)
-    lse_of = z
-    if masked:
-        prims.append(VecLoad("valid", per="col", dtype=F32))
-        prims.append(Elementwise("z_lse", mask_neg_inf, ins=(z, "valid")))
-        lse_of = "z_lse"
-    prims.append(LogSumExp("lse", of=lse_of))
-    prims.append(
-        TargetSelect("zt", of=z, target="tloc", ignore_index=-1, target_dtype=TARGET_DTYPE)
-    )
-    if with_sum:
-        prims.append(TileReduce("zsum", of=z, op="sum"))
+    return Epilogue(_stats(bias_dtype, rstd, softcap, with_sum, masked))
+
+
+@functools.cache
+def stats_store_epilogue(
+    store_dtype: torch.dtype,
+    bias_dtype: torch.dtype | None,
+    rstd: bool,
+    softcap: float | None,
+    with_sum: bool,
+) -> Epilogue:
+    """``stats_epilogue`` (unmasked: the gradient-in-forward path runs only whole 8-column
+    groups through the GEMM) plus the GEMM result itself, stored as ``STORED_ACC`` in
+    ``store_dtype`` for ``grad_map_epilogue``. Below fp32 the statistics are taken from
+    acc rounded to ``store_dtype`` (``RoundTo``, exactly the stored value), so the lse
+    the gradient's softmax divides by is that of the logits it is computed from."""
+    prims: list = []
+    src = "acc"
+    if store_dtype != F32:
+        prims.append(Elementwise("acc_r", RoundTo(store_dtype), ins=("acc",)))
+        src = "acc_r"
+    prims += _stats(bias_dtype, rstd, softcap, with_sum, masked=False, src=src)
+    prims.append(TileStore(src, store_dtype, name=STORED_ACC))
     return Epilogue(prims)
 
 
@@ -169,26 +270,23 @@ def grad_epilogue(
     asked, outputs ``dbias`` (col) and ``drstd`` (row) of one chunk. Inputs: ``tloc``,
     ``lse``, ``ga``, ``gt`` (and ``gs``) plus those of the forward."""
     prims, z = _logits(bias_dtype, rstd, softcap)
-    prims += [VecLoad(n, per="row", dtype=F32) for n in ("lse", "ga", "gt")]
-    prims.append(OneHot("hit", target="tloc", target_dtype=TARGET_DTYPE))
-    ins = (z, "lse", "ga", "gt", "hit")
-    if with_sum:
-        prims.append(VecLoad("gs", per="row", dtype=F32))
-        prims.append(Elementwise("g0", ce_grad_sum, ins=(*ins, "gs")))
-    else:
-        prims.append(Elementwise("g0", ce_grad, ins=ins))
-    g = "g0"
-    if softcap is not None:
-        prims.append(Elementwise("g2", SoftcapGrad(softcap), ins=(g, z)))
-        g = "g2"
-    if drstd:
-        prims.append(Elementwise("g_acc", ops.mul, ins=(g, "acc")))
-        prims.append(TileReduce("drstd", of="g_acc", op="sum"))
-    if dbias:
-        prims.append(TileReduce("dbias", of=g, op="sum", per="col"))
-    if out_dtype is not None:
-        if rstd:
-            prims.append(Elementwise("dl", ops.mul, ins=(g, "rstd")))
-            g = "dl"
-        prims.append(TileStore(g, out_dtype, name="dlogits"))
-    return Epilogue(prims)
+    return _grad(prims, z, "acc", out_dtype, rstd, softcap, with_sum, dbias, drstd)
+
+
+@functools.cache
+def grad_map_epilogue(
+    acc_dtype: torch.dtype,
+    out_dtype: torch.dtype | None,
+    bias_dtype: torch.dtype | None,
+    rstd: bool,
+    softcap: float | None,
+    with_sum: bool,
+    dbias: bool,
+    drstd: bool,
+) -> Epilogue:
+    """``grad_epilogue`` without a GEMM (``run_map``): the same chain on the acc that
+    ``stats_store_epilogue`` stored, loaded back as ``STORED_ACC`` (``acc_dtype``); drstd
+    sums g times that loaded acc. Reads no ``acc``."""
+    prims, z = _logits(bias_dtype, rstd, softcap, src=STORED_ACC)
+    prims.insert(0, TileLoad(STORED_ACC, acc_dtype))
+    return _grad(prims, z, STORED_ACC, out_dtype, rstd, softcap, with_sum, dbias, drstd)

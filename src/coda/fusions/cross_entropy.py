@@ -32,70 +32,17 @@ import torch
 import torch.nn.functional as F
 from torch.library import custom_op, register_autograd
 
-from coda.errors import InputError
 from coda.fusions import ce_chunks
 from coda.fusions._dispatch import matmul, run_epilogue
 from coda.fusions.ce_chunks import TMA_COLS, Chunk
-from coda.fusions.ce_epilogues import TARGET_DTYPE, grad_epilogue, stats_epilogue
-from coda.specs import FLOAT_DTYPES, INDEX_DTYPES, dtype_name
+from coda.fusions.ce_epilogues import grad_epilogue, stats_epilogue
+from coda.fusions.ce_fused import lce_fused_loss
+from coda.fusions.ce_operands import check_operands, check_targets, local_targets
 
 __all__ = ["lce_stats", "lce_stats_backward", "linear_cross_entropy"]
 
 F32 = torch.float32
 Reduction = Literal["mean", "sum", "none"]
-
-
-# ---- checks -----------------------------------------------------------------------------
-
-
-def _check_operands(
-    h: torch.Tensor,
-    W: torch.Tensor,
-    target: torch.Tensor,
-    bias: torch.Tensor | None,
-    rstd: torch.Tensor | None,
-) -> None:
-    op = "linear_cross_entropy"
-    if h.dim() != 2 or W.dim() != 2:
-        raise ValueError(
-            f"{op}: h must be (M, H) and W (V, H); got {tuple(h.shape)}, {tuple(W.shape)}"
-        )
-    if h.shape[1] != W.shape[1]:
-        raise ValueError(
-            f"{op}: h has H={h.shape[1]} features but W is {tuple(W.shape)}; W is the LM head "
-            f"weight (V, H) as stored by nn.Linear"
-        )
-    if h.dtype not in FLOAT_DTYPES or h.dtype != W.dtype:
-        raise TypeError(
-            f"{op}: h and W must share one dtype among bfloat16, float16, float32; got "
-            f"{dtype_name(h.dtype)} and {dtype_name(W.dtype)}"
-        )
-    if target.dim() != 1 or target.shape[0] != h.shape[0] or target.dtype not in INDEX_DTYPES:
-        raise ValueError(
-            f"{op}: target must be an int64/int32 vector of {h.shape[0]} entries; got "
-            f"{tuple(target.shape)} {dtype_name(target.dtype)}"
-        )
-    if bias is not None and (bias.dim() != 1 or bias.shape[0] != W.shape[0]):
-        raise ValueError(f"{op}: bias must have shape ({W.shape[0]},); got {tuple(bias.shape)}")
-    if rstd is not None and (rstd.shape != (h.shape[0],) or rstd.dtype != F32):
-        raise ValueError(f"{op}: rstd must be fp32 ({h.shape[0]},); got {tuple(rstd.shape)}")
-    if h.is_cuda and h.shape[1] % TMA_COLS:
-        raise InputError(
-            f"{op}: H={h.shape[1]} must be a multiple of {TMA_COLS} on the GPU (TMA moves rows "
-            f"of 16 bytes); pad the hidden size (zero columns of h and W do not change the loss)"
-        )
-
-
-def _check_targets(target: torch.Tensor, V: int, ignore_index: int) -> None:
-    """InputError naming the first target that is neither a class nor ignore_index (reads
-    the targets: a device sync on CUDA, so run only on request there)."""
-    bad = (target != ignore_index) & ((target < 0) | (target >= V))
-    if bool(bad.any()):
-        row = int(bad.nonzero()[0, 0])
-        raise InputError(
-            f"linear_cross_entropy: target[{row}] = {int(target[row])} is not a class index "
-            f"(0 <= target < V={V}) nor ignore_index={ignore_index}"
-        )
 
 
 # ---- per-chunk operands ------------------------------------------------------------------
@@ -122,19 +69,6 @@ def _chunk_operands(
     return Wc, extra
 
 
-def _local_targets(target: torch.Tensor, valid: torch.Tensor, c: Chunk) -> torch.Tensor:
-    """int32 chunk-local targets: target - start inside the chunk, -1 elsewhere."""
-    inside = valid & (target >= c.start) & (target < c.stop)
-    return torch.where(inside, target - c.start, -1).to(TARGET_DTYPE)
-
-
-def _epilogue_run(epi, A, B, outputs=None, **tensors) -> dict:
-    """``run_epilogue``, writing into caller buffers on CUDA when ``outputs`` is given."""
-    if outputs and A.is_cuda:
-        return epi(A, B, outputs=outputs, **tensors)
-    return run_epilogue(epi, A, B, **tensors)
-
-
 # ---- the forward op ----------------------------------------------------------------------
 
 
@@ -155,10 +89,10 @@ def lce_stats(
     log-sum-exp over V, z[target] (0 where target == ignore_index) and sum over V (only
     with ``with_sum``; zeros otherwise). Targets are range-checked on CPU, and on CUDA
     when ``check`` (a device sync). ``chunk_size`` 0: automatic (``ce_chunks``)."""
-    _check_operands(h, W, target, bias, rstd)
+    check_operands(h, W, target, bias, rstd)
     M, V = h.shape[0], W.shape[0]
     if check or not h.is_cuda:
-        _check_targets(target, V, ignore_index)
+        check_targets(target, V, ignore_index)
     valid = target != ignore_index
     n_partials = 4 if with_sum else 3
     size = chunk_size or ce_chunks.stats_chunk_size(M, V, n_partials)
@@ -170,7 +104,7 @@ def lce_stats(
         )
         if rstd is not None:
             extra["rstd"] = rstd
-        out = run_epilogue(epi, h, Wc, tloc=_local_targets(target, valid, c), **extra)
+        out = run_epilogue(epi, h, Wc, tloc=local_targets(target, valid, c.start, c.stop), **extra)
         if lse is None:
             # the GPU runtime returns results as views of one workspace with the partials:
             # copy the (M,) vectors out (outputs of a custom op must not alias each other,
@@ -244,8 +178,8 @@ def lce_stats_backward(
         Wc, extra = _chunk_operands(c, W, bias, mask=False)
         epi = grad_epilogue(h.dtype if store else None, *epi_args, need_dbias, need_drstd)
         outputs = None if buf is None else {"dlogits": buf[:, : c.gemm_cols]}
-        out = _epilogue_run(
-            epi, h, Wc, outputs, tloc=_local_targets(target, valid, c), **rows, **extra
+        out = run_epilogue(
+            epi, h, Wc, outputs, tloc=local_targets(target, valid, c.start, c.stop), **rows, **extra
         )
         if need_drstd:
             drstd += out["drstd"]
@@ -345,6 +279,47 @@ def _reduce(
     return total / valid.sum().clamp(min=1)  # all rows ignored: 0, not NaN
 
 
+def _grad_in_forward(
+    request: bool | None,
+    reduction: str,
+    return_lse: bool,
+    return_z_loss: bool,
+    inputs: tuple[torch.Tensor | None, ...],
+) -> bool:
+    """Whether this call runs the gradient-in-forward path (``ce_fused``): autograd will
+    want gradients (grad mode on and an input requiring grad) and the result is one
+    scalar loss (reduction "mean" / "sum", no lse or z-loss returned). ``request`` None:
+    automatic; False: never; True: required (ValueError when the options forbid it; with
+    nothing to differentiate it runs no gradient work either)."""
+    forbidden = None
+    if reduction == "none":
+        forbidden = 'reduction="none" (per-row losses take any upstream gradient)'
+    elif return_lse or return_z_loss:
+        forbidden = "return_lse / return_z_loss (extra outputs with their own gradients)"
+    if request and forbidden is not None:
+        raise ValueError(
+            f"grad_in_forward=True needs one scalar loss whose gradients the forward can "
+            f"compute; {forbidden} needs the recompute path (grad_in_forward=None or False)"
+        )
+    if request is False or forbidden is not None:
+        return False
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs)
+
+
+def _denominator(
+    valid: torch.Tensor, reduction: str, num_items_in_batch: torch.Tensor | int | None
+) -> torch.Tensor:
+    """0-dim fp32 divisor of the summed row losses (as ``_reduce``): num_items_in_batch,
+    1 for "sum", the count of valid rows (at least 1) for "mean"; no host sync."""
+    if num_items_in_batch is not None:
+        if isinstance(num_items_in_batch, torch.Tensor):
+            return num_items_in_batch.detach().to(device=valid.device, dtype=F32).reshape(())
+        return torch.full((), num_items_in_batch, dtype=F32, device=valid.device)
+    if reduction == "sum":
+        return torch.ones((), dtype=F32, device=valid.device)
+    return valid.sum().clamp(min=1).to(F32)
+
+
 def linear_cross_entropy(
     h: torch.Tensor,
     W: torch.Tensor,
@@ -363,9 +338,11 @@ def linear_cross_entropy(
     return_z_loss: bool = False,
     check: bool = False,
     chunk_size: int | None = None,
+    grad_in_forward: bool | None = None,
+    chunk_rows: int | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, ...]:
     """Cross-entropy of the logits ``softcap(rstd * (h @ W.T) + bias)`` against ``target``,
-    without materializing the M x V logits (forward or backward).
+    without materializing the M x V logits.
 
     h: (..., H) hidden states (bf16/fp16 on the GPU; fp32 too on CPU); W: (V, H) LM head
     weight of h's dtype; target: (...) int64/int32 class indices, ``ignore_index`` rows
@@ -383,8 +360,20 @@ def linear_cross_entropy(
     Returns the loss (fp32), or a tuple (loss, lse) / (loss, z_loss) / (loss, lse,
     z_loss) with ``return_lse`` (per-row log-sum-exp, shaped like ``target``) and
     ``return_z_loss`` (the z-loss term, reduced like the loss). ``check``: range-check
-    the targets on CUDA too (a device sync; always done on CPU). ``chunk_size``: vocabulary
-    columns per chunk (a multiple of 8; default: from ``ce_chunks.WORKSPACE_BYTES``).
+    the targets on CUDA too (a device sync; always done on CPU).
+
+    Two paths (docs/cross-entropy.md). ``grad_in_forward`` None (default): when autograd
+    will want gradients (grad mode on, an input requiring grad) of a scalar loss
+    ("mean"/"sum", no ``return_lse``/``return_z_loss``), the forward computes the loss
+    AND the gradients over chunks of ``chunk_rows`` rows (3 logits-sized GEMMs; the
+    backward only scales them: ``coda.fusions.ce_fused``); otherwise the statistics op
+    runs and the backward recomputes the logits chunk by chunk over the vocabulary (4
+    GEMMs with a backward). False: always the recompute path (the low-memory choice: its
+    workspace does not grow with V x H). True: require gradient-in-forward (ValueError
+    when the options forbid it). ``chunk_size``: vocabulary columns per chunk of the
+    recompute path (a multiple of 8; default: from ``ce_chunks.WORKSPACE_BYTES``).
+    ``chunk_rows``: rows per chunk of the gradient-in-forward path (default:
+    ``ce_chunks.grad_rows``, from ``ce_chunks.GRAD_ROWS_BYTES``).
     """
     if reduction not in ("mean", "sum", "none"):
         raise ValueError(f"reduction must be 'mean', 'sum' or 'none'; got {reduction!r}")
@@ -396,6 +385,11 @@ def linear_cross_entropy(
         raise ValueError(f"softcap must be a positive float or None; got {softcap}")
     if chunk_size is not None and (chunk_size <= 0 or chunk_size % TMA_COLS):
         raise ValueError(f"chunk_size must be a positive multiple of {TMA_COLS}; got {chunk_size}")
+    if chunk_rows is not None and chunk_rows <= 0:
+        raise ValueError(f"chunk_rows must be a positive number of rows; got {chunk_rows}")
+    fused = _grad_in_forward(
+        grad_in_forward, reduction, return_lse, return_z_loss, (h, W, bias, rstd)
+    )
     if shift:
         target = _shift(target, ignore_index)
     H, V = h.shape[-1], W.shape[0]
@@ -418,8 +412,16 @@ def linear_cross_entropy(
         r = rstd.reshape(-1).float()
     eps = float(label_smoothing)
     cap = None if softcap is None else float(softcap)
-    lse, zt, zsum = lce_stats(h2, W, t, bias, r, ignore_index, cap, eps > 0, chunk_size or 0, check)
     valid = t != ignore_index
+    if fused:
+        denom = _denominator(valid, reduction, num_items_in_batch)
+        need = (h.requires_grad, W.requires_grad, bias is not None and bias.requires_grad,
+                rstd is not None and rstd.requires_grad)  # fmt: skip
+        return lce_fused_loss(
+            h2, W, t, bias, r, denom, ignore_index, cap, eps, float(z_loss), chunk_rows or 0,
+            check, *need,
+        )[0]  # fmt: skip
+    lse, zt, zsum = lce_stats(h2, W, t, bias, r, ignore_index, cap, eps > 0, chunk_size or 0, check)
     rows = lse - zt
     if eps > 0:
         rows = (1.0 - eps) * rows + eps * (lse - zsum / V)

@@ -68,6 +68,8 @@ softplus               ``where(x > 20, x, log1p(exp(x)))`` (torch's beta=1,     
 gelu_tanh              ``0.5 x (1 + tanh(k (x + 0.044715 x^3)))``, k = sqrt(2/pi),   (*)
                        in torch's evaluation order
 abs                    ``cute.math.abs`` (``abs.f32``)                                exact
+round_to               ``x.to(narrow).to(x's dtype)``: the conversion a ``TileStore``  exact
+                       applies (round to nearest even), then back
 relu, maximum,         ``cute.math.max / min(..., propagate_nan=True)`` (NaN          exact
 minimum, clamp         propagates as in torch); clamp = min(max(x, lo), hi), so
                        lo > hi gives hi as in torch
@@ -109,6 +111,7 @@ __all__ = [
     "maximum",
     "minimum",
     "relu",
+    "round_to",
     "rsqrt",
     "sigmoid",
     "silu",
@@ -504,3 +507,26 @@ def where(cond: Any, a: Any, b: Any) -> Any:
             like = torch.empty((), dtype=torch.float32, device=t.device)
         return torch.where(cond, _as_tensor(a, like), _as_tensor(b, like))
     return _cute_where(cond, a, b)
+
+
+def _cute_round_to(x: Any, dtype: torch.dtype) -> Any:
+    import cutlass
+
+    narrow = {
+        torch.bfloat16: cutlass.BFloat16,
+        torch.float16: cutlass.Float16,
+        torch.float32: cutlass.Float32,
+    }[dtype]
+    own = x.dtype if isinstance(x, _cute().TensorSSA) else type(x)
+    return x if own is narrow else x.to(narrow).to(own)
+
+
+def round_to(x: Any, dtype: torch.dtype = torch.bfloat16) -> Any:
+    """x rounded to the nearest value of the float ``dtype`` (bfloat16, float16, float32),
+    returned in x's own dtype: exactly what storing x in ``dtype`` (a ``TileStore``) and
+    loading it back (a ``TileLoad``) gives."""
+    if dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise TypeError(f"coda.primitives.math.round_to: dtype must be a float dtype; got {dtype}")
+    if _backend("round_to", (x,)) == _TORCH:
+        return x.to(dtype).to(x.dtype)
+    return _cute_round_to(_cute_unary_arg("round_to", x), dtype)

@@ -1,0 +1,427 @@
+"""coda.fusions.ce_fused: the LM-head cross-entropy with its gradients computed in the forward.
+
+Sits in ``coda.fusions`` beside ``cross_entropy`` (whose ``linear_cross_entropy`` picks
+this path or the recompute one), on ``ce_epilogues`` (the epilogues), ``ce_chunks`` (row
+chunks, workspace), ``ce_operands`` (checks, targets) and ``_dispatch`` (fused kernel on
+CUDA, the epilogues' reference on CPU).
+
+One custom op, ``coda::lce_fused_loss(h, W, target, bias, rstd, denom, ...) -> (loss, dh,
+dW, dbias, drstd)``: the scalar loss sum_rows(row loss) / denom and its gradients with
+respect to h, W, bias and rstd for an upstream gradient of 1 (each an empty tensor when
+not asked for). Its autograd formula multiplies the saved gradients by the loss's
+upstream gradient: the backward runs no GEMM. Three logits-sized GEMMs in all (the
+recompute path of ``cross_entropy`` runs four). Per chunk of ``rows`` rows [r0, r1)
+(m rows; V' = ``ce_chunks.main_cols(V)``, V without its V mod 8 tail):
+
+1. logits GEMM h_c @ W[:V'].T with ``stats_store_epilogue``: lse, zt, zsum of the rows,
+   and acc itself stored into row buffer 1 (m x V', in h's dtype: ``ACC_STORE_DTYPE``);
+2. the V mod 8 (<= 7) tail columns in plain torch, fp32, on (m, <= 7) tensors, merged
+   into the statistics (logaddexp, sums);
+3. the row losses, and the per-row upstream coefficients in closed form (no sync), with
+   s = 1 / denom on valid rows and 0 on ignored ones: ga = dL/dlse = s (1 + 2 z_loss lse),
+   gt = dL/dzt = -s (1 - eps), gs = dL/dzsum = -s eps / V (eps: label smoothing);
+4. ``run_map`` of ``grad_map_epilogue`` over buffer 1: dlogits = rstd * dL/ds into row
+   buffer 2 (h's dtype), and the dbias (column) / drstd (row) reductions; the tail's
+   gradient in torch;
+5. dh[r0:r1] = dlogits @ W[:V'] (+ the tail's, in fp32, rounded once), and
+   dW (+)= dlogits.T @ h_c: with one row chunk written directly in W's dtype, with
+   several accumulated into an fp32 V x H buffer (``accumulate=True``: TMA reduce-add)
+   and cast once at the end, so dW is never summed in bf16.
+
+Separate buffers: buffer 1 is read while buffer 2 is written; the in-place variant (one
+buffer) is not used. Precision: lse, zt and zsum (so the loss) come from the fp32 acc;
+the gradient's softmax exp(z - lse) from the acc stored in h's dtype, so its logits are
+rounded as a materialized-logits loss rounds them (measured on CPU: dh, dW errors
+against float64 of 0.5x to 1x eager bf16 PyTorch's typically, past 2x at a few tiny
+shapes; the recompute path's are smaller). ``ACC_STORE_DTYPE = torch.float32`` stores
+the acc in fp32 instead: the recompute path's algebra exactly, for 2 more bytes written
+and read per logit.
+"""
+
+from __future__ import annotations
+
+import attrs
+import torch
+from torch.library import custom_op, register_autograd
+
+from coda.fusions import ce_chunks
+from coda.fusions._dispatch import matmul, run_epilogue, run_map
+from coda.fusions.ce_epilogues import STORED_ACC, grad_map_epilogue, stats_store_epilogue
+from coda.fusions.ce_operands import check_operands, check_targets, local_targets
+
+__all__ = ["ACC_STORE_DTYPE", "lce_fused_loss"]
+
+F32 = torch.float32
+
+#: dtype of the stored acc (row buffer 1): None stores it in h's dtype (the default: the
+#: gradient's softmax is then taken from rounded logits, as a materialized-logits loss
+#: does); torch.float32 keeps the recompute path's precision for twice the buffer's bytes
+#: and its write + read traffic. Read at call time.
+ACC_STORE_DTYPE: torch.dtype | None = None
+
+
+@attrs.frozen
+class _Spec:
+    """The per-call constants of one fused loss: options and the gradients asked for."""
+
+    V: int
+    acc_dtype: torch.dtype
+    out_dtype: torch.dtype
+    ignore_index: int
+    softcap: float | None
+    eps: float
+    z_loss: float
+    bias_dtype: torch.dtype | None
+    rstd: bool
+    need_dh: bool
+    need_dW: bool
+    need_dbias: bool
+    need_drstd: bool
+
+    @property
+    def main(self) -> int:
+        """Columns through the fused GEMM (whole groups of 8)."""
+        return ce_chunks.main_cols(self.V)
+
+    @property
+    def tail(self) -> int:
+        """The V mod 8 columns done in torch."""
+        return self.V - self.main
+
+    @property
+    def with_sum(self) -> bool:
+        return self.eps > 0
+
+    @property
+    def store(self) -> bool:
+        """dlogits feed a GEMM (dh or dW asked for)."""
+        return self.need_dh or self.need_dW
+
+
+# ---- per-row math shared by the fused columns and the tail -------------------------------
+
+
+def _row_losses(spec: _Spec, lse, zt, zsum, valid) -> torch.Tensor:
+    """The loss of each row (0 for ignored rows), as ``linear_cross_entropy`` builds it."""
+    rows = lse - zt
+    if spec.with_sum:
+        rows = (1.0 - spec.eps) * rows + spec.eps * (lse - zsum / spec.V)
+    if spec.z_loss:
+        rows = rows + torch.where(valid, spec.z_loss * lse * lse, 0.0)
+    return torch.where(valid, rows, 0.0)
+
+
+def _coefficients(spec: _Spec, lse, valid, inv) -> tuple[torch.Tensor, ...]:
+    """(ga, gt, gs): d loss / d (lse, zt, zsum) per row for an upstream gradient of 1, with
+    ``inv`` = 1 / denom (a 0-dim device tensor) on valid rows, 0 on ignored ones; gs is
+    None without label smoothing."""
+    w = valid.to(F32) * inv
+    ga = w * (1.0 + 2.0 * spec.z_loss * lse) if spec.z_loss else w
+    gt = w * -(1.0 - spec.eps)
+    gs = w * (-spec.eps / spec.V) if spec.with_sum else None
+    return ga, gt, gs
+
+
+# ---- the V mod 8 tail in torch ------------------------------------------------------------
+
+
+@attrs.frozen
+class _Tail:
+    """fp32 (m, V mod 8) tensors of the tail columns: acc, z and the one-hot targets."""
+
+    acc: torch.Tensor
+    z: torch.Tensor
+    hit: torch.Tensor
+
+    def stats(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(lse, zt, zsum) over the tail columns."""
+        return torch.logsumexp(self.z, 1), (self.z * self.hit).sum(1), self.z.sum(1)
+
+    def grad(self, spec: _Spec, lse, ga, gt, gs) -> torch.Tensor:
+        """dL/ds of the tail columns (the chain of ``ce_epilogues._grad``)."""
+        g = ga[:, None] * torch.exp(self.z - lse[:, None]) + gt[:, None] * self.hit
+        if gs is not None:
+            g = g + gs[:, None]
+        if spec.softcap is not None:
+            u = self.z * (1.0 / spec.softcap)
+            g = g - g * (u * u)
+        return g
+
+
+def _tail(spec: _Spec, hf, W_tail, bias_tail, r_c, t_c, valid_c) -> _Tail:
+    """The tail's logits from ``hf`` (the chunk's rows in fp32)."""
+    acc = hf @ W_tail.float().T
+    s = acc if r_c is None else acc * r_c[:, None]
+    if bias_tail is not None:
+        s = s + bias_tail.float()
+    z = s if spec.softcap is None else spec.softcap * torch.tanh(s * (1.0 / spec.softcap))
+    cols = torch.arange(spec.tail, device=hf.device) + spec.main
+    hit = ((t_c[:, None] == cols) & valid_c[:, None]).to(F32)
+    return _Tail(acc, z, hit)
+
+
+# ---- the walk over row chunks ---------------------------------------------------------------
+
+
+class _Walk:
+    """One fused loss over row chunks: inputs, the two row buffers, the accumulators."""
+
+    def __init__(self, h, W, target, bias, rstd, denom, spec: _Spec, rows: int):
+        M, H = h.shape
+        self.h, self.W, self.target, self.rstd, self.spec = h, W, target, rstd, spec
+        self.denom, self.inv = denom, 1.0 / denom
+        self.plan = ce_chunks.row_chunks(M, rows)
+        main = spec.main
+        self.W_main, self.W_tail = W[:main], W[main:]
+        self.b_main = self.b_tail = None
+        if bias is not None:
+            self.b_main, self.b_tail = bias[:main], bias[main:]
+        self.valid = target != spec.ignore_index
+        self.row_loss = torch.empty(M, dtype=F32, device=h.device)
+        self.dh = torch.empty_like(h) if spec.need_dh else None
+        several = len(self.plan) > 1
+        self.dW = torch.empty_like(W) if spec.need_dW and not several else None
+        self.dW32 = torch.empty((W.shape[0], H), dtype=F32, device=W.device) if (
+            spec.need_dW and several
+        ) else None  # fmt: skip
+        self.dbias = (
+            torch.zeros(W.shape[0], dtype=F32, device=W.device) if spec.need_dbias else None
+        )
+        self.drstd = torch.empty(M, dtype=F32, device=h.device) if spec.need_drstd else None
+        self.bufs = self._buffers(min(rows, M))
+
+    def _buffers(self, m: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The two row buffers (stored acc, dlogits) on CUDA; the CPU reference returns
+        new tensors instead."""
+        if not self.h.is_cuda or self.spec.main == 0:
+            return None
+        shape, device = (m, self.spec.main), self.h.device
+        return (
+            torch.empty(shape, dtype=self.spec.acc_dtype, device=device),
+            torch.empty(shape, dtype=self.spec.out_dtype, device=device),
+        )
+
+    def run(self) -> list[torch.Tensor]:
+        for i, (r0, r1) in enumerate(self.plan):
+            self._chunk(i, r0, r1)
+        self.bufs = None  # free the row buffers before dW's cast
+        loss = self.row_loss.sum() / self.denom
+        dW = self.dW32.to(self.W.dtype) if self.dW32 is not None else self.dW
+        dbias = None if self.dbias is None else self.dbias.to(self.spec.bias_dtype)
+        return [loss, self.dh, dW, dbias, self.drstd]
+
+    # ---- one row chunk ------------------------------------------------------------------
+    def _chunk(self, i: int, r0: int, r1: int) -> None:
+        spec = self.spec
+        h_c, t_c, valid_c = self.h[r0:r1], self.target[r0:r1], self.valid[r0:r1]
+        r_c = None if self.rstd is None else self.rstd[r0:r1]
+        tloc = local_targets(t_c, valid_c, 0, spec.main)
+        hf = h_c.float() if spec.tail else None
+        stats, acc = self._main_stats(h_c, tloc, r_c, r1 - r0) if spec.main else (None, None)
+        tail = _tail(spec, hf, self.W_tail, self.b_tail, r_c, t_c, valid_c) if spec.tail else None
+        lse, zt, zsum = _merge(stats, None if tail is None else tail.stats())
+        self.row_loss[r0:r1] = _row_losses(spec, lse, zt, zsum, valid_c)
+        ga, gt, gs = _coefficients(spec, lse, valid_c, self.inv)
+        dl = None
+        if spec.main:
+            dl = self._main_grads(acc, tloc, lse, ga, gt, gs, r_c, r0, r1)
+        dl_t = None
+        if tail is not None:
+            dl_t = self._tail_grads(tail, lse, ga, gt, gs, r_c, r0, r1)
+        if spec.need_dh:
+            self._dh(r0, r1, dl, dl_t)
+        if spec.need_dW:
+            self._dW(i, h_c, hf, dl, dl_t)
+
+    def _main_stats(self, h_c, tloc, r_c, m: int):
+        """Step 1: ((lse, zt, zsum), stored acc) of the fused columns."""
+        spec = self.spec
+        epi = stats_store_epilogue(
+            spec.acc_dtype, spec.bias_dtype, spec.rstd, spec.softcap, spec.with_sum
+        )
+        out = run_epilogue(
+            epi, h_c, self.W_main, self._out(STORED_ACC, 0, m), tloc=tloc,
+            **self._vectors(r_c),
+        )  # fmt: skip
+        zsum = out["zsum"] if spec.with_sum else None
+        return (out["lse"], out["zt"], zsum), out[STORED_ACC]
+
+    def _main_grads(self, acc, tloc, lse, ga, gt, gs, r_c, r0: int, r1: int):
+        """Step 4 on the fused columns: dlogits (None when no GEMM needs them); dbias and
+        drstd accumulated."""
+        spec = self.spec
+        epi = grad_map_epilogue(
+            spec.acc_dtype, spec.out_dtype if spec.store else None, spec.bias_dtype, spec.rstd,
+            spec.softcap, spec.with_sum, spec.need_dbias, spec.need_drstd,
+        )  # fmt: skip
+        rows = {"lse": lse, "ga": ga, "gt": gt}
+        if gs is not None:
+            rows["gs"] = gs
+        m = r1 - r0
+        outputs = self._out("dlogits", 1, m) if spec.store else None
+        out = run_map(
+            epi, m, spec.main, self.h, outputs, **{STORED_ACC: acc}, tloc=tloc, **rows,
+            **self._vectors(r_c),
+        )  # fmt: skip
+        if spec.need_dbias:
+            self.dbias[: spec.main] += out["dbias"]
+        if spec.need_drstd:
+            self.drstd[r0:r1] = out["drstd"]
+        return out["dlogits"] if spec.store else None
+
+    def _tail_grads(self, tail: _Tail, lse, ga, gt, gs, r_c, r0: int, r1: int):
+        """Step 4 on the tail columns: fp32 dlogits; dbias and drstd accumulated."""
+        spec = self.spec
+        g = tail.grad(spec, lse, ga, gt, gs)
+        if spec.need_dbias:
+            self.dbias[spec.main :] += g.sum(0)
+        if spec.need_drstd:
+            part = (g * tail.acc).sum(1)
+            self.drstd[r0:r1] = part if not spec.main else self.drstd[r0:r1] + part
+        return g if r_c is None else g * r_c[:, None]
+
+    def _dh(self, r0: int, r1: int, dl, dl_t) -> None:
+        """Step 5: dh of the chunk's rows, rounded once into h's dtype."""
+        out = self.dh[r0:r1]
+        if dl_t is None:
+            matmul(dl, self.W_main.t(), out=out)
+            return
+        acc = dl_t @ self.W_tail.float()
+        if dl is not None:
+            matmul(dl, self.W_main.t(), out=acc, accumulate=True)
+        out.copy_(acc)
+
+    def _dW(self, i: int, h_c, hf, dl, dl_t) -> None:
+        """Step 5: dW (+)= dlogits.T @ h_c: directly in W's dtype with one row chunk, into
+        the fp32 accumulator with several (the first chunk writes, the next ones add)."""
+        main = self.spec.main
+        if self.dW32 is None:
+            if dl is not None:
+                matmul(dl.t(), h_c.t(), out=self.dW[:main])
+            if dl_t is not None:
+                self.dW[main:] = (dl_t.T @ hf).to(self.W.dtype)
+            return
+        if dl is not None:
+            matmul(dl.t(), h_c.t(), out=self.dW32[:main], accumulate=i > 0)
+        if dl_t is not None:
+            part = dl_t.T @ hf
+            if i == 0:
+                self.dW32[main:] = part
+            else:
+                self.dW32[main:] += part
+
+    # ---- operands ------------------------------------------------------------------------
+    def _out(self, name: str, which: int, m: int) -> dict[str, torch.Tensor] | None:
+        """``{name: row buffer which, first m rows}`` on CUDA, None on CPU."""
+        return None if self.bufs is None else {name: self.bufs[which][:m]}
+
+    def _vectors(self, r_c) -> dict[str, torch.Tensor]:
+        """The rstd / bias vectors the epilogues bind, as enabled."""
+        out = {}
+        if r_c is not None:
+            out["rstd"] = r_c
+        if self.b_main is not None:
+            out["bias"] = self.b_main
+        return out
+
+
+def _merge(main, tail):
+    """(lse, zt, zsum) of all columns from those of the fused columns and of the tail
+    (either may be None; zsum None without label smoothing on the fused side)."""
+    if tail is None:
+        return main
+    if main is None:
+        return tail
+    lse = torch.logaddexp(main[0], tail[0])
+    zsum = None if main[2] is None else main[2] + tail[2]
+    return lse, main[1] + tail[1], zsum
+
+
+# ---- the op --------------------------------------------------------------------------------
+
+
+def _outputs_like(h, W, bias, rstd, need_dh, need_dW, need_dbias, need_drstd) -> list:
+    """Empty tensors of the op's outputs: the 0-dim fp32 loss, then dh (M, H), dW (V, H),
+    dbias (V,), drstd (M,) where asked, shape (0,) otherwise."""
+    grad_dtype = bias.dtype if bias is not None else h.dtype
+    return [
+        h.new_empty((), dtype=F32),
+        h.new_empty(tuple(h.shape) if need_dh else (0,)),
+        W.new_empty(tuple(W.shape) if need_dW else (0,)),
+        W.new_empty((W.shape[0],) if need_dbias else (0,), dtype=grad_dtype),
+        h.new_empty((h.shape[0],) if need_drstd else (0,), dtype=F32),
+    ]
+
+
+@custom_op("coda::lce_fused_loss", mutates_args=())
+def lce_fused_loss(
+    h: torch.Tensor,
+    W: torch.Tensor,
+    target: torch.Tensor,
+    bias: torch.Tensor | None,
+    rstd: torch.Tensor | None,
+    denom: torch.Tensor,
+    ignore_index: int,
+    softcap: float | None,
+    label_smoothing: float,
+    z_loss: float,
+    chunk_rows: int,
+    check: bool,
+    need_dh: bool,
+    need_dW: bool,
+    need_dbias: bool,
+    need_drstd: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(loss, dh, dW, dbias, drstd): the fp32 scalar loss sum_rows(row loss) / ``denom``
+    (a 0-dim fp32 tensor: the valid-row count, 1, or num_items_in_batch) of the logits
+    softcap(rstd * h @ W.T + bias), and its gradients for an upstream gradient of 1 in
+    the inputs' dtypes (drstd fp32), each shape (0,) when its ``need_*`` is False.
+    ``chunk_rows``: rows per chunk, 0 for ``ce_chunks.grad_rows``. Targets are
+    range-checked on CPU, and on CUDA when ``check`` (a device sync)."""
+    check_operands(h, W, target, bias, rstd)
+    M, V = h.shape[0], W.shape[0]
+    if check or not h.is_cuda:
+        check_targets(target, V, ignore_index)
+    acc_dtype = ACC_STORE_DTYPE or h.dtype
+    spec = _Spec(
+        V, acc_dtype, h.dtype, ignore_index, softcap, float(label_smoothing), float(z_loss),
+        None if bias is None else bias.dtype, rstd is not None,
+        need_dh, need_dW, bias is not None and need_dbias, rstd is not None and need_drstd,
+    )  # fmt: skip
+    rows = chunk_rows or ce_chunks.grad_rows(M, V, acc_dtype.itemsize)
+    denom = denom.to(device=h.device, dtype=F32)
+    got = _Walk(h, W, target, bias, rstd, denom, spec, rows).run()
+    empty = _outputs_like(h, W, bias, rstd, False, False, False, False)
+    return tuple(e if g is None else g for g, e in zip(got, empty, strict=True))
+
+
+@lce_fused_loss.register_fake
+def _(
+    h, W, target, bias, rstd, denom, ignore_index, softcap, label_smoothing, z_loss,
+    chunk_rows, check, need_dh, need_dW, need_dbias, need_drstd,
+):  # fmt: skip
+    need_dbias = bias is not None and need_dbias
+    need_drstd = rstd is not None and need_drstd
+    return tuple(_outputs_like(h, W, bias, rstd, need_dh, need_dW, need_dbias, need_drstd))
+
+
+def _fused_setup(ctx, inputs, output) -> None:
+    ctx.need = (inputs[12], inputs[13], inputs[3] is not None and inputs[14],
+                inputs[4] is not None and inputs[15])  # fmt: skip
+    ctx.save_for_backward(*output[1:])
+    ctx.mark_non_differentiable(*output[1:])
+
+
+def _fused_backward(ctx, g_loss, *unused):
+    """The saved gradients times the loss's upstream gradient (no GEMM)."""
+    if g_loss is None:
+        return (None,) * 16
+    grads = [
+        (t * g_loss).to(t.dtype) if need else None
+        for t, need in zip(ctx.saved_tensors, ctx.need, strict=True)
+    ]
+    dh, dW, dbias, drstd = grads
+    return (dh, dW, None, dbias, drstd) + (None,) * 11
+
+
+register_autograd("coda::lce_fused_loss", _fused_backward, setup_context=_fused_setup)

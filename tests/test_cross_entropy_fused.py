@@ -1,0 +1,264 @@
+"""The gradient-in-forward path of linear_cross_entropy (``coda.fusions.ce_fused``) on CPU.
+
+* Its loss and every gradient (dh, dW, dbias, drstd) with every option (label smoothing,
+  z-loss, softcap, bias, rstd, ignored rows, ragged V with V mod 8 != 0 and V < 8, one or
+  many row chunks, num_items_in_batch) against the textbook float64 loss AND against the
+  recompute path (``grad_in_forward=False``), both at fp32 accuracy.
+* The automatic choice: which path runs (counted GEMM / epilogue calls: per row chunk one
+  logits GEMM with its epilogue, one acc-free map pass, the dh and dW GEMMs; nothing in
+  the backward), and that no gradient work runs without autograd.
+* The saved gradients scale with any upstream gradient; dW over many row chunks is
+  accumulated in fp32 and rounded once; the op's outputs have the inputs' dtypes.
+* The bf16 stored-logit variants (``ACC_STORE_DTYPE``) against eager bf16 PyTorch.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+
+from _ce_helpers import BF16, F32, F64, TOL, leaves, loss_and_grads, make, names, problems, textbook
+from coda.fusions import ce_fused
+from coda.fusions import cross_entropy as ce
+from coda.fusions.cross_entropy import linear_cross_entropy
+from coda.testing import examples
+from coda.testing.tolerance import assert_close_to_reference
+
+SCALAR = ("mean", "sum")
+
+
+def _run(p, dtype=F32, **kwargs):
+    h, W, bias, rstd, target = make(p, dtype)
+    return loss_and_grads(linear_cross_entropy, p, dtype, (h, W, bias, rstd), target, **kwargs)
+
+
+@settings(max_examples=examples(250))
+@given(p=problems(reductions=SCALAR))
+def test_matches_textbook_and_the_recompute_path(p):
+    fused = _run(p, grad_in_forward=True, chunk_rows=p["chunk_rows"])
+    recompute = _run(p, grad_in_forward=False, chunk_size=p["chunk_size"])
+    h, W, bias, rstd, target = make(p)
+    truth = loss_and_grads(textbook, p, F64, (h, W, bias, rstd), target)
+    for name, a, r, t in zip(names(p), fused, recompute, truth, strict=True):
+        assert torch.isfinite(a).all(), name
+        assert_close_to_reference(a, t, name=name, tol=TOL, floor=0.1)
+        assert_close_to_reference(a, r.double(), name=f"{name} vs recompute", tol=TOL, floor=0.1)
+
+
+# ---- which path runs --------------------------------------------------------------------
+
+
+class Calls:
+    """Counts of the GEMM-class calls of both paths, split forward / backward."""
+
+    def __init__(self, monkeypatch):
+        self.log: list[str] = []
+        for mod, tag in ((ce_fused, "fused"), (ce, "recompute")):
+            for fn in ("run_epilogue", "run_map", "matmul"):
+                if hasattr(mod, fn):
+                    monkeypatch.setattr(mod, fn, self._wrap(getattr(mod, fn), f"{tag}.{fn}"))
+
+    def _wrap(self, real, name):
+        def counted(*args, **kwargs):
+            self.log.append(name)
+            return real(*args, **kwargs)
+
+        return counted
+
+    def take(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for name in self.log:
+            out[name] = out.get(name, 0) + 1
+        self.log.clear()
+        return out
+
+
+def _inputs(M=20, H=16, V=43, grad=(True, True, False, False)):
+    g = torch.Generator().manual_seed(0)
+    tensors = [
+        torch.randn(M, H, generator=g),
+        torch.randn(V, H, generator=g) / 4,
+        0.1 * torch.randn(V, generator=g),
+        0.5 + torch.rand(M, generator=g),
+    ]
+    for t, flag in zip(tensors, grad, strict=True):
+        t.requires_grad_(flag)
+    target = torch.randint(0, V, (M,), generator=g)
+    target[::5] = -100
+    return tensors, target
+
+
+def _fused_counts(chunks, gemms_per_chunk=2):
+    out = {"fused.run_epilogue": chunks, "fused.run_map": chunks}
+    if gemms_per_chunk:
+        out["fused.matmul"] = gemms_per_chunk * chunks
+    return out
+
+
+def test_automatic_choice_runs_the_gradients_in_the_forward(monkeypatch):
+    """Grad mode, h and W requiring grad, a mean loss: per row chunk of 8 rows (3 chunks
+    of M = 20) the logits GEMM + epilogue, the map pass, the dh and dW GEMMs: 3 GEMMs per
+    chunk; the backward runs nothing."""
+    calls = Calls(monkeypatch)
+    (h, W, b, r), target = _inputs()
+    loss = linear_cross_entropy(h, W, target, chunk_rows=8)
+    assert calls.take() == _fused_counts(3)
+    loss.backward()
+    assert calls.take() == {}
+    assert h.grad is not None and W.grad is not None
+
+
+@pytest.mark.parametrize(
+    "grad,want",
+    [
+        ((True, False, False, False), 1),  # frozen head: dh only
+        ((False, True, False, False), 1),  # frozen h: dW only
+        ((False, False, True, True), 0),  # bias and rstd only: no GEMM after the map
+    ],
+)
+def test_only_the_gradients_asked_for(monkeypatch, grad, want):
+    calls = Calls(monkeypatch)
+    (h, W, b, r), target = _inputs(grad=grad)
+    loss = linear_cross_entropy(h, W, target, bias=b, rstd=r, chunk_rows=8)
+    assert calls.take() == _fused_counts(3, want)
+    loss.backward()
+    assert calls.take() == {}
+    for t, flag in zip((h, W, b, r), grad, strict=True):
+        assert (t.grad is not None) == flag
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(reduction="none"),
+        dict(return_lse=True),
+        dict(return_z_loss=True, z_loss=1e-3),
+        dict(grad_in_forward=False),
+    ],
+    ids=["none", "return_lse", "return_z_loss", "forced_off"],
+)
+def test_recompute_path_when_asked_or_needed(monkeypatch, kwargs):
+    calls = Calls(monkeypatch)
+    (h, W, _, _), target = _inputs()
+    out = linear_cross_entropy(h, W, target, chunk_size=16, **kwargs)
+    assert calls.take() == {"recompute.run_epilogue": 4}  # vocabulary chunks 16, 16, 8, 3
+    loss = out[0] if isinstance(out, tuple) else out
+    loss.sum().backward()  # per chunk: the recomputed logits GEMM, the dh and dW GEMMs
+    assert calls.take() == {"recompute.run_epilogue": 4, "recompute.matmul": 8}
+
+
+@pytest.mark.parametrize("grad_in_forward", [None, True])
+def test_no_gradient_work_without_autograd(monkeypatch, grad_in_forward):
+    """Under torch.no_grad, or with no input requiring grad (evaluation), only the
+    statistics run, even when gradient-in-forward is asked for."""
+    calls = Calls(monkeypatch)
+    (h, W, _, _), target = _inputs()
+    with torch.no_grad():
+        a = linear_cross_entropy(h, W, target, chunk_size=64, grad_in_forward=grad_in_forward)
+    stats_only = {"recompute.run_epilogue": 2}  # columns [0, 40) and the 3-column tail
+    assert calls.take() == stats_only
+    b = linear_cross_entropy(
+        h.detach(), W.detach(), target, chunk_size=64, grad_in_forward=grad_in_forward
+    )
+    assert calls.take() == stats_only
+    c = linear_cross_entropy(h, W, target, chunk_rows=64)
+    torch.testing.assert_close(a, c.detach(), rtol=1e-6, atol=0)
+    assert torch.equal(a, b)
+
+
+# ---- the saved gradients ------------------------------------------------------------------
+
+
+def test_saved_gradients_scale_with_the_upstream_gradient():
+    """Any function of the loss: d f(loss) = f'(loss) * saved gradients; a second backward
+    through a retained graph adds the same again."""
+    (h, W, b, r), target = _inputs(grad=(True, True, True, True))
+    opts = dict(label_smoothing=0.1, z_loss=1e-2, softcap=5.0)
+    loss = linear_cross_entropy(h, W, target, bias=b, rstd=r, chunk_rows=7, **opts)
+    f = 3.0 * loss**2 - loss
+    f.backward(retain_graph=True)
+    first = [t.grad.clone() for t in (h, W, b, r)]
+    f.backward()
+    hd, Wd, bd, rd = leaves((h, W, b, r), F64)
+    truth = textbook(hd, Wd, target, bias=bd, rstd=rd, **opts)
+    wants = torch.autograd.grad(3.0 * truth**2 - truth, (hd, Wd, bd, rd))
+    for name, got, again, want in zip(
+        ("dh", "dW", "dbias", "drstd"), first, (h.grad, W.grad, b.grad, r.grad), wants,
+        strict=True,
+    ):  # fmt: skip
+        assert_close_to_reference(got, want, name=name, tol=TOL)
+        torch.testing.assert_close(again, 2 * got)
+
+
+def test_many_row_chunks_round_dW_once():
+    """bf16 W, 40 row chunks: dW is accumulated in fp32 and rounded once, so it equals
+    the one-chunk dW (one GEMM over all rows) within one bf16 rounding; a bf16 running sum
+    over the chunks would drift by several."""
+    g = torch.Generator().manual_seed(1)
+    M, H, V = 40, 16, 24
+    h = torch.randn(M, H, generator=g).to(BF16)
+    W = (torch.randn(V, H, generator=g) / 4).to(BF16)
+    target = torch.randint(0, V, (M,), generator=g)
+    grads = []
+    for rows in (M, 1):
+        hl, Wl = leaves((h, W), BF16)
+        loss = linear_cross_entropy(hl, Wl, target, reduction="sum", chunk_rows=rows)
+        grads.append(torch.autograd.grad(loss, Wl)[0])
+    one, many = grads
+    ulp = one.float().abs() * 2.0**-8 + 1e-30
+    assert ((many.float() - one.float()).abs() <= ulp).all()
+    running = torch.zeros_like(one)  # what bf16 accumulation gives: visibly worse
+    for i in range(M):
+        hl, Wl = leaves((h[i : i + 1], W), BF16)
+        part = linear_cross_entropy(hl, Wl, target[i : i + 1], reduction="sum")
+        running = running + torch.autograd.grad(part, Wl)[0]
+    assert ((running.float() - one.float()).abs() > ulp).any()
+
+
+def test_output_dtypes_and_shapes():
+    (h, W, b, r), target = _inputs(grad=(True, True, True, True))
+    hb, Wb, bb = (t.detach().to(BF16).requires_grad_() for t in (h, W, b))
+    rr = r.detach().requires_grad_()
+    loss = linear_cross_entropy(hb, Wb, target, bias=bb, rstd=rr, chunk_rows=6)
+    assert loss.dtype == F32 and loss.shape == ()
+    loss.backward()
+    for leaf in (hb, Wb, bb, rr):
+        assert leaf.grad.dtype == leaf.dtype and leaf.grad.shape == leaf.shape
+
+
+def test_num_items_as_tensor_int_and_float():
+    (h, W, _, _), target = _inputs()
+    losses = [
+        linear_cross_entropy(h, W, target, num_items_in_batch=n, chunk_rows=9)
+        for n in (13, 13.0, torch.tensor(13), torch.tensor([13.0]))
+    ]
+    for loss in losses[1:]:
+        torch.testing.assert_close(loss, losses[0], rtol=0, atol=0)
+    hd, Wd = leaves((h, W), F64)
+    want = textbook(hd, Wd, target, num_items_in_batch=13)
+    torch.testing.assert_close(losses[0].double(), want, rtol=1e-6, atol=0)
+
+
+# ---- bf16 ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("acc_dtype", [None, F32], ids=["acc_bf16", "acc_fp32"])
+@settings(max_examples=examples(60))
+@given(p=problems(reductions=SCALAR))
+def test_bf16_no_worse_than_eager_bf16(p, acc_dtype):
+    """bf16 h and W, the GPU rule: err <= 2 err(eager bf16) + atol against float64, with
+    the logits stored in bf16 (the default: their statistics taken from the same rounded
+    values) or in fp32 (``ACC_STORE_DTYPE``)."""
+    p = {**p, "bias": False, "rstd": False, "M": max(p["M"], 8), "H": max(p["H"], 8)}
+    old = ce_fused.ACC_STORE_DTYPE
+    ce_fused.ACC_STORE_DTYPE = acc_dtype
+    try:
+        ours = _run(p, BF16, grad_in_forward=True, chunk_rows=p["chunk_rows"])
+    finally:
+        ce_fused.ACC_STORE_DTYPE = old
+    h, W, _, _, target = make(p, BF16)
+    truth = loss_and_grads(textbook, p, F64, (h, W, None, None), target)
+    eager = loss_and_grads(textbook, p, BF16, (h, W, None, None), target)
+    for name, a, t, b in zip(("loss", "dh", "dW"), ours, truth, eager, strict=True):
+        assert_close_to_reference(a, t, name=name, baseline=b, atol=2e-3, floor=1e-2)
