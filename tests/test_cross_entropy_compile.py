@@ -1,15 +1,21 @@
 """linear_cross_entropy under the PyTorch stack, on CPU: ``torch.library.opcheck`` on its
-two custom ops (schema, fake tensors, autograd registration, AOT dispatch), and
-``torch.compile(fullgraph=True)`` of a loss with every option (no graph break, values and
-gradients equal to eager, a new sequence length without recompiling)."""
+three custom ops (schema, fake tensors, autograd registration, AOT dispatch), and
+``torch.compile(fullgraph=True)`` of a loss with every option on both paths (the
+recompute one: with a returned lse; the gradient-in-forward one: a scalar loss), no graph
+break, values and gradients equal to eager, a new sequence length without recompiling."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from torch._dynamo.testing import CompileCounterWithBackend
+from torch._dynamo.testing import CompileCounterWithBackend, EagerAndRecordGraphs
 
-from coda.fusions.cross_entropy import lce_stats, lce_stats_backward, linear_cross_entropy
+from coda.fusions.cross_entropy import (
+    lce_fused_loss,
+    lce_stats,
+    lce_stats_backward,
+    linear_cross_entropy,
+)
 
 H, V = 16, 43
 
@@ -31,6 +37,15 @@ def loss_fn(h, rstd, W, bias, labels):
     return loss + 1e-3 * lse.mean()
 
 
+def fused_loss_fn(h, rstd, W, bias, labels):
+    """The same options as a scalar loss (no returned lse): the gradient-in-forward path,
+    over row chunks of 4 rows, with num_items_in_batch."""
+    return linear_cross_entropy(
+        h, W, labels, rstd=rstd, bias=bias, softcap=20.0, label_smoothing=0.1,
+        z_loss=1e-3, shift=True, num_items_in_batch=11, chunk_rows=4,
+    )  # fmt: skip
+
+
 def run(fn, T, seed):
     g = torch.Generator().manual_seed(seed)
     h = torch.randn(2, T, H, generator=g).requires_grad_()
@@ -43,32 +58,56 @@ def run(fn, T, seed):
     return out.detach(), [h.grad, rstd.grad, W.grad, bias.grad]
 
 
-def test_compile_fullgraph_matches_eager_with_dynamic_lengths():
+OPS = {loss_fn: "lce_stats", fused_loss_fn: "lce_fused_loss"}
+
+
+@pytest.mark.parametrize("fn", list(OPS), ids=["recompute", "grad_in_forward"])
+def test_compile_fullgraph_matches_eager_with_dynamic_lengths(fn):
     torch._dynamo.reset()
     counter = CompileCounterWithBackend("aot_eager")
-    compiled = torch.compile(loss_fn, fullgraph=True, dynamic=True, backend=counter)
+    graphs = EagerAndRecordGraphs()
+
+    def backend(gm, example_inputs):
+        graphs(gm, example_inputs)
+        return counter(gm, example_inputs)
+
+    compiled = torch.compile(fn, fullgraph=True, dynamic=True, backend=backend)
     frames = []
     for T in (5, 9, 14):
         out_c, grads_c = run(compiled, T, seed=T)
         frames.append(counter.frame_count)
-        out_e, grads_e = run(loss_fn, T, seed=T)
+        out_e, grads_e = run(fn, T, seed=T)
         torch.testing.assert_close(out_c, out_e)
         for gc, ge in zip(grads_c, grads_e, strict=True):
             torch.testing.assert_close(gc, ge)
     assert frames[0] == frames[-1] == 1  # one graph, no recompile for a new length
+    code = graphs.graphs[0].code
+    assert f"coda.{OPS[fn]}" in code
+    assert ("lce_fused_loss" in code) == (OPS[fn] == "lce_fused_loss")
 
 
-@pytest.mark.parametrize("reduction", ["mean", "none"])
-def test_no_graph_breaks(reduction):
+@pytest.mark.parametrize(
+    "reduction,grad_in_forward,op",
+    [
+        ("mean", None, "lce_fused_loss"),
+        ("sum", True, "lce_fused_loss"),
+        ("mean", False, "lce_stats"),
+        ("none", None, "lce_stats"),
+    ],
+)
+def test_no_graph_breaks(reduction, grad_in_forward, op):
     torch._dynamo.reset()
     g = torch.Generator().manual_seed(0)
     h, labels = torch.randn(3, 7, H, generator=g), torch.randint(0, V, (3, 7), generator=g)
     W, _ = _params()
     explanation = torch._dynamo.explain(linear_cross_entropy)(
-        h, W, labels, shift=True, reduction=reduction, num_items_in_batch=None, z_loss=1e-4
-    )
+        h, W, labels, shift=True, reduction=reduction, num_items_in_batch=None, z_loss=1e-4,
+        grad_in_forward=grad_in_forward,
+    )  # fmt: skip
     assert explanation.graph_break_count == 0, explanation.break_reasons
     assert explanation.graph_count == 1
+    code = explanation.graphs[0].code
+    assert f"coda.{op}" in code and ("lce_fused_loss" in code) == (op == "lce_fused_loss")
 
 
 def _stats_args(grad=True):
@@ -82,6 +121,13 @@ def _stats_args(grad=True):
     target = torch.randint(0, V, (M,), generator=g)
     target[3] = -100
     return h, W, target, bias, rstd
+
+
+def _fused(h, W, target, bias, rstd, denom, options, rows, need):
+    """An opcheck case of ``lce_fused_loss``: options (softcap, label smoothing, z-loss),
+    rows per chunk, the four need_* flags."""
+    args = (h, W, target, bias, rstd, torch.tensor(denom), -100, *options, rows, False)
+    return lce_fused_loss, (*args, *(bool(n) for n in need))
 
 
 def _cases():
@@ -119,6 +165,12 @@ def _cases():
                 False,
             ),
         ),  # fmt: skip
+        # the gradient-in-forward op: every gradient, several row chunks, the V mod 8 tail
+        "fused_all": _fused(h, W, target, bias, rstd, 12.0, (5.0, 0.1, 1e-3), 5, (1, 1, 1, 1)),
+        "fused_dh_only": _fused(h, Wd, target, None, None, 12.0, (None, 0.0, 0.0), 0, (1, 0, 0, 0)),
+        "fused_rstd_only": _fused(
+            hd, Wd, target, None, rstd, 1.0, (None, 0.0, 0.0), 8, (0, 0, 0, 1)
+        ),
     }
 
 

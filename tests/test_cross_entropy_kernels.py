@@ -2,7 +2,8 @@
 (``coda.fusions.ce_epilogues``, incl. the new ``OneHot`` primitive) trace into the
 PingPong GEMM and compile for sm_90a; in the config ``epi(A, B)`` picks for them
 (``epilogue_config``: 128 x 128 tiles unless those spill) the SASS runs the GEMM on HGMMA
-with no local memory (LDL/STL), and the default loss's kernels keep 128 x 128 tiles.
+with no local memory (LDL/STL), and the default loss's kernels keep 128 x 128 tiles (on
+both paths: recompute, and gradient-in-forward with its stored acc and map pass).
 """
 
 from __future__ import annotations
@@ -11,7 +12,13 @@ import pytest
 import torch
 
 from coda import Elementwise, Epilogue, TileReduce, TileStore, ops
-from coda.fusions.ce_epilogues import grad_epilogue, stats_epilogue
+from coda.fusions._dispatch import MAP_K
+from coda.fusions.ce_epilogues import (
+    grad_epilogue,
+    grad_map_epilogue,
+    stats_epilogue,
+    stats_store_epilogue,
+)
 from coda.primitives import OneHot
 from coda.runtime import gemm_kernels
 from coda.runtime.epilogue_kernels import epilogue_config
@@ -21,7 +28,7 @@ from coda.runtime.sass import count_prefix, disassemble, find_nvdisasm, opcode_c
 pytestmark = pytest.mark.compile
 bf16 = torch.bfloat16
 
-# name -> (epilogue, must keep 128-wide tiles)
+# name -> (epilogue, must keep 128-wide tiles[, K of its GEMM])
 KERNELS = {
     # the default loss: forward statistics, backward dlogits
     "stats": (stats_epilogue(None, False, None, False, False), True),
@@ -30,6 +37,19 @@ KERNELS = {
     "grad_rstd": (grad_epilogue(bf16, None, True, None, False, False, True), True),
     # the V mod 8 tail of the forward (masked log-sum-exp), with softcap and smoothing
     "stats_tail_softcap_sum": (stats_epilogue(None, False, 30.0, True, True), False),
+    # the gradient-in-forward path: statistics + the acc stored (rounded to bf16 first), and
+    # the acc-free map pass over it (K = MAP_K zero GEMM), default loss and every option
+    "stats_store": (stats_store_epilogue(bf16, None, False, None, False), True),
+    "grad_map": (
+        grad_map_epilogue(bf16, bf16, None, False, None, False, False, False),
+        True,
+        MAP_K,
+    ),
+    "grad_map_all": (
+        grad_map_epilogue(bf16, bf16, bf16, True, 30.0, True, True, True),
+        False,
+        MAP_K,
+    ),
     # OneHot at width 1/2 (pairs across lanes) feeding a row and a column reduction
     "onehot_half": (
         Epilogue().add(
@@ -46,9 +66,9 @@ KERNELS = {
 
 @pytest.mark.parametrize("name", list(KERNELS))
 def test_cross_entropy_kernels_compile_without_spills(name, tmp_path):
-    epi, wide = KERNELS[name]
+    epi, wide, *k = KERNELS[name]
     assert unsupported(epi) is None
-    cfg = epilogue_config(epi, bf16, 16384, 8192, 4096, num_sms=132)
+    cfg = epilogue_config(epi, bf16, 16384, 8192, k[0] if k else 4096, num_sms=132)
     if wide:
         assert cfg.tile_n == 128, cfg
     key = gemm_kernels.GemmKernelKey(cfg, bf16, FusedVisitor(epi))

@@ -1,8 +1,9 @@
 """coda.fusions.ce_epilogues: the epilogues of the LM-head cross-entropy (fwd and bwd).
 
-Sits under ``coda.fusions.cross_entropy`` (the ops), above the primitives. Both epilogues
-run after the logits GEMM ``acc = h @ W_c.T`` of one vocabulary chunk (W_c: rows
-[v0, v1) of the LM head) and recompute the logits of that chunk on the fly:
+Sits under ``coda.fusions.cross_entropy`` (the recompute path) and ``coda.fusions.ce_fused``
+(the gradient-in-forward path), above the primitives. The epilogues run after the logits
+GEMM ``acc = h @ W_c.T`` of one vocabulary chunk (W_c: rows [v0, v1) of the LM head), or,
+for ``grad_map_epilogue``, on an acc stored earlier, and compute the logits on the fly:
 
     s = rstd * acc + bias          (rstd: a per-row scale, the deferred final RMSNorm)
     z = cap * tanh(s / cap)        (softcap, Gemma 2; z = s without it)
@@ -24,13 +25,21 @@ then the softcap chain g *= 1 - (z / cap)^2 gives dL/ds; dL/drstd = sum_j g acc 
 ``TileReduce``), dL/dbias = sum_i g (column ``TileReduce``), and the stored chunk
 ``dlogits = rstd * g`` (= dL/dacc) feeds the dh and dW GEMMs.
 
-**The padded tail.** TMA moves M x N tiles in rows of 16 bytes, so every chunk is a
-multiple of 8 columns; the last V mod 8 columns run as an 8-column chunk over a zero-padded
-copy of their weight rows. Their acc is exactly 0, so z = softcap(bias_pad = 0) = 0 there:
-the forward masks them to -inf for the log-sum-exp with a 0/1 column vector ``valid``
-(``masked=True``) and z = 0 adds nothing to the sum; the backward needs no mask, since the
-padded columns of dlogits meet zero weight rows in dh, acc = 0 in drstd, and their dW and
-dbias entries are dropped.
+**Gradient-in-forward** (``ce_fused``): ``stats_store_epilogue`` is the forward plus a
+``TileStore`` of acc (``STORED_ACC``, rounded to the store dtype first by ``RoundTo`` so
+that the statistics are those of exactly the stored values); ``grad_map_epilogue`` is the
+backward chain without a GEMM (``run_map``): a ``TileLoad`` of the stored acc in place of
+``acc`` (``_logits`` and ``_grad`` take the source value's name), drstd summing g times
+that loaded acc.
+
+**The padded tail** (recompute path; the gradient-in-forward path computes the V mod 8
+tail columns in torch). TMA moves M x N tiles in rows of 16 bytes, so every chunk is a
+multiple of 8 columns; the last V mod 8 columns run as an 8-column chunk over a
+zero-padded copy of their weight rows. Their acc is exactly 0, so z = softcap(bias_pad =
+0) = 0 there: the forward masks them to -inf for the log-sum-exp with a 0/1 column vector
+``valid`` (``masked=True``) and z = 0 adds nothing to the sum; the backward needs no mask,
+since the padded columns of dlogits meet zero weight rows in dh, acc = 0 in drstd, and
+their dW and dbias entries are dropped.
 
 Every ``fn`` is a module-level function or an attrs value (equal across calls), so equal
 options give equal epilogues and one compiled kernel each.

@@ -13,8 +13,9 @@ upstream gradient: the backward runs no GEMM. Three logits-sized GEMMs in all (t
 recompute path of ``cross_entropy`` runs four). Per chunk of ``rows`` rows [r0, r1)
 (m rows; V' = ``ce_chunks.main_cols(V)``, V without its V mod 8 tail):
 
-1. logits GEMM h_c @ W[:V'].T with ``stats_store_epilogue``: lse, zt, zsum of the rows,
-   and acc itself stored into row buffer 1 (m x V', in h's dtype: ``ACC_STORE_DTYPE``);
+1. logits GEMM h_c @ W[:V'].T with ``stats_store_epilogue``: acc rounded to h's dtype
+   (``ACC_STORE_DTYPE``) stored into row buffer 1 (m x V'), and lse, zt, zsum of the
+   rows from those rounded values;
 2. the V mod 8 (<= 7) tail columns in plain torch, fp32, on (m, <= 7) tensors, merged
    into the statistics (logaddexp, sums);
 3. the row losses, and the per-row upstream coefficients in closed form (no sync), with
@@ -28,14 +29,15 @@ recompute path of ``cross_entropy`` runs four). Per chunk of ``rows`` rows [r0, 
    several accumulated into an fp32 V x H buffer (``accumulate=True``: TMA reduce-add)
    and cast once at the end, so dW is never summed in bf16.
 
-Separate buffers: buffer 1 is read while buffer 2 is written; the in-place variant (one
-buffer) is not used. Precision: lse, zt and zsum (so the loss) come from the fp32 acc;
-the gradient's softmax exp(z - lse) from the acc stored in h's dtype, so its logits are
-rounded as a materialized-logits loss rounds them (measured on CPU: dh, dW errors
-against float64 of 0.5x to 1x eager bf16 PyTorch's typically, past 2x at a few tiny
-shapes; the recompute path's are smaller). ``ACC_STORE_DTYPE = torch.float32`` stores
-the acc in fp32 instead: the recompute path's algebra exactly, for 2 more bytes written
-and read per logit.
+Separate buffers: buffer 1 is read while buffer 2 is written (one buffer, written in
+place, would halve them; not done). Precision: acc is rounded to h's dtype once
+(``RoundTo`` in ``stats_store_epilogue``) and everything of the loss, lse, zt, zsum and
+the gradient's softmax exp(z - lse), is computed in fp32 from those same rounded values,
+as a loss over materialized bf16 logits is (consistent: the softmax sums to 1). Measured
+on CPU, bf16: dh and dW errors against float64 0.2x-0.6x eager bf16 PyTorch's; the
+recompute path (fp32 acc throughout) is a little closer still. ``ACC_STORE_DTYPE =
+torch.float32`` stores the acc in fp32: the recompute path's algebra exactly, for 2 more
+bytes written and read per logit.
 """
 
 from __future__ import annotations
@@ -53,10 +55,10 @@ __all__ = ["ACC_STORE_DTYPE", "lce_fused_loss"]
 
 F32 = torch.float32
 
-#: dtype of the stored acc (row buffer 1): None stores it in h's dtype (the default: the
-#: gradient's softmax is then taken from rounded logits, as a materialized-logits loss
-#: does); torch.float32 keeps the recompute path's precision for twice the buffer's bytes
-#: and its write + read traffic. Read at call time.
+#: dtype of the stored acc (row buffer 1): None stores it in h's dtype (the default: loss
+#: and gradient from logits rounded once, as a materialized-logits loss has them);
+#: torch.float32 keeps the recompute path's fp32 logits for twice the buffer's bytes and
+#: its write + read traffic. Read at call time.
 ACC_STORE_DTYPE: torch.dtype | None = None
 
 

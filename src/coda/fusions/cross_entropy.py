@@ -1,25 +1,40 @@
 """coda.fusions.cross_entropy: LM head + cross-entropy, forward and backward, logits never whole.
 
-Sits in ``coda.fusions`` on ``ce_epilogues`` (the epilogues), ``ce_chunks`` (how V is
-walked) and ``_dispatch`` (fused kernel on CUDA, the epilogues' reference on CPU).
+Sits in ``coda.fusions`` on ``ce_epilogues`` (the epilogues), ``ce_chunks`` (how V and
+the rows are walked), ``ce_operands`` (checks), ``ce_fused`` (the gradient-in-forward op)
+and ``_dispatch`` (fused kernel on CUDA, the epilogues' reference on CPU).
 
-Two custom ops (namespace ``coda``) carry all the M x V work:
+``linear_cross_entropy`` runs one of two paths (``_grad_in_forward`` picks):
+
+**Gradient-in-forward** (default when autograd will want gradients of a scalar loss:
+grad mode on, an input requiring grad, reduction "mean"/"sum", no returned lse/z-loss):
+``coda::lce_fused_loss`` (``ce_fused``) computes the loss and all gradients in the
+forward over row chunks, 3 logits-sized GEMMs in all; its backward scales the saved
+gradients by the loss's upstream gradient. Workspace: two row buffers and, with more than
+one row chunk, an fp32 V x H dW accumulator.
+
+**Recompute** (otherwise, or ``grad_in_forward=False``: any upstream gradient, per-row
+losses, returned lse; the low-memory choice), two custom ops:
 
 * ``coda::lce_stats(h, W, target, bias, rstd, ...) -> (lse, zt, zsum)``: per row, the
   log-sum-exp of the logits z, the target logit z[target] (0 for ignored rows) and the
   row sum of z (label smoothing only; zeros otherwise), all fp32 (M,). One epilogue of
   the logits GEMM per vocabulary chunk (usually one chunk), chunks merged by logaddexp.
+  Without autograd (no_grad, evaluation) only this op runs, whatever the path asked.
 * ``coda::lce_stats_backward``: its autograd formula. Per vocabulary chunk c, the logits
   GEMM h @ W_c.T recomputes z and its epilogue writes dlogits_c = rstd * dL/ds (M x V_c,
   in h's dtype; plus the dbias / drstd reductions), then dh (+)= dlogits_c @ W_c (fp32
   accumulator across chunks) and dW[c] = dlogits_c.T @ h (ONE GEMM over all tokens,
   written once in W's dtype: no bf16 accumulation of dW, no V x H fp32 buffer). dW is
-  skipped when W does not require grad, dh when h does not.
+  skipped when W does not require grad, dh when h does not. 4 logits-sized GEMMs with
+  the forward's; workspace independent of V.
 
-``linear_cross_entropy`` builds every loss option from the three statistics with plain,
-differentiable torch ops on (M,) vectors (so autograd, torch.compile and any upstream
-gradient work unchanged): nll = lse - zt, label smoothing eps: (1 - eps) nll +
-eps (lse - zsum / V), z-loss: + z_loss * lse^2, ignored rows 0, then the reduction.
+On the recompute path ``linear_cross_entropy`` builds every loss option from the three
+statistics with plain, differentiable torch ops on (M,) vectors (so autograd,
+torch.compile and any upstream gradient work unchanged): nll = lse - zt, label smoothing
+eps: (1 - eps) nll + eps (lse - zsum / V), z-loss: + z_loss * lse^2, ignored rows 0, then
+the reduction. The gradient-in-forward op builds the same loss from the same statistics
+per row chunk, and its gradients from their closed-form derivatives.
 
 Logits: z = softcap(rstd * (h @ W.T) + bias), softcap(s) = cap * tanh(s / cap).
 """
@@ -39,7 +54,7 @@ from coda.fusions.ce_epilogues import grad_epilogue, stats_epilogue
 from coda.fusions.ce_fused import lce_fused_loss
 from coda.fusions.ce_operands import check_operands, check_targets, local_targets
 
-__all__ = ["lce_stats", "lce_stats_backward", "linear_cross_entropy"]
+__all__ = ["lce_fused_loss", "lce_stats", "lce_stats_backward", "linear_cross_entropy"]
 
 F32 = torch.float32
 Reduction = Literal["mean", "sum", "none"]
