@@ -83,3 +83,27 @@ def test_docs_example_runs():
     exec(compile(block, "docs/cross-entropy.md", "exec"), ns)  # noqa: S102
     assert ns["h"].grad.abs().sum() > 0 and ns["W"].grad.abs().sum() > 0
     assert ns["loss"].dim() == 0 and torch.isfinite(ns["loss"])
+
+
+def test_grad_in_forward_passes_through(monkeypatch):
+    """The module's grad_in_forward and chunk_rows reach the op: the same loss and
+    gradients on both paths, and the path asked for is the one that runs."""
+    from coda.fusions import ce_fused
+
+    calls = []
+    real = ce_fused.run_map
+    monkeypatch.setattr(ce_fused, "run_map", lambda *a, **k: calls.append(1) or real(*a, **k))
+    x, W, _, labels = _data(3)
+    results = []
+    for flag, runs in ((None, 4), (True, 4), (False, 0)):
+        module = LinearCrossEntropyLoss(shift=True, grad_in_forward=flag, chunk_rows=8)
+        xs, Ws = _leaf(x), _leaf(W)
+        loss = module(xs, Ws, labels, num_items_in_batch=19)
+        loss.backward()
+        assert len(calls) == runs, flag  # one map pass per row chunk of 8 (30 rows)
+        calls.clear()
+        results.append((loss.detach(), xs.grad, Ws.grad))
+    for other in results[1:]:
+        for a, b in zip(results[0], other, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+    assert "grad_in_forward=False" in repr(module)

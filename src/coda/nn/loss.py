@@ -18,6 +18,12 @@ its forward takes the hidden states, the LM head weight (V, H) and the labels::
   rstd = (mean x^2 + eps)^-1/2 (cheap, O(M H), differentiable) and scales the logits
   rows by rstd inside the GEMM epilogue, so gradients reach x and the norm weight.
 
+* ``grad_in_forward`` (None: automatic; see ``linear_cross_entropy``): in training the
+  forward computes the loss and its gradients (3 logits-sized GEMMs, the backward only
+  scales them); False keeps the recompute path (4 GEMMs, workspace independent of the
+  vocabulary: the low-memory choice). ``chunk_size`` / ``chunk_rows`` size the chunks of
+  the two paths.
+
 Only the loss is fused here: evaluation and generation need real logits and keep the
 model's own LM head (fuse the loss only when training with labels).
 """
@@ -48,6 +54,8 @@ class LinearCrossEntropyLoss(nn.Module):
         shift: bool = False,
         check: bool = False,
         chunk_size: int | None = None,
+        grad_in_forward: bool | None = None,
+        chunk_rows: int | None = None,
     ) -> None:
         super().__init__()
         self.ignore_index = ignore_index
@@ -58,9 +66,12 @@ class LinearCrossEntropyLoss(nn.Module):
         self.shift = shift
         self.check = check
         self.chunk_size = chunk_size
+        self.grad_in_forward = grad_in_forward
+        self.chunk_rows = chunk_rows
 
     def extra_repr(self) -> str:
         keys = ("ignore_index", "reduction", "label_smoothing", "z_loss", "softcap", "shift")
+        keys += ("grad_in_forward",) if self.grad_in_forward is not None else ()
         return ", ".join(f"{k}={getattr(self, k)!r}" for k in keys)
 
     def forward(
@@ -99,4 +110,6 @@ class LinearCrossEntropyLoss(nn.Module):
             shift=self.shift and shift_labels is None,
             check=self.check,
             chunk_size=self.chunk_size,
+            grad_in_forward=self.grad_in_forward,
+            chunk_rows=self.chunk_rows,
         )
