@@ -2,9 +2,12 @@
 
 Loss and gradients (dh, dW, dbias, drstd) of every option against float64 (the textbook
 math on the bf16 inputs): err(coda) <= 2 * err(eager bf16 PyTorch) + atol, eager being
-the unfused bf16 pipeline (bf16 logits, then the loss). Vocabulary sizes of real models
-(ragged: 50257 is odd), chunked and unchunked. Peak memory: the workspace (peak minus the
-gradient buffers) stays under the bound of ``coda.fusions.ce_chunks``, far below M x V.
+the unfused bf16 pipeline (bf16 logits, then the loss). Both paths: the recompute one
+(``grad_in_forward=False``; vocabulary chunked and not) and the gradient-in-forward one
+(``grad_in_forward=True``; one row chunk or several, the acc stored in bf16 or fp32), each
+checked to be the path that ran. Vocabulary sizes of real models (ragged: 50257 is odd).
+Peak memory: the workspace (peak minus the gradient buffers) of each path stays under
+its bound from ``coda.fusions.ce_chunks``.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ if not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 
     pytest.skip("needs an NVIDIA Hopper GPU", allow_module_level=True)
 
 from coda.errors import InputError  # noqa: E402
-from coda.fusions import ce_chunks  # noqa: E402
+from coda.fusions import ce_chunks, ce_fused  # noqa: E402
 from coda.fusions.cross_entropy import linear_cross_entropy  # noqa: E402
 from coda.testing.tolerance import assert_close_to_reference  # noqa: E402
 
@@ -28,7 +31,7 @@ GiB = 2**30
 
 
 def textbook(h, W, target, bias=None, rstd=None, softcap=None, label_smoothing=0.0,
-             z_loss=0.0, reduction="mean"):  # fmt: skip
+             z_loss=0.0, reduction="mean", num_items_in_batch=None):  # fmt: skip
     logits = h @ W.T
     if rstd is not None:
         logits = logits * rstd[:, None].to(logits.dtype)
@@ -42,6 +45,8 @@ def textbook(h, W, target, bias=None, rstd=None, softcap=None, label_smoothing=0
         rows = rows + z_loss * torch.logsumexp(logits.float(), -1).to(rows.dtype) ** 2 * valid
     if reduction == "none":
         return rows
+    if num_items_in_batch is not None:
+        return rows.sum() / num_items_in_batch
     return rows.sum() if reduction == "sum" else rows.sum() / valid.sum().clamp(min=1)
 
 
@@ -70,8 +75,8 @@ def grads_of(fn, tensors, target, dtype, upstream, **opts):
     return (loss, *torch.autograd.grad(loss, wrt, up))
 
 
-def _coda(h, W, target, chunk_size=None, **opts):
-    return linear_cross_entropy(h, W, target, chunk_size=chunk_size, **opts)
+def _coda(h, W, target, **opts):
+    return linear_cross_entropy(h, W, target, **opts)
 
 
 OPTIONS = {
@@ -82,15 +87,47 @@ OPTIONS = {
     "all_none": dict(
         bias=True, rstd=True, softcap=15.0, label_smoothing=0.05, z_loss=1e-4, reduction="none"
     ),
+    "all_sum": dict(
+        bias=True, rstd=True, softcap=15.0, label_smoothing=0.05, z_loss=1e-4, reduction="sum"
+    ),
+    "num_items": dict(num_items_in_batch=100, z_loss=1e-4),
 }
 SHAPES = [(512, 256, 1000), (300, 264, 50257), (1000, 512, 32000), (257, 128, 151936)]
+# path -> the keyword arguments that force it (chunking: None = automatic)
+PATHS = {
+    "recompute": dict(grad_in_forward=False),
+    "recompute_chunked": dict(grad_in_forward=False, chunk_size=4096),
+    "fused": dict(grad_in_forward=True),
+    "fused_rows128": dict(grad_in_forward=True, chunk_rows=128),  # 2 to 8 row chunks
+    "fused_acc32": dict(grad_in_forward=True, chunk_rows=128, acc_dtype=torch.float32),
+}
 
 
-@pytest.mark.parametrize("chunk_size", [None, 4096])
+class MapPasses:
+    """Counts the gradient-in-forward path's map passes (one per row chunk)."""
+
+    def __init__(self, monkeypatch):
+        self.n = 0
+        real = ce_fused.run_map
+
+        def counted(*args, **kwargs):
+            self.n += 1
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(ce_fused, "run_map", counted)
+
+
+@pytest.mark.parametrize("path", list(PATHS))
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("name", list(OPTIONS))
-def test_matches_float64_no_worse_than_eager_bf16(name, shape, chunk_size):
+def test_matches_float64_no_worse_than_eager_bf16(name, shape, path, monkeypatch):
     opts = dict(OPTIONS[name])
+    kwargs = dict(PATHS[path])
+    fused = kwargs["grad_in_forward"]
+    if fused and opts.get("reduction") == "none":
+        pytest.skip("per-row losses run the recompute path only")
+    monkeypatch.setattr(ce_fused, "ACC_STORE_DTYPE", kwargs.pop("acc_dtype", None))
+    passes = MapPasses(monkeypatch)
     bias, rstd = opts.pop("bias", False), opts.pop("rstd", False)
     M, H, V = shape
     tensors = inputs(M, H, V, seed=M + V, bias=bias, rstd=rstd)
@@ -99,7 +136,9 @@ def test_matches_float64_no_worse_than_eager_bf16(name, shape, chunk_size):
     upstream = None
     if opts.get("reduction") == "none":
         upstream = torch.randn(M, device="cuda")
-    ours = grads_of(_coda, tensors, target, BF16, upstream, chunk_size=chunk_size, **opts)
+    ours = grads_of(_coda, tensors, target, BF16, upstream, **kwargs, **opts)
+    chunks = -(-M // kwargs.get("chunk_rows", M)) if fused else 0
+    assert passes.n == chunks, (passes.n, chunks)  # the path asked for is the one that ran
     truth = grads_of(textbook, tensors, target, F64, upstream, **opts)
     eager = grads_of(textbook, tensors, target, BF16, upstream, **opts)
     names = ["loss", "dh", "dW"] + (["dbias"] if bias else []) + (["drstd"] if rstd else [])
@@ -108,15 +147,40 @@ def test_matches_float64_no_worse_than_eager_bf16(name, shape, chunk_size):
         assert_close_to_reference(a, t, name=n, baseline=e, atol=1e-3, floor=1e-3)
 
 
-def test_frozen_head_all_ignored_and_checked_targets():
+def test_grad_in_forward_several_row_chunks_ragged_vocab(monkeypatch):
+    """V = 50257 (GPT-2: 50256 fused columns + a 1-column tail in torch), 1000 rows in
+    chunks of 256 (the last 232): loss and every gradient against float64 by the 2 x
+    eager rule, as close to float64 as the one-chunk run is, and all of it done in the
+    forward (4 map passes; the backward runs none)."""
+    M, H, V = 1000, 256, 50257
+    opts = dict(softcap=15.0, label_smoothing=0.05, z_loss=1e-4)
+    tensors = inputs(M, H, V, seed=7, bias=True, rstd=True)
+    target, tensors = tensors[-1], tensors[:-1]
+    truth = grads_of(textbook, tensors, target, F64, None, **opts)
+    eager = grads_of(textbook, tensors, target, BF16, None, **opts)
+    passes = MapPasses(monkeypatch)
+    many = grads_of(_coda, tensors, target, BF16, None, grad_in_forward=True, chunk_rows=256,
+                    **opts)  # fmt: skip
+    assert passes.n == 4
+    one = grads_of(_coda, tensors, target, BF16, None, grad_in_forward=True, chunk_rows=M, **opts)
+    names = ["loss", "dh", "dW", "dbias", "drstd"]
+    for n, a, b, t, e in zip(names, many, one, truth, eager, strict=True):
+        assert torch.isfinite(a).all(), n
+        assert_close_to_reference(a, t, name=n, baseline=e, atol=1e-3, floor=1e-3)
+        assert_close_to_reference(a, t, name=f"{n} vs one chunk", baseline=b, atol=1e-4,
+                                  floor=1e-3)  # fmt: skip
+
+
+@pytest.mark.parametrize("grad_in_forward", [False, True])
+def test_frozen_head_all_ignored_and_checked_targets(grad_in_forward):
     h, W, _, _, target = inputs(256, 128, 1000, seed=1)
     hl = h.clone().requires_grad_()
-    loss = linear_cross_entropy(hl, W, target)
+    loss = linear_cross_entropy(hl, W, target, grad_in_forward=grad_in_forward)
     loss.backward()
     assert hl.grad is not None and W.grad is None
     ignored = torch.full_like(target, -100)
     hl.grad = None
-    loss = linear_cross_entropy(hl, W.requires_grad_(), ignored)
+    loss = linear_cross_entropy(hl, W.requires_grad_(), ignored, grad_in_forward=grad_in_forward)
     loss.backward()
     assert float(loss.detach()) == 0.0 and not hl.grad.any() and not W.grad.any()
     bad = target.clone()
@@ -125,27 +189,47 @@ def test_frozen_head_all_ignored_and_checked_targets():
         linear_cross_entropy(h, W, bad, check=True)
 
 
-def test_workspace_stays_far_below_the_logits():
-    """M = 8192, H = 2048, V = 128256 (Llama 3): forward + backward; the peak above the
-    inputs, minus the gradients dh and dW that any implementation returns, stays under
-    the stated bound: WORKSPACE_BYTES (the dlogits chunk) + 4 M H (the fp32 dh
-    accumulator) + 1/16 of the budget (per-chunk partials) + 64 MiB (row vectors,
-    allocator rounding); the bf16 logits alone would be M V 2 = 1.96 GiB."""
+def _workspace(**kwargs) -> tuple[float, int, int, int]:
+    """(workspace bytes, M, V, H) of forward + backward at M = 8192, H = 2048, V = 128256
+    (Llama 3): the peak above the inputs minus the gradients dh and dW that any
+    implementation returns."""
     M, H, V = 8192, 2048, 128256
     h, W, _, _, target = inputs(M, H, V, seed=0)
     h.requires_grad_()
     W.requires_grad_()
-    linear_cross_entropy(h, W, target).backward()  # compile and warm up
+    linear_cross_entropy(h, W, target, **kwargs).backward()  # compile and warm up
     h.grad = W.grad = None
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
-    loss = linear_cross_entropy(h, W, target)
+    loss = linear_cross_entropy(h, W, target, **kwargs)
     dh, dW = torch.autograd.grad(loss, (h, W))
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() - base
     grads = dh.numel() * dh.element_size() + dW.numel() * dW.element_size()
-    workspace = peak - grads
+    return peak - grads, M, V, H
+
+
+def test_workspace_recompute_path_stays_far_below_the_logits():
+    """The recompute path (``grad_in_forward=False``, the low-memory choice): workspace at
+    most WORKSPACE_BYTES (the dlogits chunk) + 4 M H (the fp32 dh accumulator) + 1/16 of
+    the budget (per-chunk partials) + 64 MiB (row vectors, allocator rounding),
+    independent of V; the bf16 logits alone would be M V 2 = 1.96 GiB."""
+    workspace, M, V, H = _workspace(grad_in_forward=False)
     bound = ce_chunks.WORKSPACE_BYTES * (1 + 1 / 16) + 4 * M * H + 64 * 2**20
     assert workspace <= bound, (workspace / GiB, bound / GiB)
     assert workspace <= M * V * 2 / 4
+
+
+def test_workspace_grad_in_forward_path():
+    """The gradient-in-forward path (the default in training): workspace at most
+    ``ce_chunks.grad_in_forward_workspace`` + 64 MiB: two row buffers of rows x V bf16
+    (rows = ``grad_rows``: 2048 here, 0.49 GiB each), the fp32 V x H dW accumulator (more
+    than one row chunk: 0.98 GiB), per-chunk partials and row vectors (about 2.1 GiB in
+    all, near torch.compile's 1.96 GiB of logits; the backward's copy of the gradients is
+    smaller)."""
+    workspace, M, V, H = _workspace()
+    rows = ce_chunks.grad_rows(M, V, 2)
+    assert rows == 2048 and len(ce_chunks.row_chunks(M, rows)) == 4
+    bound = ce_chunks.grad_in_forward_workspace(M, V, H, 2, rows) + 64 * 2**20
+    assert workspace <= bound, (workspace / GiB, bound / GiB)
