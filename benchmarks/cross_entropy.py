@@ -1,7 +1,8 @@
 """LM head + cross-entropy: coda vs eager, torch.compile, Liger-Kernel and Cut Cross-Entropy.
 
     python benchmarks/cross_entropy.py [--H 2048 4096 8192] [--M 8192 16384] [--V 128256]
-        [--rounds 5] [--out benchmarks/results/cross_entropy_h200.json]
+        [--rounds 5] [--sweep CHUNK_SIZE ...] [--rows-sweep CHUNK_ROWS ...]
+        [--out benchmarks/results/cross_entropy_h200.json]
     python benchmarks/cross_entropy.py --H 2048 --M 8192 --rounds 3          # a short run
 
 For each shape (H, M, V) and pass ("fwd": the loss of inputs that require grad, as in
@@ -11,7 +12,13 @@ is reported; peak memory is measured once per contender: max_memory_allocated ab
 inputs (h, W, targets), with everything the pass returns alive (for "fwd" the graph
 saved for backward, for "fwd+bwd" the gradients).
 
-* coda: ``coda.fusions.linear_cross_entropy`` (fused epilogues, logits never whole).
+* coda: ``coda.fusions.linear_cross_entropy`` as called by default (fused epilogues,
+  logits never whole; in training the automatic choice is the gradient-in-forward path:
+  its "fwd" pass already computes dh and dW, 3 logits-sized GEMMs, and its backward only
+  scales them).
+* coda_recompute: the same with ``grad_in_forward=False``, the low-memory path (forward
+  statistics, the backward recomputes the logits: 4 GEMMs). Reported in the workspace
+  and sweep sections only, so the issue's row schema stays as it is.
 * eager: ``F.cross_entropy((h @ W.T).float(), t)``, Hugging Face's formulation.
 * compile: ``torch.compile`` of the same function.
 * liger: Liger-Kernel's ``LigerFusedLinearCrossEntropyLoss`` (``liger-kernel``).
@@ -20,9 +27,11 @@ saved for backward, for "fwd+bwd" the gradients).
 A contender whose package is missing, or that runs out of memory, gets null. The JSON has
 the issue's rows ``{"H", "M", "V", "pass", "coda_ms", "eager_ms", "compile_ms", "liger_ms",
 "cce_ms", "coda_peak_gib", "compile_peak_gib", "liger_peak_gib", "cce_peak_gib"}`` and, next
-to them, ``workspace`` (peak minus the returned gradients dh, dW), ``floor`` (the pass's
-GEMMs alone: 1 for fwd, 3 for fwd+bwd, on cuBLAS and on coda's mainloop) and, with
-``--sweep``, coda's fwd+bwd time and peak per backward chunk size.
+to them, ``workspace`` (per contender, coda_recompute included, the peak minus the
+returned gradients dh, dW; and coda_recompute's time and peak), ``floor`` (the pass's
+GEMMs alone: 1 for fwd, 3 for fwd+bwd, on cuBLAS and on coda's mainloop) and ``sweep``:
+fwd+bwd time, peak and workspace of coda_recompute per vocabulary chunk size
+(``--sweep``) and of coda per row chunk (``--rows-sweep``).
 """
 
 from __future__ import annotations
@@ -45,6 +54,8 @@ from coda.matmul import gemm  # noqa: E402
 GiB = 2**30
 CONTENDERS = ("coda", "eager", "compile", "liger", "cce")
 PEAKS = ("coda", "compile", "liger", "cce")
+#: measured beside the contenders, reported in the workspace section (not in the rows)
+EXTRA = ("coda_recompute",)
 
 
 def eager_loss(h: torch.Tensor, W: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
@@ -54,6 +65,7 @@ def eager_loss(h: torch.Tensor, W: torch.Tensor, t: torch.Tensor) -> torch.Tenso
 def loss_functions() -> dict[str, Callable | None]:
     fns: dict[str, Callable | None] = {
         "coda": lambda h, W, t: linear_cross_entropy(h, W, t),
+        "coda_recompute": lambda h, W, t: linear_cross_entropy(h, W, t, grad_in_forward=False),
         "eager": eager_loss,
         "compile": torch.compile(eager_loss),
     }
@@ -122,7 +134,20 @@ def floor_ms(h, W, kind: str, rounds: int, reps: int) -> dict:
     }
 
 
-def bench_shape(H: int, M: int, V: int, rounds: int, fns: dict, sweep: list[int]) -> dict:
+def sweep_row(key: dict, contender: str, knob: str, value: int, fn, h, W, t, rounds) -> dict:
+    """fwd+bwd time, peak and workspace of ``fn`` at one chunking ``knob=value``."""
+    run = make_pass(fn, "fwd+bwd", h, W, t)
+    peak, work = peak_gib(run)
+    ts = common.interleaved({"c": run}, rounds=rounds, reps=2, warmup=1)["c"]
+    row = {**key, "contender": contender, "chunk_size": None, "chunk_rows": None}
+    row[knob] = value
+    row.update(ms=common.median(ts), peak_gib=peak, workspace_gib=work)
+    return row
+
+
+def bench_shape(
+    H: int, M: int, V: int, rounds: int, fns: dict, sweep: list[int], rows_sweep: list[int]
+) -> dict:
     g = torch.Generator(device="cuda").manual_seed(0)
     h = (torch.randn(M, H, device="cuda", generator=g) / 2).to(torch.bfloat16).requires_grad_()
     W = (torch.randn(V, H, device="cuda", generator=g) / H**0.5).to(torch.bfloat16)
@@ -135,7 +160,8 @@ def bench_shape(H: int, M: int, V: int, rounds: int, fns: dict, sweep: list[int]
         key = {"H": H, "M": M, "V": V, "pass": kind}
         row = {**key, **{f"{c}_ms": None for c in CONTENDERS}}
         row.update({f"{c}_peak_gib": None for c in PEAKS})
-        space = {**key, **{f"{c}_workspace_gib": None for c in CONTENDERS}}
+        space = {**key, **{f"{c}_workspace_gib": None for c in CONTENDERS + EXTRA}}
+        space.update({f"{c}_{x}": None for c in EXTRA for x in ("ms", "peak_gib")})
         runs = {}
         for name, fn in fns.items():
             if fn is None:
@@ -148,25 +174,29 @@ def bench_shape(H: int, M: int, V: int, rounds: int, fns: dict, sweep: list[int]
                 continue
             if name in PEAKS:
                 row[f"{name}_peak_gib"] = peak
+            if name in EXTRA:
+                space[f"{name}_peak_gib"] = peak
             space[f"{name}_workspace_gib"] = work
             runs[name] = run
         times = common.interleaved(runs, rounds=rounds, reps=reps, warmup=2)
         for name, ts in times.items():
-            row[f"{name}_ms"] = common.median(ts)
+            (space if name in EXTRA else row)[f"{name}_ms"] = common.median(ts)
         out["rows"].append(row)
         out["workspace"].append(space)
         out["floor"].append({**key, **floor_ms(h.detach(), W.detach(), kind, rounds, reps)})
         gc.collect()
         torch.cuda.empty_cache()
+    key = {"H": H, "M": M, "V": V}
     for size in sweep:
-        fn = lambda h, W, t, size=size: linear_cross_entropy(h, W, t, chunk_size=size)  # noqa: E731
-        run = make_pass(fn, "fwd+bwd", h, W, t)
-        peak, work = peak_gib(run)
-        ts = common.interleaved({"c": run}, rounds=rounds, reps=2, warmup=1)["c"]
+        fn = lambda h, W, t, size=size: linear_cross_entropy(  # noqa: E731
+            h, W, t, grad_in_forward=False, chunk_size=size
+        )
         out["sweep"].append(
-            {"H": H, "M": M, "V": V, "chunk_size": size, "coda_ms": common.median(ts),
-             "coda_peak_gib": peak, "coda_workspace_gib": work}
-        )  # fmt: skip
+            sweep_row(key, "coda_recompute", "chunk_size", size, fn, h, W, t, rounds)
+        )
+    for rows in rows_sweep:
+        fn = lambda h, W, t, rows=rows: linear_cross_entropy(h, W, t, chunk_rows=rows)  # noqa: E731
+        out["sweep"].append(sweep_row(key, "coda", "chunk_rows", rows, fn, h, W, t, rounds))
     return out
 
 
@@ -213,14 +243,17 @@ def main(argv=None) -> None:
     p.add_argument("--M", type=int, nargs="+", default=[8192, 16384])
     p.add_argument("--V", type=int, default=128256)
     p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--sweep", type=int, nargs="*", default=[], help="backward chunk sizes")
+    p.add_argument(
+        "--sweep", type=int, nargs="*", default=[], help="coda_recompute's vocabulary chunks"
+    )
+    p.add_argument("--rows-sweep", type=int, nargs="*", default=[], help="coda's row chunks")
     p.add_argument("--out", default="benchmarks/results/cross_entropy_h200.json")
     args = p.parse_args(argv)
     fns = loss_functions()
     result: dict = {"rows": [], "workspace": [], "floor": [], "sweep": []}
     for H in args.H:
         for M in args.M:
-            part = bench_shape(H, M, args.V, args.rounds, fns, args.sweep)
+            part = bench_shape(H, M, args.V, args.rounds, fns, args.sweep, args.rows_sweep)
             for k in result:
                 result[k] += part[k]
     versions = {}
@@ -239,6 +272,13 @@ def main(argv=None) -> None:
     cols = ["H", "M", "pass"] + [f"{c}_ms" for c in CONTENDERS]
     cols += [f"{c}_peak_gib" for c in PEAKS]
     common.print_table(result["rows"], cols)
+    extra = ["H", "M", "pass"] + [f"{c}_{x}" for c in EXTRA for x in ("ms", "peak_gib")]
+    common.print_table(result["workspace"], extra + [f"{c}_workspace_gib" for c in CONTENDERS])
+    if result["sweep"]:
+        common.print_table(
+            result["sweep"],
+            ["H", "M", "contender", "chunk_size", "chunk_rows", "ms", "peak_gib", "workspace_gib"],
+        )
 
 
 if __name__ == "__main__":
