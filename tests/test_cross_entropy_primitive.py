@@ -19,6 +19,7 @@ import coda
 from coda import Elementwise, Epilogue, TileReduce, TileStore, ops
 from coda.fusions import ce_chunks
 from coda.primitives import OneHot
+from coda.primitives import math as cm
 from coda.specs import TensorSpec, ValueSpec
 from coda.testing import examples
 
@@ -117,3 +118,46 @@ def test_automatic_chunks_respect_the_workspace_bound(V, M):
 def test_chunk_size_must_be_a_multiple_of_8():
     with pytest.raises(ValueError, match="multiple of 8"):
         ce_chunks.chunks(100, 12)
+
+
+@settings(max_examples=examples(200))
+@given(st.integers(1, 70_000), st.sampled_from([1000, 32000, 50257, 128256, 151936]))
+def test_row_chunks_cover_the_rows_and_respect_the_budget(M, V):
+    """Gradient-in-forward rows: a multiple of 128, each row buffer within the budget
+    (unless one step of 128 rows exceeds it), no more than M rounded up to 128; the row
+    chunks tile [0, M)."""
+    rows = ce_chunks.grad_rows(M, V, 2)
+    assert rows % ce_chunks.ROW_STEP == 0 and rows <= ce_chunks.round_up(M, 128)
+    assert rows * ce_chunks.main_cols(V) * 2 <= max(
+        ce_chunks.GRAD_ROWS_BYTES, 128 * ce_chunks.main_cols(V) * 2
+    )
+    plan = ce_chunks.row_chunks(M, rows)
+    assert plan[0][0] == 0 and plan[-1][1] == M
+    assert all(a[1] == b[0] for a, b in zip(plan, plan[1:], strict=False))
+    assert all(0 < r1 - r0 <= rows for r0, r1 in plan)
+
+
+def test_grad_in_forward_workspace_terms():
+    """The bound's terms at Llama 3's vocabulary: two bf16 buffers of 2048 rows, the fp32
+    dW accumulator only with several row chunks, tail temporaries only when V % 8."""
+    M, V, H = 8192, 128256, 2048
+    rows = ce_chunks.grad_rows(M, V, 2)
+    assert rows == 2048
+    several = ce_chunks.grad_in_forward_workspace(M, V, H, 2, rows)
+    one = ce_chunks.grad_in_forward_workspace(M, V, H, 2, M)
+    assert several - 2 * rows * V * 2 >= 4 * V * H  # buffers + accumulator (+ partials)
+    assert one < 2 * M * V * 2 * 1.2  # no accumulator: the two (larger) buffers dominate
+    ragged = ce_chunks.grad_in_forward_workspace(M, V + 1, H, 2, rows)
+    assert ragged - several >= 8 * rows * H  # fp32 h rows and dh rows of the tail
+
+
+def test_round_to_is_a_store_and_load():
+    """cm.round_to (the rounding of the gradient-in-forward path's stored logits): the
+    nearest value of the narrow dtype, returned in the input's dtype."""
+    x = torch.randn(1000, generator=torch.Generator().manual_seed(0)) * 30
+    for dt in (torch.bfloat16, torch.float16, torch.float32):
+        got = cm.round_to(x, dt)
+        assert got.dtype == torch.float32 and torch.equal(got, x.to(dt).float())
+    assert torch.equal(cm.round_to(x.double(), torch.bfloat16), x.to(torch.bfloat16).double())
+    with pytest.raises(TypeError, match="float dtype"):
+        cm.round_to(x, torch.int32)
