@@ -2,7 +2,8 @@
 
     python benchmarks/train_step.py [--configs llama3-1b,h4096-trunc] [--seq 8192]
         [--layers4096 2] [--rounds 5] [--quick] [--mode auto|interleaved|isolated]
-        [--no-block | --block-only] [--out benchmarks/results/train_step_h200.json]
+        [--no-block | --block-only] [--out benchmarks/results/train_step_h200.json] [--merge]
+    python benchmarks/train_step.py --combine a.json b.json ... --out train_step_h200.json
 
 Sits in benchmarks/ (run from the repository root); needs a CUDA GPU (Hopper for coda).
 
@@ -737,6 +738,14 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--out", default="benchmarks/results/train_step_h200.json")
     p.add_argument(
+        "--combine",
+        nargs="+",
+        metavar="JSON",
+        default=None,
+        help="run nothing: merge these result files (in order, later ones replacing rows of "
+        "the same config / block (H, pass)) into --out and draw its PNG (works on a CPU)",
+    )
+    p.add_argument(
         "--merge",
         action="store_true",
         help="merge into an existing --out: replace its rows of the configs (and "
@@ -749,6 +758,25 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     if bad:
         p.error(f"unknown methods {bad}; choose from {METHODS}")
     return args
+
+
+def combine(paths: list[str], out: str) -> int:
+    """``--combine``: merge result files (e.g. one per device run) into ``out`` + PNG."""
+    import json
+
+    with open(paths[0]) as f:
+        payload = json.load(f)
+    tmp = out + ".partial"
+    for path in paths[1:]:
+        with open(path) as f:
+            new = json.load(f)
+        common.write_json(tmp, payload)
+        payload = merged(tmp, new)
+        os.remove(tmp)
+    common.write_json(out, payload)
+    chart(payload["rows"], payload["block"], os.path.splitext(out)[0] + ".png", payload["device"])
+    print(f"wrote {out} from {len(paths)} files")
+    return 0
 
 
 def merged(path: str, new: dict[str, Any]) -> dict[str, Any]:
@@ -799,6 +827,8 @@ def environment() -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     global DEVICE, DTYPE
     args = parse(argv)
+    if args.combine:
+        return combine(args.combine, args.out)
     if args.device == "cuda" and not torch.cuda.is_available():
         print(
             "train_step.py needs a CUDA GPU (an H100/H200 for coda's kernels); "

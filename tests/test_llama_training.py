@@ -185,6 +185,12 @@ def test_train_step_script_cpu_smoke(tmp_path):
     data = json.loads(out.read_text())
     assert [row["config"] for row in data["rows"]] == ["llama3-1b", "h4096-trunc"]
     assert len(data["block"]) == 2 and len(data["commands"]) == 2
+    # --combine: files from separate runs merged into one (no model runs)
+    both = tmp_path / "combined.json"
+    r = run("benchmarks/train_step.py", "--combine", str(out), str(out), "--out", str(both))
+    assert r.returncode == 0, r.stdout + r.stderr
+    again = json.loads(both.read_text())
+    assert again["rows"] == data["rows"] and again["block"] == data["block"]
 
 
 def test_train_step_script_without_cuda_says_so():
