@@ -179,18 +179,21 @@ class _Walk:
         if bias is not None:
             self.b_main, self.b_tail = bias[:main], bias[main:]
         self.valid = target != spec.ignore_index
-        self.row_loss = torch.empty(M, dtype=F32, device=h.device)
-        self.dh = torch.empty_like(h) if spec.need_dh else None
-        several = len(self.plan) > 1
-        self.dW = torch.empty_like(W) if spec.need_dW and not several else None
-        self.dW32 = torch.empty((W.shape[0], H), dtype=F32, device=W.device) if (
-            spec.need_dW and several
-        ) else None  # fmt: skip
-        self.dbias = (
-            torch.zeros(W.shape[0], dtype=F32, device=W.device) if spec.need_dbias else None
-        )
-        self.drstd = torch.empty(M, dtype=F32, device=h.device) if spec.need_drstd else None
+        self._allocate(M, H, W.shape[0], several=len(self.plan) > 1)
         self.bufs = self._buffers(min(rows, M))
+
+    def _allocate(self, M: int, H: int, V: int, several: bool) -> None:
+        """The per-row losses and the gradient accumulators asked for: dW straight in W's
+        dtype with one row chunk, an fp32 accumulator with several; dbias in fp32."""
+        spec, device = self.spec, self.h.device
+        self.row_loss = torch.empty(M, dtype=F32, device=device)
+        self.dh = torch.empty_like(self.h) if spec.need_dh else None
+        self.dW = torch.empty_like(self.W) if spec.need_dW and not several else None
+        self.dW32 = None
+        if spec.need_dW and several:
+            self.dW32 = torch.empty((V, H), dtype=F32, device=device)
+        self.dbias = torch.zeros(V, dtype=F32, device=device) if spec.need_dbias else None
+        self.drstd = torch.empty(M, dtype=F32, device=device) if spec.need_drstd else None
 
     def _buffers(self, m: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The two row buffers (stored acc, dlogits) on CUDA; the CPU reference returns
