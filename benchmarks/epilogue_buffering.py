@@ -1,7 +1,7 @@
 """Does deeper epilogue buffering hide a fused epilogue? Fused vs plain at one shape.
 
     python benchmarks/epilogue_buffering.py [residual_store rmsnorm_fwd ...]
-        [--nk 2048] [--variants base,load8,load8_epi2,epi8] [--out DIR]
+        [--nk 2048] [--variants base,load8,load8_epi2,epi8,epi2,load2_epi2] [--out DIR]
 
 At M=16384, N=K=``--nk`` (forward layout), each named ``coda.testing.catalog`` epilogue
 runs with the fused-epilogue config (128x128, 2x1 cluster) and variants of its epilogue
@@ -38,6 +38,9 @@ def variants(base) -> dict:
         "load8": attrs.evolve(base, load_stages=8),
         "load8_epi2": attrs.evolve(base, load_stages=8, epi_stages=2),
         "epi8": attrs.evolve(base, epi_stages=8),
+        # fewer output buffers leave shared memory to more A/B stages of the mainloop
+        "epi2": attrs.evolve(base, epi_stages=2),
+        "load2_epi2": attrs.evolve(base, load_stages=2, epi_stages=2),
     }
 
 

@@ -562,12 +562,12 @@ class PingPongGemm(Producers, EpilogueIO):
                         tiled_mma, acc, tCrA, tCrB, k_blocks, read.index, zero_init=False
                     )
                     warpgroup.wait_group(1)
-                    ab_pipe.consumer_release(release)
+                    self._release(ab_pipe, release, cfg.cluster_m * cfg.cluster_n)
                     release.advance()
                     read.advance()
                 self._turn_arrive(_Barrier.MMA_TURN, 1 - wg)
                 warpgroup.wait_group(0)
-                ab_pipe.consumer_release(release)
+                self._release(ab_pipe, release, cfg.cluster_m * cfg.cluster_n)
 
                 # ---- epilogue (takes its turn on the store path)
                 self._turn_wait(_Barrier.EPI_TURN, wg)
@@ -615,7 +615,7 @@ class PingPongGemm(Producers, EpilogueIO):
                                     tRS_rC[i][j] = sC[i][(r, c, lread.index)]
                             loaded.append(tRS_rC[i].load().to(Float32))
                         cute.arch.fence_view_async_shared()
-                        load_pipe.consumer_release(lread)
+                        self._release(load_pipe, lread, 1)
                         lread.advance()
                     coords = thr_coord.partition_S(
                         cute.local_tile(tile_ids, cfg.epi_tile, (sm, sn))
@@ -660,6 +660,24 @@ class PingPongGemm(Producers, EpilogueIO):
 
     def _turn_arrive(self, base: int, wg):
         cute.arch.barrier_arrive(barrier_id=base + wg, number_of_threads=2 * THREADS_PER_WG)
+
+    @cute.jit
+    def _release(self, pipe, state, cluster_size: cutlass.Constexpr):
+        """Release ``state``'s stage of a TMA pipeline: one elected lane per consumer warp
+        arrives on the stage's empty barrier of every CTA of the cluster (each CTA's
+        multicast reaches every peer of these clusters: 1x1, 2x1, 1x2), which is the arrive
+        count the pipeline expects. CuTeDSL's ``consumer_release`` picks the signalling
+        lanes from the thread index instead; ptxas re-reads that (S2R, through the MIO
+        queue) on every k-tile, and under a heavy epilogue on the other warpgroup that read
+        stalled the tensor-core issue (Nsight Compute, swiglu_bwd: the k-loop's hottest
+        instruction). ``elect.sync`` needs no thread index."""
+        barrier = pipe.sync_object_empty.get_barrier(state.index)
+        with cute.arch.elect_one():
+            if const_expr(cluster_size == 1):
+                cute.arch.mbarrier_arrive(barrier)
+            else:
+                for rank in cutlass.range_constexpr(cluster_size):
+                    cute.arch.mbarrier_arrive(barrier, Int32(rank))
 
     @cute.jit
     def _mma_ktile(
