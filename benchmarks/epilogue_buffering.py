@@ -1,14 +1,17 @@
 """Does deeper epilogue buffering hide a fused epilogue? Fused vs plain at one shape.
 
-    python benchmarks/epilogue_buffering.py [residual_store rmsnorm_fwd ...]
-        [--nk 2048] [--variants base,load8,load8_epi2,epi8,epi2,load2_epi2] [--out DIR]
+    python benchmarks/epilogue_buffering.py [residual_store rmsnorm_fwd ...] [--nk 2048]
+        [--variants base,load8,load8_epi2,epi8,epi2,load2_epi2,tile192,cluster1x2]
+        [--out DIR]
 
 At M=16384, N=K=``--nk`` (forward layout), each named ``coda.testing.catalog`` epilogue
 runs with the fused-epilogue config (128x128, 2x1 cluster) and variants of its epilogue
 buffering (``GemmConfig.load_stages``: buffers per loaded M x N operand, default 4;
-``epi_stages``: output buffers, default 4), timed in interleaved rounds against coda's
-plain GEMM with the same config (``plain``) and with the GEMM heuristic's 128x192
-(``plain192``); medians in microseconds and ``r_<variant>`` = variant / plain.
+``epi_stages``: output buffers, default 4) or of its tiling (``tile192``: 128x192 tiles;
+``cluster1x2``: A multicast over a 1x2 cluster instead of B over 2x1), timed in
+interleaved rounds against coda's plain GEMM with the same config (``plain``) and with
+the GEMM heuristic's 128x192 (``plain192``); medians in microseconds and
+``r_<variant>`` = variant / plain.
 Writes ``epilogue_buffering_<nk>.json`` into ``--out``.
 """
 
@@ -41,6 +44,10 @@ def variants(base) -> dict:
         # fewer output buffers leave shared memory to more A/B stages of the mainloop
         "epi2": attrs.evolve(base, epi_stages=2),
         "load2_epi2": attrs.evolve(base, load_stages=2, epi_stages=2),
+        # less L2 traffic for the mainloop's operands per output element: a wider tile, or
+        # A multicast across a 1x2 cluster instead of B across 2x1
+        "tile192": attrs.evolve(base, tile_n=192),
+        "cluster1x2": attrs.evolve(base, cluster_m=1, cluster_n=2),
     }
 
 
