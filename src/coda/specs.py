@@ -83,6 +83,12 @@ def width_str(width: Fraction) -> str:
     return str(Fraction(width))
 
 
+def width_note(width: Fraction) -> str:
+    """The suffix a primitive's label gives its width: ``""`` at width 1, else
+    ``", width 1/2"``."""
+    return "" if width == 1 else f", width {width_str(width)}"
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     """``torch.bfloat16`` -> ``"bfloat16"``."""
     return str(dtype).removeprefix("torch.")

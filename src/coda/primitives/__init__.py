@@ -12,7 +12,7 @@
 """
 
 from coda.primitives import math, ops
-from coda.primitives.base import Primitive
+from coda.primitives.base import Primitive, Source
 from coda.primitives.context import ReferenceEnv, Subtile, Tile
 from coda.primitives.elementwise import Elementwise
 from coda.primitives.onehot import OneHot
@@ -29,6 +29,7 @@ __all__ = [
     "Primitive",
     "ReferenceEnv",
     "ScalarLoad",
+    "Source",
     "StateTransition",
     "Subtile",
     "TargetSelect",

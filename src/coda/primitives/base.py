@@ -38,7 +38,7 @@ from coda.geometry import Problem
 from coda.primitives.context import ReferenceEnv, Subtile, Tile
 from coda.specs import TensorSpec, ValueSpec
 
-__all__ = ["Primitive"]
+__all__ = ["Primitive", "Source"]
 
 
 @attrs.frozen
@@ -169,3 +169,17 @@ class Primitive(abc.ABC):
         ``fin`` is a ``coda.primitives.tracing.TraceFinalize``. Only called when
         ``traces_finalize`` is True."""
         raise NotImplementedError(f"{type(self).__name__} has no trace_finalize")
+
+
+@attrs.frozen
+class Source(Primitive):
+    """A primitive that reads no value and writes exactly one, named by its ``name`` field
+    (the loads and ``OneHot``): ``reads`` and ``writes`` follow from that."""
+
+    @property
+    def reads(self) -> tuple[str, ...]:
+        return ()
+
+    @property
+    def writes(self) -> tuple[str, ...]:
+        return (self.name,)  # type: ignore[attr-defined]

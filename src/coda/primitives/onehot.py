@@ -28,15 +28,15 @@ import attrs
 import torch
 
 from coda.primitives._validators import index_dtype, new_name, to_fraction, width
-from coda.primitives.base import Primitive
+from coda.primitives.base import Source
 from coda.primitives.context import ReferenceEnv, Subtile
-from coda.specs import TensorSpec, ValueSpec, width_str
+from coda.specs import TensorSpec, ValueSpec, width_note
 
 __all__ = ["OneHot"]
 
 
 @attrs.frozen
-class OneHot(Primitive):
+class OneHot(Source):
     """Tile value ``name`` (width ``width``): 1 where the column is ``target[row]``, else 0."""
 
     name: str = attrs.field(validator=new_name)
@@ -45,16 +45,8 @@ class OneHot(Primitive):
     width: Fraction = attrs.field(default=Fraction(1), converter=to_fraction, validator=width)
 
     @property
-    def reads(self) -> tuple[str, ...]:
-        return ()
-
-    @property
-    def writes(self) -> tuple[str, ...]:
-        return (self.name,)
-
-    @property
     def label(self) -> str:
-        w = "" if self.width == 1 else f", width {width_str(self.width)}"
+        w = width_note(self.width)
         return f"OneHot({self.name!r} = column == {self.target}{w})"
 
     def infer(self, values: Mapping[str, ValueSpec]) -> tuple[ValueSpec, ...]:

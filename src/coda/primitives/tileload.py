@@ -16,15 +16,15 @@ import attrs
 import torch
 
 from coda.primitives._validators import float_dtype, new_name, to_fraction, width
-from coda.primitives.base import Primitive
+from coda.primitives.base import Source
 from coda.primitives.context import ReferenceEnv, Subtile
-from coda.specs import TensorSpec, ValueSpec, dtype_name, width_str
+from coda.specs import TensorSpec, ValueSpec, dtype_name, width_note
 
 __all__ = ["TileLoad"]
 
 
 @attrs.frozen
-class TileLoad(Primitive):
+class TileLoad(Source):
     """Load input tile ``name`` (M, N*width) of ``dtype`` as an fp32 tile value."""
 
     name: str = attrs.field(validator=new_name)
@@ -32,16 +32,8 @@ class TileLoad(Primitive):
     width: Fraction = attrs.field(default=Fraction(1), converter=to_fraction, validator=width)
 
     @property
-    def reads(self) -> tuple[str, ...]:
-        return ()
-
-    @property
-    def writes(self) -> tuple[str, ...]:
-        return (self.name,)
-
-    @property
     def label(self) -> str:
-        w = "" if self.width == 1 else f", width {width_str(self.width)}"
+        w = width_note(self.width)
         return f"TileLoad({self.name!r}, {dtype_name(self.dtype)}{w})"
 
     def infer(self, values: Mapping[str, ValueSpec]) -> tuple[ValueSpec, ...]:

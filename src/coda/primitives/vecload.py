@@ -22,15 +22,15 @@ import torch
 
 from coda.errors import InvalidArgumentError
 from coda.primitives._validators import float_dtype, new_name, one_of, to_fraction, width
-from coda.primitives.base import Primitive
+from coda.primitives.base import Source
 from coda.primitives.context import ReferenceEnv, Subtile
-from coda.specs import TensorSpec, ValueSpec, dtype_name, width_str
+from coda.specs import TensorSpec, ValueSpec, dtype_name, width_note
 
 __all__ = ["ScalarLoad", "VecLoad"]
 
 
 @attrs.frozen
-class VecLoad(Primitive):
+class VecLoad(Source):
     """Load vector ``name`` (per="row": (M,), per="col": (N*width,)) as a broadcast value."""
 
     name: str = attrs.field(validator=new_name)
@@ -46,16 +46,8 @@ class VecLoad(Primitive):
             )
 
     @property
-    def reads(self) -> tuple[str, ...]:
-        return ()
-
-    @property
-    def writes(self) -> tuple[str, ...]:
-        return (self.name,)
-
-    @property
     def label(self) -> str:
-        w = "" if self.width == 1 else f", width {width_str(self.width)}"
+        w = width_note(self.width)
         return f"VecLoad({self.name!r}, per={self.per!r}, {dtype_name(self.dtype)}{w})"
 
     def infer(self, values: Mapping[str, ValueSpec]) -> tuple[ValueSpec, ...]:
@@ -85,18 +77,10 @@ class VecLoad(Primitive):
 
 
 @attrs.frozen
-class ScalarLoad(Primitive):
+class ScalarLoad(Source):
     """Bind a Python float ``name`` passed at call time as a scalar value."""
 
     name: str = attrs.field(validator=new_name)
-
-    @property
-    def reads(self) -> tuple[str, ...]:
-        return ()
-
-    @property
-    def writes(self) -> tuple[str, ...]:
-        return (self.name,)
 
     def infer(self, values: Mapping[str, ValueSpec]) -> tuple[ValueSpec, ...]:
         return (ValueSpec(self.name, "scalar"),)
