@@ -130,3 +130,35 @@ def test_split_k_refuses_visitors_that_do_not_only_accumulate():
         PingPongGemm(
             GemmConfig(split_k=2), to_cutlass(torch.bfloat16), AccStore(torch.float32, False)
         )
+
+
+def _kloop(sass: str) -> list[str]:
+    """The SASS lines of the consumer's k-loop: from the label that the backward branch
+    after the in-loop ``wait_group(1)`` (``WARPGROUP.DEPBAR.LE gsb0, 0x1``) jumps to, to
+    that branch."""
+    lines = sass.splitlines()
+    wait = next(i for i, line in enumerate(lines) if "WARPGROUP.DEPBAR.LE gsb0, 0x1" in line)
+    labels = {
+        line.strip().rstrip(":"): i for i, line in enumerate(lines) if line.strip().endswith(":")
+    }
+    for j in range(wait, len(lines)):
+        if " BRA " in lines[j]:
+            label = lines[j].split("BRA")[1].strip(" ;`()")
+            start = labels.get(label)
+            if start is not None and start < wait:
+                return lines[start : j + 1]
+    raise AssertionError("no backward branch after the k-loop's wait_group(1)")
+
+
+@pytest.mark.parametrize("case", [CASES[0], CASES[2]], ids=["cluster2x1", "cluster1x2"])
+def test_kloop_releases_stages_without_reading_the_thread_index(sass_of, case):
+    """Stages are released by one elected lane per warp (cf9bc15): the k-loop holds the
+    HGMMAs and remote arrives but no S2R SR_TID.X, which stalled the tensor-core issue
+    behind the other warpgroup's epilogue on the H200."""
+    config, ab, d, hgmma = case
+    _, sass = sass_of(config, ab, d)
+    loop = _kloop(sass)
+    assert any(hgmma in line for line in loop)
+    assert any("ELECT" in line for line in loop)
+    assert any("SYNCS.ARRIVE" in line for line in loop)
+    assert not [line for line in loop if "S2R" in line], "thread-index read in the k-loop"
