@@ -39,20 +39,12 @@ from coda.integrations.transformers import (  # noqa: E402
     UnsupportedModelError,
     apply_coda,
     revert_coda,
+    rope_config,
 )
 from coda.testing.tolerance import assert_close_to_reference  # noqa: E402
 
 TOL = 2.0**-15
 F64 = torch.float64
-HF5 = int(transformers.__version__.split(".")[0]) >= 5
-
-
-def rope(rope_type: str, rope_theta: float, **params) -> dict:
-    """Config kwargs for a RoPE variant in the installed transformers' spelling
-    (``rope_parameters`` since 5.0, ``rope_scaling`` + ``rope_theta`` before)."""
-    if HF5:
-        return dict(rope_parameters=dict(rope_type=rope_type, rope_theta=rope_theta, **params))
-    return dict(rope_scaling=dict(rope_type=rope_type, **params), rope_theta=rope_theta)
 
 
 BASE = dict(vocab_size=50, hidden_size=16, intermediate_size=24, num_hidden_layers=2)
@@ -62,7 +54,7 @@ CONFIGS = {
         BASE,
         num_attention_heads=4,
         num_key_value_heads=2,
-        **rope("linear", 10000.0, factor=2.0),
+        **rope_config("linear", 10000.0, factor=2.0),
     ),
     # MHA, tied embeddings, H = 24 (not a multiple of 16)
     "mha_tied": dict(
@@ -90,7 +82,7 @@ CONFIGS = {
         BASE,
         num_attention_heads=2,
         num_key_value_heads=1,
-        **rope(
+        **rope_config(
             "llama3",
             500000.0,
             factor=8.0,
@@ -388,11 +380,11 @@ def test_adapter_wrapped_projection_is_refused_by_name():
         (dict(hidden_act="gelu"), "config.hidden_act"),
         (dict(attention_dropout=0.1), "config.attention_dropout"),
         (
-            rope("dynamic", 1e4, factor=2.0),
+            rope_config("dynamic", 1e4, factor=2.0),
             r"config\.rope_(parameters|scaling)\['rope_type'\]='dynamic'",
         ),
         (
-            rope("yarn", 1e4, factor=2.0, original_max_position_embeddings=8),
+            rope_config("yarn", 1e4, factor=2.0, original_max_position_embeddings=8),
             r"(?s)'yarn'.*rotary_emb\.attention_scaling",
         ),
     ],

@@ -30,19 +30,11 @@ transformers = pytest.importorskip("transformers")
 
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
-from coda.integrations.transformers import apply_coda  # noqa: E402
+from coda.integrations.transformers import apply_coda, rope_config  # noqa: E402
 from coda.testing.tolerance import compare  # noqa: E402
 
 BF16, F32, F64 = torch.bfloat16, torch.float32, torch.float64
 ATOL = 2e-3
-HF5 = int(transformers.__version__.split(".")[0]) >= 5
-
-
-def rope(rope_type: str, theta: float, **params) -> dict:
-    """RoPE config kwargs in the installed transformers' spelling."""
-    if HF5:
-        return dict(rope_parameters=dict(rope_type=rope_type, rope_theta=theta, **params))
-    return dict(rope_scaling=dict(rope_type=rope_type, **params), rope_theta=theta)
 
 
 CONFIGS = {
@@ -54,7 +46,7 @@ CONFIGS = {
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
-        **rope("default", 10000.0),
+        **rope_config("default", 10000.0),
     ),
     # MQA, H = 320 (not a multiple of 128), odd vocabulary
     "mqa_h320": dict(
@@ -64,7 +56,7 @@ CONFIGS = {
         num_hidden_layers=2,
         num_attention_heads=5,
         num_key_value_heads=1,
-        **rope("default", 500000.0),
+        **rope_config("default", 500000.0),
     ),
     # MHA, H = 576 (not a multiple of 128), tied embeddings, one layer
     "mha_h576_tied": dict(
@@ -75,7 +67,7 @@ CONFIGS = {
         num_attention_heads=9,
         num_key_value_heads=9,
         tie_word_embeddings=True,
-        **rope("default", 10000.0),
+        **rope_config("default", 10000.0),
     ),
     # GQA 4:1, head_dim 128, Llama-3 RoPE scaling, vocabulary of Llama 2's size
     "gqa_h1024_llama3": dict(
@@ -85,7 +77,7 @@ CONFIGS = {
         num_hidden_layers=2,
         num_attention_heads=8,
         num_key_value_heads=2,
-        **rope(
+        **rope_config(
             "llama3",
             500000.0,
             factor=8.0,

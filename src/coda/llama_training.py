@@ -115,12 +115,9 @@ class LlamaSize:
         """The ``transformers.LlamaConfig`` (RoPE spelled for the installed version)."""
         from transformers import LlamaConfig
 
-        major = int(__import__("transformers").__version__.split(".")[0])
-        rope: dict[str, Any] = (
-            {"rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta}}
-            if major >= 5
-            else {"rope_theta": self.rope_theta}
-        )
+        from coda.integrations.transformers import rope_config
+
+        rope = rope_config("default", self.rope_theta)
         return LlamaConfig(
             vocab_size=self.vocab,
             hidden_size=self.hidden,

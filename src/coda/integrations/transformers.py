@@ -71,6 +71,7 @@ __all__ = [
     "UnsupportedModelError",
     "apply_coda",
     "revert_coda",
+    "rope_config",
 ]
 
 #: ``config.model_type`` values whose decoder computes exactly what the fused stack does
@@ -127,6 +128,17 @@ class Replacement:
 
     def __str__(self) -> str:
         return f"{self.path or '<model>'} ({self.module}).forward: {self.runs}"
+
+
+def rope_config(rope_type: str, rope_theta: float, **params: Any) -> dict[str, Any]:
+    """Config keyword arguments for a RoPE variant in the installed transformers'
+    spelling: ``rope_parameters`` since 5.0, ``rope_scaling`` + ``rope_theta`` before,
+    e.g. ``LlamaConfig(..., **rope_config("llama3", 5e5, factor=8.0, ...))``."""
+    import transformers
+
+    if int(transformers.__version__.split(".")[0]) >= 5:
+        return {"rope_parameters": {"rope_type": rope_type, "rope_theta": rope_theta, **params}}
+    return {"rope_scaling": {"rope_type": rope_type, **params}, "rope_theta": rope_theta}
 
 
 def _rope_type(config: Any, rotary: Any) -> tuple[str, str]:
