@@ -445,6 +445,23 @@ def bench_config(
 
 
 # ---- one decoder block -----------------------------------------------------------------
+
+
+def _one_pass(
+    call: Callable[[], torch.Tensor], inputs: list, dy: torch.Tensor, backward: bool
+) -> Callable[[], Any]:
+    """A callable running ``call`` once: with its backward to ``inputs`` (upstream
+    gradient ``dy``), or forward only without autograd."""
+    if backward:
+        return lambda: torch.autograd.grad(call(), inputs, dy)
+
+    def fwd() -> Any:
+        with torch.no_grad():
+            return call()
+
+    return fwd
+
+
 class Block:
     """One HF ``LlamaDecoderLayer`` of ``size`` on M tokens, its fused twin, the floor."""
 
@@ -499,14 +516,7 @@ class Block:
             )
             return out[0] if isinstance(out, tuple) else out
 
-        if backward:
-            return lambda: torch.autograd.grad(call(), inputs, self.dy)
-
-        def fwd() -> Any:
-            with torch.no_grad():
-                return call()
-
-        return fwd
+        return _one_pass(call, inputs, self.dy, backward)
 
     def coda(self, backward: bool) -> Callable[[], Any]:
         from coda.fusions import NormedStream
@@ -517,14 +527,7 @@ class Block:
             stream = NormedStream(self.x2, self.h, self.rstd)
             return self.fused(stream, self.positions, self.next_gamma, self.fused.eps).x
 
-        if backward:
-            return lambda: torch.autograd.grad(call(), inputs, self.dy2)
-
-        def fwd() -> Any:
-            with torch.no_grad():
-                return call()
-
-        return fwd
+        return _one_pass(call, inputs, self.dy2, backward)
 
     def floor(self, mm: Callable[[torch.Tensor, torch.Tensor], Any], backward: bool):
         s, M = self.size, self.M
