@@ -97,10 +97,9 @@ class FusedLlamaAttention(nn.Module):
             self.head_dim,
         )
         q, k, v = (t.view(B, S, t.shape[1], self.head_dim).transpose(1, 2) for t in (q, k, v))
-        if self.num_heads != self.num_kv_heads:
-            group = self.num_heads // self.num_kv_heads
-            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        # GQA inside SDPA (no repeated k / v: no copies, nothing extra saved for backward)
+        gqa = self.num_heads != self.num_kv_heads
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
         o = o.transpose(1, 2).reshape(B * S, self.num_heads * self.head_dim)
         x, h, rstd = linear_add_rms_norm(o, self.o_weight, stream.x, next_norm_weight, next_eps)
         return NormedStream(x, h, rstd)

@@ -1,0 +1,217 @@
+"""Where a fused pass's GPU time goes, kernel by kernel (torch.profiler).
+
+    python benchmarks/kernel_profile.py [--H 2048] [--M 8192] [--V 128256] [--reps 5]
+        [--out benchmarks/results/kernel_profile_h200.json]
+
+Profiles, after warm-up, ``--reps`` passes of each of:
+
+* ``block_coda``: one fused Llama decoder layer (``coda.nn.FusedLlamaDecoderLayer``),
+  forward + backward, the ``train_step.py`` block;
+* ``block_floor``: its GEMMs (cuBLAS) + SDPA alone, forward + backward;
+* ``block_compile``: the HF layer under ``torch.compile``, forward + backward;
+* ``ce_coda`` / ``ce_compile``: the LM-head cross-entropy (``linear_cross_entropy`` vs
+  torch.compile of the eager loss), forward + backward, M x H hidden, V x H weight.
+
+Per contender it writes the kernels' summed device time per pass, grouped by kernel
+name (top 25), the pass's wall time and the GPU-busy fraction (busy < wall means the
+host or a sync left the GPU idle). JSON ``{"device", "versions", "command",
+"profiles": {name: {"wall_ms", "gpu_ms", "kernels": [{"name", "ms", "calls"}]}}}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import sys
+import time
+from collections import defaultdict
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common  # noqa: E402
+import train_step as ts  # noqa: E402
+
+GiB = 2**30
+
+
+def category(name: str) -> str:
+    n = name.lower()
+    if "codamainloop" in n:
+        return "coda_gemm"
+    if "finalize" in n and "coda" in n:
+        return "coda_finalize"
+    if any(s in n for s in ("nvjet", "gemm", "xmma", "cutlass")):
+        return "cublas"
+    if any(s in n for s in ("sdpa", "fmha", "flash", "cudnn")):
+        return "attention"
+    if any(s in n for s in ("adam", "multi_tensor")):
+        return "optimizer"
+    if "at::native" in n or "memset" in n or "memcpy" in n:
+        return "torch_elementwise"
+    return "other (triton, ...)"
+
+
+def profile(fn, reps: int, warmup: int = 3) -> dict:
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    torch.cuda.synchronize()
+    wall = (time.perf_counter() - t0) * 1e3 / reps
+    acts = [torch.profiler.ProfilerActivity.CUDA, torch.profiler.ProfilerActivity.CPU]
+    with torch.profiler.profile(activities=acts) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    per = defaultdict(lambda: [0.0, 0])
+    cats = defaultdict(float)
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            key = ev.name[:160]
+            per[key][0] += ev.device_time_total / 1e3 / reps
+            per[key][1] += 1
+            cats[category(ev.name)] += ev.device_time_total / 1e3 / reps
+    seq = []
+    path = "/tmp/kernel_profile_trace.json"
+    prof.export_chrome_trace(path)
+    with open(path) as f:
+        trace = json.load(f)
+    kern = sorted(
+        (e for e in trace.get("traceEvents", []) if e.get("cat") == "kernel"),
+        key=lambda e: e["ts"],
+    )
+    n_one = len(kern) // max(reps, 1)
+    for e in kern[:n_one]:
+        a = e.get("args", {})
+        seq.append(
+            [e["name"][:48], round(e["dur"], 1), a.get("grid"), a.get("registers per thread")]
+        )
+    kernels = sorted(
+        ({"name": k, "ms": round(v[0], 4), "calls": v[1] / reps} for k, v in per.items()),
+        key=lambda r: -r["ms"],
+    )
+    gpu = sum(r["ms"] for r in kernels)
+    return {
+        "wall_ms": round(wall, 3),
+        "gpu_ms": round(gpu, 3),
+        "categories_ms": {k: round(v, 3) for k, v in sorted(cats.items(), key=lambda kv: -kv[1])},
+        "kernels": kernels[:30],
+        "sequence_one_pass": seq if len(seq) <= 400 else seq[:400],
+    }
+
+
+def train_profiles(args, out: dict) -> None:
+    """A whole training step (fwd + bwd + AdamW) of the 1B-class model: coda vs Liger
+    (and eager HF), kernel categories, plus memory after the forward."""
+    from coda.llama_training import build_model
+
+    size = ts.configs(4)["llama3-1b"]
+    ids = torch.randint(0, size.vocab, (1, args.M), device="cuda")
+    for name in args.train:
+        gc.collect()
+        torch.cuda.empty_cache()
+        model = build_model(size, torch.bfloat16, "cuda", seed=0)
+        meth = ts.Method(name, model, ids)
+        for _ in range(3):
+            meth.step()
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        with ts.swapped(meth.globals):
+            loss = meth.run(input_ids=ids, labels=ids).loss
+            torch.cuda.synchronize()
+            after_fwd = torch.cuda.memory_allocated()
+            peak_fwd = torch.cuda.max_memory_allocated()
+            loss.backward()
+        meth.opt.step()
+        meth.opt.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated()
+        del loss
+        prof = profile(meth.step, 2, warmup=1)
+        prof["memory_gib"] = {
+            "resident_before_step": round(base / GiB, 3),
+            "saved_after_forward": round((after_fwd - base) / GiB, 3),
+            "peak_in_forward_above_resident": round((peak_fwd - base) / GiB, 3),
+            "peak_in_step_above_resident": round((peak - base) / GiB, 3),
+        }
+        prof.pop("sequence_one_pass")
+        out["profiles"][f"train_{name}"] = prof
+        print(f"train_{name}", prof["wall_ms"], prof["gpu_ms"], prof["memory_gib"])
+        meth.close()
+        del meth, model
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--H", type=int, default=2048)
+    p.add_argument("--M", type=int, default=8192)
+    p.add_argument("--V", type=int, default=128256)
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--only", nargs="*", default=None)
+    p.add_argument("--train", nargs="*", default=[], help="whole training steps: coda liger eager")
+    p.add_argument("--seq", action="store_true", help="print each pass's kernel sequence")
+    p.add_argument("--out", default="benchmarks/results/kernel_profile_h200.json")
+    args = p.parse_args(argv)
+    size = ts.configs(4)["llama3-1b" if args.H == 2048 else "h4096-trunc"]
+    out = {**common.environment(), "command": " ".join(sys.argv), "profiles": {}}
+
+    def want(name: str) -> bool:
+        return args.only is None or name in args.only
+
+    if any(want(n) for n in ("block_coda", "block_floor", "block_compile")):
+        block = ts.Block(size, args.M)
+        fns = {
+            "block_coda": lambda: block.coda(True),
+            "block_floor": lambda: block.floor(ts.cublas_mm, True),
+            "block_compile": lambda: block.hf(True),
+        }
+        for name, make in fns.items():
+            if want(name):
+                out["profiles"][name] = profile(make(), args.reps)
+                print(name, out["profiles"][name]["wall_ms"], out["profiles"][name]["gpu_ms"])
+        del block
+    if any(want(n) for n in ("ce_coda", "ce_compile")):
+        from coda.fusions import linear_cross_entropy
+
+        g = torch.Generator(device="cuda").manual_seed(0)
+        bf = torch.bfloat16
+        h = (torch.randn(args.M, args.H, device="cuda", generator=g) * 0.5).to(bf)
+        W = (torch.randn(args.V, args.H, device="cuda", generator=g) * args.H**-0.5).to(bf)
+        h.requires_grad_()
+        W.requires_grad_()
+        t = torch.randint(0, args.V, (args.M,), device="cuda", generator=g)
+
+        def eager(h, W, t):
+            return F.cross_entropy((h @ W.T).float(), t, ignore_index=-100)
+
+        comp = torch.compile(eager)
+        fns = {
+            "ce_coda": lambda: torch.autograd.grad(linear_cross_entropy(h, W, t), (h, W)),
+            "ce_compile": lambda: torch.autograd.grad(comp(h, W, t), (h, W)),
+        }
+        for name, fn in fns.items():
+            if want(name):
+                out["profiles"][name] = profile(fn, args.reps)
+                print(name, out["profiles"][name]["wall_ms"], out["profiles"][name]["gpu_ms"])
+    if args.train:
+        train_profiles(args, out)
+    for name, prof in out["profiles"].items():
+        print(f"\n== {name}: wall {prof['wall_ms']} ms, GPU {prof['gpu_ms']} ms")
+        print("  ", prof["categories_ms"])
+        for r in prof["kernels"][:18]:
+            print(f"  {r['ms']:8.3f} ms  x{r['calls']:<5g} {r['name'][:110]}")
+        if args.seq and "sequence_one_pass" in prof:
+            for r in prof["sequence_one_pass"]:
+                print("     ", r)
+    common.write_json(args.out, out)
+
+
+if __name__ == "__main__":
+    main()
