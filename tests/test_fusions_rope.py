@@ -10,6 +10,7 @@ CPU (``Epilogue.reference``), held to the fp32 tolerance.
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 from hypothesis import given, settings
@@ -103,3 +104,35 @@ def test_layout_helpers_round_trip():
     assert layouts.rotate_half_permutation(6, 4).tolist() == [0, 2, 1, 3, 4, 5]
     freq = layouts.rope_frequencies(torch.tensor([1.0, 0.5]), 1, 1, 6)
     assert freq.tolist() == [1.0, 0.5, 0.0, 1.0, 0.5, 0.0, 0.0, 0.0, 0.0]
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("H", [6, 64, 66])
+def test_per_step_assembly_equals_the_layouts_values_and_gradients(dtype, H):
+    """layouts.assemble_qkv / assemble_gate_up (row copies, 8-byte words where rows allow)
+    equal qkv_weight / interleave_gate_up in value and gradient; gradients contiguous."""
+    g = torch.Generator().manual_seed(H)
+
+    def leaf(*shape):
+        return torch.randn(*shape, generator=g, dtype=torch.float64).to(dtype).requires_grad_()
+
+    D = 8
+    wq, wk, wv = leaf(4 * D, H), leaf(2 * D, H), leaf(2 * D, H)
+    cases = [
+        (layouts.assemble_qkv(wq, wk, wv, D), layouts.qkv_weight(wq, wk, wv, D), (wq, wk, wv)),
+    ]
+    gate, up = leaf(10, H), leaf(10, H)
+    cases.append(
+        (
+            layouts.assemble_gate_up(gate, up),
+            layouts.interleave_gate_up(torch.cat((gate, up))),
+            (gate, up),
+        )
+    )
+    for mine, ref, inputs in cases:
+        assert torch.equal(mine, ref)
+        dy = torch.randn(ref.shape, generator=g, dtype=torch.float64).to(dtype)
+        for a, b in zip(
+            torch.autograd.grad(mine, inputs, dy), torch.autograd.grad(ref, inputs, dy), strict=True
+        ):
+            assert torch.equal(a, b) and a.is_contiguous()

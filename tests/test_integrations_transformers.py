@@ -468,3 +468,40 @@ def test_docs_example_runs():
     exec(compile(block, "docs/integrations.md", "exec"), ns)  # noqa: S102
     assert ns["generated"].shape == (2, 12)
     assert not ns["patch"].active and "forward" not in ns["model"].__dict__
+
+
+@pytest.mark.parametrize("name", ["gqa", "mha_tied"])
+def test_assembled_layouts_are_not_kept_from_forward_to_backward(name):
+    """The fused ops save the per-step q|k|v and gate/up layouts as recipes: no tensor of
+    their shapes reaches an outer saved-tensor hook, and the gradients still match HF."""
+    ref, mine, patch = pair(**CONFIGS[name])
+    ids, labels = batch(ref.config.vocab_size)
+    ref.train(), mine.train()
+    cfg = ref.config
+    D = cfg.hidden_size // cfg.num_attention_heads
+    qkv_rows = (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * D
+    shapes = {(qkv_rows, cfg.hidden_size), (2 * cfg.intermediate_size, cfg.hidden_size)}
+    packed = []
+
+    def pack(t):
+        packed.append(tuple(t.shape))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = mine(ids, labels=labels)
+    assert patch.calls["fused_stack"] == 1
+    assert packed and not shapes & set(packed), sorted(set(packed))
+    ref(ids, labels=labels).loss.backward()
+    out.loss.backward()
+    assert_grads_match(mine, ref)
+
+
+def test_in_place_parameter_change_between_forward_and_backward_raises():
+    ref, mine, patch = pair(**CONFIGS["gqa"])
+    ids, labels = batch(ref.config.vocab_size)
+    mine.train()
+    out = mine(ids, labels=labels)
+    with torch.no_grad():
+        mine.model.layers[0].mlp.up_proj.weight.mul_(2)
+    with pytest.raises(RuntimeError, match="modified in place"):
+        out.loss.backward()

@@ -26,6 +26,8 @@ from __future__ import annotations
 import torch
 
 __all__ = [
+    "assemble_gate_up",
+    "assemble_qkv",
     "deinterleave_gate_up",
     "from_rotate_half",
     "interleave_gate_up",
@@ -110,6 +112,110 @@ def split_qkv_weight(
     w_q, w_k, w_v = w_qkv.split((nq, nkv, nkv), dim=0)
     perm = torch.argsort(rotate_half_permutation(head_dim, rotary_dim))
     return _permute_heads(w_q, perm, 0), _permute_heads(w_k, perm, 0), w_v.clone()
+
+
+# ---- per-step assembly (differentiable, copies only) ----------------------------------------
+# ``coda.integrations.transformers`` runs the fused stack on a Hugging Face model's own
+# parameters, so the fused layouts are assembled from them every step. These two autograd
+# functions do it with plain row copies (no index kernels): rows are moved as 8-byte words
+# where the row size allows (bf16 rows of 4k elements: 4x fewer, fully vectorized copies),
+# and their backward writes each source weight's gradient contiguously in one copy (no
+# index_add, no strided gradient for AccumulateGrad to copy again). They save nothing.
+
+
+def _words(t: torch.Tensor) -> torch.Tensor:
+    """``t`` (contiguous rows) viewed as 8-byte words along its last dim when its rows
+    allow it, else ``t``; the copies below move the same bytes either way."""
+    row = t.shape[-1] * t.element_size()
+    if t.is_contiguous() and row % 8 == 0 and t.data_ptr() % 8 == 0 and t.element_size() < 8:
+        return t.view(torch.int64)
+    return t
+
+
+def _interleave_heads(dst: torch.Tensor, src: torch.Tensor, head_dim: int) -> None:
+    """dst (heads * D, W) <- src with the rotate-half pairs adjacent inside each head:
+    dst row 2i + p of a head = src row p * D/2 + i (``rotate_half_permutation``, full
+    rotary)."""
+    heads, half, width = src.shape[0] // head_dim, head_dim // 2, src.shape[-1]
+    dst.view(heads, half, 2, width).copy_(src.view(heads, 2, half, width).transpose(1, 2))
+
+
+def _deinterleave_heads(src: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """The inverse of ``_interleave_heads`` into a new contiguous tensor."""
+    heads, half, width = src.shape[0] // head_dim, head_dim // 2, src.shape[-1]
+    out = src.new_empty(src.shape)
+    out.view(heads, 2, half, width).copy_(src.view(heads, half, 2, width).transpose(1, 2))
+    return out
+
+
+def _same_words(*ts: torch.Tensor) -> bool:
+    return all(_words(t).dtype == torch.int64 for t in ts)
+
+
+class _AssembleQKV(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, w_q, w_k, w_v, head_dim: int):  # type: ignore[override]
+        nq, nkv = w_q.shape[0], w_k.shape[0]
+        ctx.sizes, ctx.head_dim = (nq, nkv), head_dim
+        out = w_q.new_empty((nq + 2 * nkv, w_q.shape[1]))
+        words = _same_words(out, w_q, w_k, w_v)
+        o = out.view(torch.int64) if words else out
+        q, k, v = ((w.view(torch.int64) if words else w) for w in (w_q, w_k, w_v))
+        _interleave_heads(o[:nq], q, head_dim)
+        _interleave_heads(o[nq : nq + nkv], k, head_dim)
+        o[nq + nkv :].copy_(v)
+        return out
+
+    @staticmethod
+    def backward(ctx, d):  # type: ignore[override]
+        (nq, nkv), D = ctx.sizes, ctx.head_dim
+        d = d.contiguous()
+        words = _same_words(d)
+        w = d.view(torch.int64) if words else d
+        back = (lambda t: t.view(d.dtype)) if words else (lambda t: t)
+        need = ctx.needs_input_grad
+        dq = back(_deinterleave_heads(w[:nq], D)) if need[0] else None
+        dk = back(_deinterleave_heads(w[nq : nq + nkv], D)) if need[1] else None
+        dv = d[nq + nkv :] if need[2] else None
+        return dq, dk, dv, None
+
+
+class _AssembleGateUp(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, gate, up):  # type: ignore[override]
+        out = gate.new_empty((2 * gate.shape[0], gate.shape[1]))
+        words = _same_words(out, gate, up)
+        o = (out.view(torch.int64) if words else out).view(gate.shape[0], 2, -1)
+        o[:, 0].copy_(gate.view(torch.int64) if words else gate)
+        o[:, 1].copy_(up.view(torch.int64) if words else up)
+        return out
+
+    @staticmethod
+    def backward(ctx, d):  # type: ignore[override]
+        d = d.contiguous()
+        words = _same_words(d)
+        w = (d.view(torch.int64) if words else d).view(d.shape[0] // 2, 2, -1)
+        grads = []
+        for i, need in enumerate(ctx.needs_input_grad):
+            g = w[:, i].contiguous() if need else None
+            grads.append(g.view(d.dtype) if (g is not None and words) else g)
+        return tuple(grads)
+
+
+def assemble_qkv(w_q: torch.Tensor, w_k: torch.Tensor, w_v: torch.Tensor, head_dim: int):
+    """``qkv_weight(w_q, w_k, w_v, head_dim)`` (full rotary), differentiable, by row copies:
+    what a per-step assembly from a Hugging Face model's parameters should call."""
+    if w_q.shape[0] % head_dim or w_k.shape[0] % head_dim or head_dim % 2:
+        raise ValueError(f"q/k rows must be whole heads of an even head_dim={head_dim}")
+    w_q, w_k, w_v = (w.contiguous() for w in (w_q, w_k, w_v))
+    return _AssembleQKV.apply(w_q, w_k, w_v, head_dim)
+
+
+def assemble_gate_up(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``interleave_gate_up(cat(gate, up))``, differentiable, by row copies."""
+    if gate.shape != up.shape or gate.dim() != 2:
+        raise ValueError(f"gate and up must be equal 2-D shapes; got {gate.shape}, {up.shape}")
+    return _AssembleGateUp.apply(gate.contiguous(), up.contiguous())
 
 
 def rope_inv_freq(rotary_dim: int, theta: float = 10000.0) -> torch.Tensor:

@@ -23,9 +23,11 @@ Weights are the model's own parameters, shared, never copied: the fused modules 
 template on the ``meta`` device, called with ``torch.func.functional_call`` on tensors
 read from the Hugging Face modules at every forward. The fused layouts (q/k rows permuted
 so the rotary pairs are adjacent, gate/up interleaved) are assembled from ``q_proj`` /
-``k_proj`` / ``v_proj`` and ``gate_proj`` / ``up_proj`` per forward (a transient,
-weight-sized tensor per layer that the fused ops save for backward; autograd routes its
-gradient back to the Hugging Face parameters). ``state_dict``, optimizers and checkpoints
+``k_proj`` / ``v_proj`` and ``gate_proj`` / ``up_proj`` per forward by row copies
+(``layouts.assemble_qkv`` / ``assemble_gate_up``; their backward writes each parameter's
+gradient in one copy). The fused ops save them for backward only as a recipe, re-assembled
+in backward (``coda.integrations._rebuild``), so no weight-sized tensor per layer is held
+from forward to backward. ``state_dict``, optimizers and checkpoints
 see exactly the parameters they saw before.
 
 ``apply_coda`` returns a ``CodaPatch``: what was replaced, call counters (fused vs.
@@ -41,6 +43,7 @@ honoured by falling back to the original forward for sequences longer than the w
 
 from __future__ import annotations
 
+import functools
 import inspect
 import types
 from collections import Counter
@@ -53,6 +56,7 @@ from torch import nn
 from torch.func import functional_call
 
 from coda.fusions import layouts
+from coda.integrations._rebuild import rebuilt_when_saved
 from coda.nn import (
     FusedLlamaAttention,
     FusedLlamaDecoderLayer,
@@ -494,23 +498,36 @@ class CodaPatch:
         """The template's parameters and buffers, read from ``stack``'s modules: the
         model's own tensors, and the fused q|k|v and gate/up layouts assembled from them
         (differentiable, so gradients reach the model's parameters)."""
+        return self._assembled(stack, device)[0]
+
+    def _assembled(self, stack: nn.Module, device: torch.device) -> tuple[dict, list]:
+        """(``fused_parameters``, [(assembled tensor, its function, its sources)])."""
         g = self._geometry
         freq = self._frequencies(device)
         params: dict[str, torch.Tensor] = {"norm_weight": stack.norm.weight}
+        made: list = []
+
+        def assemble(fn: Callable[..., torch.Tensor], *sources: torch.Tensor) -> torch.Tensor:
+            t = fn(*sources)
+            made.append((t, fn, sources))
+            return t
+
+        qkv = functools.partial(_assemble_qkv, head_dim=g.head_dim)
         for i, layer in enumerate(list(stack.layers)[: len(g.layer_eps)]):
             attn, mlp, p = layer.self_attn, layer.mlp, f"layers.{i}."
             params[p + "attn.norm_weight"] = layer.input_layernorm.weight
-            params[p + "attn.qkv_weight"] = layouts.qkv_weight(
-                attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight, g.head_dim
+            params[p + "attn.qkv_weight"] = assemble(
+                qkv, attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight
             )
             params[p + "attn.o_weight"] = attn.o_proj.weight
             params[p + "attn.freq"] = freq
             params[p + "mlp.norm_weight"] = layer.post_attention_layernorm.weight
             # interleaved: row 2i = gate_proj row i, row 2i + 1 = up_proj row i
-            gate_up = torch.stack((mlp.gate_proj.weight, mlp.up_proj.weight), dim=1)
-            params[p + "mlp.gate_up_weight"] = gate_up.flatten(0, 1)
+            params[p + "mlp.gate_up_weight"] = assemble(
+                layouts.assemble_gate_up, mlp.gate_proj.weight, mlp.up_proj.weight
+            )
             params[p + "mlp.down_weight"] = mlp.down_proj.weight
-        return params
+        return params, made
 
     def run_stack(self, stack: nn.Module, args: Mapping[str, Any]) -> torch.Tensor:
         """Embeddings + the fused decoder layers: the last residual stream (B, S, H),
@@ -523,9 +540,17 @@ class CodaPatch:
         if positions is None:
             positions = torch.arange(S, device=embeds.device)[None]
         positions = positions.expand(B, S)
-        params = self.fused_parameters(stack, embeds.device)
-        stream = functional_call(self._template, params, (embeds, positions), strict=True)
+        params, assembled = self._assembled(stack, embeds.device)
+        # the assembled layouts are saved by the fused ops as recipes, re-assembled in
+        # backward (coda.integrations._rebuild): no weight-sized tensor per layer kept
+        with rebuilt_when_saved(assembled):
+            stream = functional_call(self._template, params, (embeds, positions), strict=True)
+        del params, assembled
         return stream.x.view(B, S, H)
+
+
+def _assemble_qkv(w_q, w_k, w_v, *, head_dim: int) -> torch.Tensor:
+    return layouts.assemble_qkv(w_q, w_k, w_v, head_dim)
 
 
 def _loss_problem(causal_lm: nn.Module) -> str | None:

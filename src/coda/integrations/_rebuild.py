@@ -1,0 +1,76 @@
+"""coda.integrations._rebuild: tensors that autograd saves as a recipe, rebuilt in backward.
+
+Sits under ``coda.integrations.transformers``. The fused layouts that a patched model
+assembles from its own parameters every forward (the q|k|v weight, the interleaved gate/up
+weight: ``coda.fusions.layouts.assemble_*``) are saved by the fused ops for their dgrad
+GEMMs. Kept alive from forward to backward they would cost one weight-sized tensor per
+layer (1.2 GiB for a 16-layer H = 2048 model); ``rebuilt_when_saved`` instead saves the
+recipe (the function and the parameters it reads) and re-assembles the tensor when the
+backward unpacks it: a few tens of microseconds of copies per layer, no memory held.
+
+It is a ``torch.autograd.graph.saved_tensors_hooks`` context that composes with hooks
+already active (e.g. ``save_on_cpu``): tensors it does not know are handed to them. The
+parameters are checked not to have changed in place between forward and backward (as
+autograd checks saved tensors): a changed one raises instead of rebuilding from new values.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+
+import torch
+
+__all__ = ["Recipe", "rebuilt_when_saved"]
+
+
+class Recipe:
+    """``fn(*sources)`` rebuilds a saved tensor; the sources' versions when it was saved."""
+
+    __slots__ = ("fn", "sources", "versions")
+
+    def __init__(self, fn: Callable[..., torch.Tensor], sources: Sequence[torch.Tensor]):
+        self.fn, self.sources = fn, tuple(sources)
+        self.versions = tuple(s._version for s in self.sources)
+
+    def rebuild(self) -> torch.Tensor:
+        if tuple(s._version for s in self.sources) != self.versions:
+            raise RuntimeError(
+                "coda: a parameter that a fused layer's saved weight is assembled from was "
+                "modified in place between forward and backward"
+            )
+        with torch.no_grad():
+            return self.fn(*(s.detach() for s in self.sources))
+
+
+def _key(t: torch.Tensor) -> tuple:
+    return (t.data_ptr(), t.device, t.dtype, tuple(t.shape), tuple(t.stride()))
+
+
+@contextlib.contextmanager
+def rebuilt_when_saved(
+    assembled: Sequence[tuple[torch.Tensor, Callable[..., torch.Tensor], Sequence[torch.Tensor]]],
+) -> Iterator[None]:
+    """Inside, a saved tensor that IS one of ``assembled``'s tensors (same storage, shape,
+    strides) is saved as its recipe ``(fn, sources)`` and rebuilt on unpack. No-op under
+    ``torch.compile`` (its graph decides what to save)."""
+    if torch.compiler.is_compiling() or not assembled:
+        yield
+        return
+    recipes = {_key(t): (fn, srcs) for t, fn, srcs in assembled}
+    outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    outer_pack, outer_unpack = outer if outer is not None else (None, None)
+
+    def pack(t: torch.Tensor):
+        found = recipes.get(_key(t))
+        if found is not None:
+            return Recipe(*found)
+        return outer_pack(t) if outer_pack is not None else t
+
+    def unpack(x):
+        if isinstance(x, Recipe):
+            return x.rebuild()
+        return outer_unpack(x) if outer_unpack is not None else x
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        yield
