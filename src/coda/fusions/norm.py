@@ -101,6 +101,7 @@ def _(x, gamma, eps):
 
 def _stats_setup(ctx, inputs, output):
     ctx.mark_non_differentiable(*output)
+    ctx.set_materialize_grads(False)  # no zero-filled gradients for the caches
 
 
 def _stats_backward(ctx, dh, drstd):
@@ -164,10 +165,13 @@ def _producer_setup(ctx, inputs, output):
     ctx.flags = (need_da, need_dw, need_dres)
     ctx.save_for_backward(a if need_dw else None, w if need_da else None)
     ctx.mark_non_differentiable(output[1], output[2])
+    ctx.set_materialize_grads(False)  # no zero-filled gradients for the caches
 
 
 def _producer_backward(ctx, dx, dh, drstd):
     need_da, need_dw, need_dres = ctx.flags
+    if dx is None:  # x unused: every gradient is zero
+        return None, None, None, None, None
     a, w = ctx.saved_tensors  # a saved only for dw, w only for da
     dx = dx.contiguous()
     grads = iter(linear_backward(dx, a, w) if (need_da or need_dw) else ())

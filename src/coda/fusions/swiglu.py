@@ -121,12 +121,15 @@ def _setup(ctx, inputs, output):
     ctx.flags = (need[0], need[3], need[4], need[5])
     ctx.save_for_backward(x, h, rstd, gamma, w_gate_up, w_down, output[3])
     ctx.mark_non_differentiable(output[1], output[2], output[3])
+    # gradients of unused outputs (the caches, gu) arrive as None, not as zero-filled
+    # tensors (gu's would be an M x 2F fill per layer per step)
+    ctx.set_materialize_grads(False)
 
 
 def _backward(ctx, dx_out, dh_out, drstd_out, dgu):
     need_dx, need_dgamma, need_dw_gate_up, need_dw_down = ctx.flags
     need_norm = need_dx or need_dgamma
-    if not (need_norm or need_dw_gate_up or need_dw_down):
+    if dx_out is None or not (need_norm or need_dw_gate_up or need_dw_down):
         return (None,) * 8
     saved = ctx.saved_tensors
     grads = iter(
