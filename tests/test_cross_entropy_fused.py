@@ -5,10 +5,14 @@
   many row chunks, num_items_in_batch) against the textbook float64 loss AND against the
   recompute path (``grad_in_forward=False``), both at fp32 accuracy.
 * The automatic choice: which path runs (counted GEMM / epilogue calls: per row chunk one
-  logits GEMM with its epilogue, one acc-free map pass, the dh and dW GEMMs; nothing in
-  the backward), and that no gradient work runs without autograd.
-* The saved gradients scale with any upstream gradient; dW over many row chunks is
-  accumulated in fp32 and rounded once; the op's outputs have the inputs' dtypes.
+  logits GEMM with its epilogue, one acc-free map pass, the dh and dW GEMMs, the last
+  chunk's dW GEMM with the fp32 sum of the others in its epilogue; nothing in the
+  backward), and that no gradient work runs without autograd.
+* The saved gradients scale with any upstream gradient (out of place, in their dtypes,
+  differentiable in the upstream gradient under ``create_graph``); dW over many row
+  chunks is accumulated in fp32 and rounded once (with a V mod 8 tail too); the op's
+  outputs have the inputs' dtypes; the row buffers (one by default: dlogits in place);
+  ``run_map``'s cached zero operands.
 * The bf16 stored-logit variants (``ACC_STORE_DTYPE``) against eager bf16 PyTorch.
 """
 
@@ -19,8 +23,9 @@ import torch
 from hypothesis import given, settings
 
 from _ce_helpers import BF16, F32, F64, TOL, leaves, loss_and_grads, make, names, problems, textbook
-from coda.fusions import ce_fused
+from coda.fusions import _dispatch, ce_fused
 from coda.fusions import cross_entropy as ce
+from coda.fusions.ce_epilogues import PARTIAL_SUM, TOTAL, final_sum_epilogue
 from coda.fusions.cross_entropy import linear_cross_entropy
 from coda.testing import examples
 from coda.testing.tolerance import assert_close_to_reference
@@ -89,10 +94,15 @@ def _inputs(M=20, H=16, V=43, grad=(True, True, False, False)):
     return tensors, target
 
 
-def _fused_counts(chunks, gemms_per_chunk=2):
-    out = {"fused.run_epilogue": chunks, "fused.run_map": chunks}
-    if gemms_per_chunk:
-        out["fused.matmul"] = gemms_per_chunk * chunks
+def _fused_counts(chunks, dh=True, dW=True):
+    """Per row chunk the logits GEMM (``run_epilogue``), the map pass, the dh and dW
+    GEMMs (``matmul``), except that with several chunks the last chunk's dW GEMM is a
+    ``run_epilogue`` (``final_sum_epilogue``: + the fp32 sum of the others, one rounding)."""
+    last_dW = dW and chunks > 1
+    out = {"fused.run_epilogue": chunks + last_dW, "fused.run_map": chunks}
+    gemms = (dh + dW) * chunks - last_dW
+    if gemms:
+        out["fused.matmul"] = gemms
     return out
 
 
@@ -110,18 +120,18 @@ def test_automatic_choice_runs_the_gradients_in_the_forward(monkeypatch):
 
 
 @pytest.mark.parametrize(
-    "grad,want",
+    "grad",
     [
-        ((True, False, False, False), 1),  # frozen head: dh only
-        ((False, True, False, False), 1),  # frozen h: dW only
-        ((False, False, True, True), 0),  # bias and rstd only: no GEMM after the map
+        (True, False, False, False),  # frozen head: dh only
+        (False, True, False, False),  # frozen h: dW only
+        (False, False, True, True),  # bias and rstd only: no GEMM after the map
     ],
 )
-def test_only_the_gradients_asked_for(monkeypatch, grad, want):
+def test_only_the_gradients_asked_for(monkeypatch, grad):
     calls = Calls(monkeypatch)
     (h, W, b, r), target = _inputs(grad=grad)
     loss = linear_cross_entropy(h, W, target, bias=b, rstd=r, chunk_rows=8)
-    assert calls.take() == _fused_counts(3, want)
+    assert calls.take() == _fused_counts(3, dh=grad[0], dW=grad[1])
     loss.backward()
     assert calls.take() == {}
     for t, flag in zip((h, W, b, r), grad, strict=True):
@@ -191,12 +201,14 @@ def test_saved_gradients_scale_with_the_upstream_gradient():
         torch.testing.assert_close(again, 2 * got)
 
 
-def test_many_row_chunks_round_dW_once():
-    """bf16 W, 40 row chunks: dW is accumulated in fp32 and rounded once, so it equals
+@pytest.mark.parametrize("V", [24, 27], ids=["V%8=0", "tail3"])
+def test_many_row_chunks_round_dW_once(V):
+    """bf16 W, 40 row chunks: dW is accumulated in fp32 and rounded once (the last chunk's
+    GEMM adds the fp32 sum in its epilogue; the V mod 8 tail rows in torch), so it equals
     the one-chunk dW (one GEMM over all rows) within one bf16 rounding; a bf16 running sum
     over the chunks would drift by several."""
     g = torch.Generator().manual_seed(1)
-    M, H, V = 40, 16, 24
+    M, H = 40, 16
     h = torch.randn(M, H, generator=g).to(BF16)
     W = (torch.randn(V, H, generator=g) / 4).to(BF16)
     target = torch.randint(0, V, (M,), generator=g)
@@ -214,6 +226,97 @@ def test_many_row_chunks_round_dW_once():
         part = linear_cross_entropy(hl, Wl, target[i : i + 1], reduction="sum")
         running = running + torch.autograd.grad(part, Wl)[0]
     assert ((running.float() - one.float()).abs() > ulp).any()
+
+
+def test_scaled_gradients_are_new_tensors_in_their_dtypes():
+    """The backward's scaling (``torch._foreach_mul`` per dtype): each result is a new
+    tensor of its input's dtype (inputs untouched, None kept) equal to t * g, with g in
+    t's dtype."""
+    g = torch.tensor(0.37)
+    gen = torch.Generator().manual_seed(2)
+    ts = [torch.randn(5, 3, generator=gen).to(BF16), None, torch.randn(7, generator=gen),
+          torch.randn(4, generator=gen).to(BF16)]  # fmt: skip
+    before = [None if t is None else t.clone() for t in ts]
+    out = ce_fused._scaled(ts, g)
+    for t, o, b in zip(ts, out, before, strict=True):
+        if t is None:
+            assert o is None
+            continue
+        assert o.dtype == t.dtype and o.shape == t.shape and o.data_ptr() != t.data_ptr()
+        assert torch.equal(t, b)
+        want = (t.float() * g.to(t.dtype).float()).to(t.dtype)
+        torch.testing.assert_close(o, want, rtol=2.0**-8, atol=0)
+
+
+def test_create_graph_differentiates_through_the_upstream_gradient():
+    """With create_graph the gradients stay functions of the upstream gradient:
+    d/ds <c, d(s loss)/dx> = <c, d loss/dx>."""
+    (h, W, _, _), target = _inputs()
+    loss = linear_cross_entropy(h, W, target, chunk_rows=7)
+    s = torch.tensor(2.0, requires_grad=True)
+    dh, dW = torch.autograd.grad(s * loss, (h, W), create_graph=True)
+    ch, cW = torch.randn_like(dh), torch.randn_like(dW)
+    (ds,) = torch.autograd.grad((dh * ch).sum() + (dW * cW).sum(), s)
+    dh1, dW1 = torch.autograd.grad(loss, (h, W))
+    torch.testing.assert_close(ds, (dh1 * ch).sum() + (dW1 * cW).sum())
+
+
+def test_final_sum_epilogue_adds_the_fp32_sum_and_rounds_once():
+    """The last row chunk's dW epilogue on the dW GEMM's transposed operands: total =
+    (acc + partial sum) rounded once to the output dtype."""
+    gen = torch.Generator().manual_seed(3)
+    dl = torch.randn(6, 16, generator=gen).to(BF16)  # (rows, V') dlogits
+    h = torch.randn(6, 8, generator=gen).to(BF16)  # (rows, H)
+    partial = torch.randn(16, 8, generator=gen)
+    out = final_sum_epilogue(BF16).reference(dl.t(), h.t(), **{PARTIAL_SUM: partial})
+    want = (dl.float().T @ h.float() + partial).to(BF16)
+    assert out[TOTAL].dtype == BF16
+    torch.testing.assert_close(out[TOTAL], want, rtol=0, atol=0)
+
+
+def test_row_buffers_one_in_place_by_default():
+    """dlogits overwrite the stored acc when both have h's dtype (one row buffer); an fp32
+    stored acc gets a second buffer; nothing stores dlogits without dh or dW."""
+    acc, dl = ce_fused.row_buffers(4, 16, BF16, BF16, True, "cpu")
+    assert dl is acc and acc.shape == (4, 16) and acc.dtype == BF16
+    acc, dl = ce_fused.row_buffers(4, 16, F32, BF16, True, "cpu")
+    assert acc.dtype == F32 and dl.dtype == BF16 and dl.data_ptr() != acc.data_ptr()
+    acc, dl = ce_fused.row_buffers(4, 16, BF16, BF16, False, "cpu")
+    assert dl is None
+
+
+def test_run_map_reuses_read_only_zero_operands(monkeypatch):
+    """``run_map``'s zero-GEMM operands are slices of one cached zero buffer per (device,
+    dtype), grown when too short and never written; the results are those of fresh
+    zeros."""
+    from coda import Epilogue, TileLoad, TileStore
+
+    monkeypatch.setattr(_dispatch, "_ZEROS", {})
+    seen = []
+    real = _dispatch.run_epilogue
+
+    def spy(epi, A, B, *args, **kwargs):
+        seen.append((A, B))
+        return real(epi, A, B, *args, **kwargs)
+
+    monkeypatch.setattr(_dispatch, "run_epilogue", spy)
+    epi = Epilogue((TileLoad("x", F32), TileStore("x", F32, name="y")))
+    like = torch.empty(1, dtype=BF16)
+    gen = torch.Generator().manual_seed(4)
+    for M, N in ((3, 5), (2, 4), (7, 30), (30, 1)):
+        x = torch.randn(M, N, generator=gen)
+        out = _dispatch.run_map(epi, M, N, like, x=x)
+        assert torch.equal(out["y"], x)
+    buf = _dispatch._ZEROS[(like.device, BF16)]
+    assert buf.shape == (30, _dispatch.MAP_K) and not buf.any()
+    for (A, B), (M, N) in zip(seen, ((3, 5), (2, 4), (7, 30), (30, 1)), strict=True):
+        assert A.shape == (M, _dispatch.MAP_K) and B.shape == (N, _dispatch.MAP_K)
+        assert A.dtype == B.dtype == BF16 and not A.any() and not B.any()
+    # once grown, later calls share the one buffer: no allocation per call
+    A, B = seen[-1]
+    assert A.data_ptr() == B.data_ptr() == buf.data_ptr()
+    _dispatch.run_map(epi, 2, 3, torch.empty(1, dtype=F32), x=torch.zeros(2, 3))
+    assert _dispatch._ZEROS[(like.device, F32)].dtype == F32
 
 
 def test_output_dtypes_and_shapes():

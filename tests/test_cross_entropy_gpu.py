@@ -223,11 +223,11 @@ def test_workspace_recompute_path_stays_far_below_the_logits():
 
 def test_workspace_grad_in_forward_path():
     """The gradient-in-forward path (the default in training): workspace at most
-    ``ce_chunks.grad_in_forward_workspace`` + 64 MiB: two row buffers of rows x V bf16
-    (rows = ``grad_rows``: 2048 here, 0.49 GiB each), the fp32 V x H dW accumulator (more
-    than one row chunk: 0.98 GiB), per-chunk partials and row vectors (about 2.1 GiB in
-    all, near torch.compile's 1.96 GiB of logits; the backward's copy of the gradients is
-    smaller)."""
+    ``ce_chunks.grad_in_forward_workspace`` + 64 MiB: ONE row buffer of rows x V bf16
+    (rows = ``grad_rows``: 2048 here, 0.49 GiB; the dlogits overwrite the stored acc in
+    place), the fp32 V x H dW accumulator (more than one row chunk: 0.98 GiB), per-chunk
+    partials and row vectors (a bound of about 1.6 GiB in all, below torch.compile's
+    1.96 GiB of logits; the backward's copy of the gradients is smaller)."""
     workspace, M, V, H = _workspace()
     rows = ce_chunks.grad_rows(M, V, 2)
     assert rows == 2048 and len(ce_chunks.row_chunks(M, rows)) == 4

@@ -3,7 +3,8 @@
 PingPong GEMM and compile for sm_90a; in the config ``epi(A, B)`` picks for them
 (``epilogue_config``: 128 x 128 tiles unless those spill) the SASS runs the GEMM on HGMMA
 with no local memory (LDL/STL), and the default loss's kernels keep 128 x 128 tiles (on
-both paths: recompute, and gradient-in-forward with its stored acc and map pass).
+both paths: recompute, and gradient-in-forward with its stored acc, map pass, and the last
+row chunk's dW GEMM on transposed operands adding the fp32 sum of the other chunks).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch
 from coda import Elementwise, Epilogue, TileReduce, TileStore, ops
 from coda.fusions._dispatch import MAP_K
 from coda.fusions.ce_epilogues import (
+    final_sum_epilogue,
     grad_epilogue,
     grad_map_epilogue,
     stats_epilogue,
@@ -28,7 +30,8 @@ from coda.runtime.sass import count_prefix, disassemble, find_nvdisasm, opcode_c
 pytestmark = pytest.mark.compile
 bf16 = torch.bfloat16
 
-# name -> (epilogue, must keep 128-wide tiles[, K of its GEMM])
+# name -> (epilogue, must keep 128-wide tiles[, (M, N, K) of its GEMM[, majors of A, B]])
+MNK = (16384, 8192, 4096)
 KERNELS = {
     # the default loss: forward statistics, backward dlogits
     "stats": (stats_epilogue(None, False, None, False, False), True),
@@ -43,13 +46,16 @@ KERNELS = {
     "grad_map": (
         grad_map_epilogue(bf16, bf16, None, False, None, False, False, False),
         True,
-        MAP_K,
+        (16384, 8192, MAP_K),
     ),
     "grad_map_all": (
         grad_map_epilogue(bf16, bf16, bf16, True, 30.0, True, True, True),
         False,
-        MAP_K,
+        (16384, 8192, MAP_K),
     ),
+    # the last row chunk's dW = dlogits.T @ h_c + the fp32 sum of the other chunks, in
+    # bf16: V' x H x rows (Llama 3, H = 2048, 2048 rows), A = dl.t() and B = h_c.t()
+    "final_sum_dW": (final_sum_epilogue(bf16), True, (128256, 2048, 2048), ("m", "n")),
     # OneHot at width 1/2 (pairs across lanes) feeding a row and a column reduction
     "onehot_half": (
         Epilogue().add(
@@ -66,12 +72,14 @@ KERNELS = {
 
 @pytest.mark.parametrize("name", list(KERNELS))
 def test_cross_entropy_kernels_compile_without_spills(name, tmp_path):
-    epi, wide, *k = KERNELS[name]
+    epi, wide, *rest = KERNELS[name]
+    mnk = rest[0] if rest else MNK
+    majors = rest[1] if len(rest) > 1 else ("k", "k")
     assert unsupported(epi) is None
-    cfg = epilogue_config(epi, bf16, 16384, 8192, k[0] if k else 4096, num_sms=132)
+    cfg = epilogue_config(epi, bf16, *mnk, num_sms=132, majors=majors)
     if wide:
         assert cfg.tile_n == 128, cfg
-    key = gemm_kernels.GemmKernelKey(cfg, bf16, FusedVisitor(epi))
+    key = gemm_kernels.GemmKernelKey(cfg, bf16, FusedVisitor(epi), 132, *majors)
     ptx, cubin = gemm_kernels.compile_artifacts(key, str(tmp_path))
     assert "wgmma.mma_async" in ptx and len(cubin) > 0
     if find_nvdisasm() is None:

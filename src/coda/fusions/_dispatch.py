@@ -14,7 +14,9 @@ CPU path, and CI (CPU) tests exactly the algebra the GPU runs.
   ``acc`` (a pure elementwise/reduction pass over M x N tensors), run after a GEMM of
   zeros with K = ``MAP_K``; on CUDA ``outputs`` names caller buffers to write into. The
   engine has no GEMM-free launch yet; the zero GEMM costs one k-block of TMA loads per
-  tile, negligible next to the M x N streams the pass moves.
+  tile, negligible next to the M x N streams the pass moves. Its operands are slices of
+  one cached, read-only zero buffer per (device, dtype) (``_zero_rows``): no allocation
+  or fill per call.
 * ``matmul(A, B, out=None, accumulate=False)``: ``A @ B.T`` by ``coda.gemm`` on CUDA, by
   ``A.float() @ B.float().T`` on CPU.
 """
@@ -63,9 +65,35 @@ def run_map(
     returns new tensors)."""
     if any("acc" in p.reads for p in epi.primitives):
         raise ValueError("run_map runs epilogues that do not read acc; this one does")
-    A = torch.zeros((M, MAP_K), dtype=like.dtype, device=like.device)
-    B = torch.zeros((N, MAP_K), dtype=like.dtype, device=like.device)
+    A = _zero_rows(M, like)
+    B = _zero_rows(N, like)
     return run_epilogue(epi, A, B, outputs, **tensors)
+
+
+#: (device, dtype) -> a (rows, MAP_K) zero tensor, grown as needed. READ-ONLY: ``run_map``
+#: hands out row slices of it as the operands of its zero GEMM (A and B may be the same
+#: rows), which only read them; nothing may write into them, and nothing else gets them.
+#: (The map epilogues never read acc, so these values could not reach a result anyway.)
+_ZEROS: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+
+
+def _zero_rows(rows: int, like: torch.Tensor) -> torch.Tensor:
+    """(rows, MAP_K) zeros of ``like``'s dtype and device: a contiguous slice of the cached
+    buffer (regrown, to at least twice its rows, when too short). A new tensor instead
+    for a tensor subclass (fake or functional tensors while tracing: nothing of theirs is
+    cached) and under CUDA graph capture (a buffer allocated there holds zeros only once
+    the graph replays, and belongs to the graph's memory pool)."""
+    if type(like) is not torch.Tensor or (
+        like.is_cuda and torch.cuda.is_current_stream_capturing()
+    ):
+        return torch.zeros((rows, MAP_K), dtype=like.dtype, device=like.device)
+    key = (like.device, like.dtype)
+    buf = _ZEROS.get(key)
+    if buf is None or buf.shape[0] < rows:
+        have = 0 if buf is None else buf.shape[0]
+        buf = torch.zeros((max(rows, 2 * have), MAP_K), dtype=like.dtype, device=like.device)
+        _ZEROS[key] = buf
+    return buf[:rows]
 
 
 def matmul(

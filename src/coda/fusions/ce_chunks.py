@@ -21,13 +21,15 @@ of V and of M x V: at M = 16384, H = 4096 that is 0.25 + 0.25 GiB where material
 logits and their gradient take 2 x 4 GiB.
 
 **Gradient-in-forward path** (``coda.fusions.ce_fused``): the rows are walked in chunks of
-``rows`` rows (``grad_rows``: a multiple of ``ROW_STEP``, each of two row buffers of
-rows x ``main_cols(V)`` elements of h's dtype within ``GRAD_ROWS_BYTES``); the vocabulary
-is one GEMM over its first ``main_cols(V)`` columns per row chunk, the V mod 8 tail
-columns plain torch. Workspace (``grad_in_forward_workspace``): the two row buffers, an
-fp32 V x H dW accumulator when there is more than one row chunk, the per-chunk partials
-of the fused reductions, fp32 rows x H temporaries when V mod 8 != 0, O(M) vectors; and,
-in the backward, one copy of the gradients (the saved ones times the upstream scalar).
+``rows`` rows (``grad_rows``: a multiple of ``ROW_STEP``, a row buffer of rows x
+``main_cols(V)`` elements of h's dtype within ``GRAD_ROWS_BYTES``); the vocabulary is one
+GEMM over its first ``main_cols(V)`` columns per row chunk, the V mod 8 tail columns plain
+torch. Workspace (``grad_in_forward_workspace``): the row buffer (the stored acc, which
+the dlogits overwrite in place; a second buffer only when the acc is stored in another
+dtype), an fp32 V x H dW accumulator when there is more than one row chunk, the per-chunk
+partials of the fused reductions, fp32 rows x H temporaries when V mod 8 != 0, O(M)
+vectors; and, in the backward, one copy of the gradients (the saved ones times the
+upstream scalar).
 """
 
 from __future__ import annotations
@@ -58,7 +60,8 @@ TMA_COLS = 8
 GRAD_STEP = 256
 #: Column tile of the fused forward (its partials are per 128 columns).
 STATS_TILE = 128
-#: Default budget of EACH of the two row buffers of the gradient-in-forward path.
+#: Default budget of the gradient-in-forward path's row buffer (of each, when the acc is
+#: stored in another dtype than the dlogits and they take two).
 GRAD_ROWS_BYTES = 512 * 2**20
 #: Automatic row chunks of the gradient-in-forward path are multiples of this (tile_m).
 ROW_STEP = 128
@@ -150,14 +153,16 @@ def grad_in_forward_workspace(
     """Upper bound (bytes) of the gradient-in-forward path's workspace: its peak memory
     minus inputs, the loss and the gradients (dh, dW, dbias, drstd) it returns, for h of
     ``elem_bytes`` per element and the acc stored in ``acc_bytes`` (default: the same).
-    The larger of the forward's (the two row buffers, the fp32 dW accumulator with more
-    than one row chunk, per-chunk partials at the narrowest tile, the tail's fp32
-    temporaries, 8 fp32 vectors of M) and the backward's (one copy of dh and dW: the
+    The larger of the forward's (the row buffer: one, the dlogits written in place over
+    the stored acc, when ``acc_bytes == elem_bytes``, else two; the fp32 dW accumulator
+    with more than one row chunk, per-chunk partials at the narrowest tile, the tail's
+    fp32 temporaries, 8 fp32 vectors of M) and the backward's (one copy of dh and dW: the
     saved gradients times the upstream gradient)."""
     acc_bytes = elem_bytes if acc_bytes is None else acc_bytes
     m, n = min(rows, M), main_cols(V)
     tiles_n, tiles_m = -(-n // MIN_TILE), -(-m // MIN_TILE)
-    forward = m * n * (acc_bytes + elem_bytes)
+    in_place = acc_bytes == elem_bytes
+    forward = m * n * (acc_bytes if in_place else acc_bytes + elem_bytes)
     forward += 4 * V * H if len(row_chunks(M, rows)) > 1 else 0
     forward += 4 * (m * tiles_n * 5 + tiles_m * n)  # lse/zt/zsum/drstd (row), dbias (col)
     forward += 2 * 4 * m * H if V % TMA_COLS else 0

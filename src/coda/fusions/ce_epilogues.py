@@ -30,7 +30,9 @@ then the softcap chain g *= 1 - (z / cap)^2 gives dL/ds; dL/drstd = sum_j g acc 
 that the statistics are those of exactly the stored values); ``grad_map_epilogue`` is the
 backward chain without a GEMM (``run_map``): a ``TileLoad`` of the stored acc in place of
 ``acc`` (``_logits`` and ``_grad`` take the source value's name), drstd summing g times
-that loaded acc.
+that loaded acc. ``final_sum_epilogue`` finishes dW over several row chunks: the last
+chunk's dW GEMM adds the fp32 sum of the earlier chunks (``TileLoad`` of
+``PARTIAL_SUM``) to its acc and stores the total rounded once to W's dtype.
 
 **The padded tail** (recompute path; the gradient-in-forward path computes the V mod 8
 tail columns in torch). TMA moves M x N tiles in rows of 16 bytes, so every chunk is a
@@ -68,10 +70,13 @@ from coda.primitives import (
 from coda.primitives import math as cm
 
 __all__ = [
+    "PARTIAL_SUM",
     "STORED_ACC",
+    "TOTAL",
     "RoundTo",
     "Softcap",
     "SoftcapGrad",
+    "final_sum_epilogue",
     "grad_epilogue",
     "grad_map_epilogue",
     "stats_epilogue",
@@ -83,6 +88,10 @@ F32 = torch.float32
 TARGET_DTYPE = torch.int32
 #: name of the GEMM result stored by ``stats_store_epilogue`` and loaded by ``grad_map_epilogue``
 STORED_ACC = "stored_acc"
+#: name of the fp32 partial sum that ``final_sum_epilogue`` adds to acc (the input)
+PARTIAL_SUM = "partial_sum"
+#: name of ``final_sum_epilogue``'s output: acc + partial sum in the output dtype
+TOTAL = "total"
 
 
 @attrs.frozen
@@ -299,3 +308,17 @@ def grad_map_epilogue(
     prims, z = _logits(bias_dtype, rstd, softcap, src=STORED_ACC)
     prims.insert(0, TileLoad(STORED_ACC, acc_dtype))
     return _grad(prims, z, STORED_ACC, out_dtype, rstd, softcap, with_sum, dbias, drstd)
+
+
+@functools.cache
+def final_sum_epilogue(out_dtype: torch.dtype) -> Epilogue:
+    """``TOTAL`` = acc + ``PARTIAL_SUM`` (an fp32 M x N input), rounded once to
+    ``out_dtype``: the last row chunk's dW GEMM of the gradient-in-forward path, adding
+    the earlier chunks' fp32 sum, so dW is written in W's dtype with no separate cast."""
+    return Epilogue(
+        (
+            TileLoad(PARTIAL_SUM, F32),
+            Elementwise(TOTAL, ops.add, ins=("acc", PARTIAL_SUM)),
+            TileStore(TOTAL, out_dtype),
+        )
+    )

@@ -21,16 +21,25 @@ recompute path of ``cross_entropy`` runs four). Per chunk of ``rows`` rows [r0, 
 3. the row losses, and the per-row upstream coefficients in closed form (no sync), with
    s = 1 / denom on valid rows and 0 on ignored ones: ga = dL/dlse = s (1 + 2 z_loss lse),
    gt = dL/dzt = -s (1 - eps), gs = dL/dzsum = -s eps / V (eps: label smoothing);
-4. ``run_map`` of ``grad_map_epilogue`` over buffer 1: dlogits = rstd * dL/ds into row
-   buffer 2 (h's dtype), and the dbias (column) / drstd (row) reductions; the tail's
-   gradient in torch;
+4. ``run_map`` of ``grad_map_epilogue`` over buffer 1: dlogits = rstd * dL/ds (h's
+   dtype) written IN PLACE over the stored acc when that has h's dtype too (the default;
+   a separate buffer 2 when ``ACC_STORE_DTYPE`` differs), and the dbias (column) / drstd
+   (row) reductions; the tail's gradient in torch;
 5. dh[r0:r1] = dlogits @ W[:V'] (+ the tail's, in fp32, rounded once), and
-   dW (+)= dlogits.T @ h_c: with one row chunk written directly in W's dtype, with
-   several accumulated into an fp32 V x H buffer (``accumulate=True``: TMA reduce-add)
-   and cast once at the end, so dW is never summed in bf16.
+   dW (+)= dlogits.T @ h_c: with one row chunk written directly in W's dtype; with
+   several, the earlier chunks accumulate into an fp32 V x H buffer (``accumulate=True``:
+   TMA reduce-add) and the last chunk's GEMM adds that buffer in its epilogue
+   (``final_sum_epilogue``) and writes dW in W's dtype, rounded once: dW is never summed
+   in bf16 and no separate cast pass runs.
 
-Separate buffers: buffer 1 is read while buffer 2 is written (one buffer, written in
-place, would halve them; not done). Precision: acc is rounded to h's dtype once
+In place (step 4) is safe in the engine: each address of the buffer is in exactly one
+(tile, subtile) box, the same box for the stored-acc TMA load and the dlogits TMA store
+(same dtype, width 1; split-K is never used with M x N loads); the consumer waits for that
+subtile's load (its mbarrier) before it computes and stores it, and the loads the
+producer warp prefetches ahead are of later subtiles and tiles, other addresses. It halves
+the row buffers.
+
+Precision: acc is rounded to h's dtype once
 (``RoundTo`` in ``stats_store_epilogue``) and everything of the loss, lse, zt, zsum and
 the gradient's softmax exp(z - lse), is computed in fp32 from those same rounded values,
 as a loss over materialized bf16 logits is (consistent: the softmax sums to 1). Measured
@@ -48,7 +57,14 @@ from torch.library import custom_op, register_autograd
 
 from coda.fusions import ce_chunks
 from coda.fusions._dispatch import matmul, run_epilogue, run_map
-from coda.fusions.ce_epilogues import STORED_ACC, grad_map_epilogue, stats_store_epilogue
+from coda.fusions.ce_epilogues import (
+    PARTIAL_SUM,
+    STORED_ACC,
+    TOTAL,
+    final_sum_epilogue,
+    grad_map_epilogue,
+    stats_store_epilogue,
+)
 from coda.fusions.ce_operands import check_operands, check_targets, local_targets
 
 __all__ = ["ACC_STORE_DTYPE", "lce_fused_loss"]
@@ -56,9 +72,10 @@ __all__ = ["ACC_STORE_DTYPE", "lce_fused_loss"]
 F32 = torch.float32
 
 #: dtype of the stored acc (row buffer 1): None stores it in h's dtype (the default: loss
-#: and gradient from logits rounded once, as a materialized-logits loss has them);
-#: torch.float32 keeps the recompute path's fp32 logits for twice the buffer's bytes and
-#: its write + read traffic. Read at call time.
+#: and gradient from logits rounded once, as a materialized-logits loss has them; dlogits
+#: then overwrite it in place, one row buffer); torch.float32 keeps the recompute path's
+#: fp32 logits for twice the buffer's bytes and its write + read traffic, plus a second
+#: (h's dtype) buffer for dlogits. Read at call time.
 ACC_STORE_DTYPE: torch.dtype | None = None
 
 
@@ -165,8 +182,23 @@ def _tail(spec: _Spec, hf, W_tail, bias_tail, r_c, t_c, valid_c) -> _Tail:
 # ---- the walk over row chunks ---------------------------------------------------------------
 
 
+def row_buffers(
+    m: int, cols: int, acc_dtype: torch.dtype, out_dtype: torch.dtype, store: bool, device
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(stored acc buffer, dlogits buffer) of m x cols: the SAME tensor when the dtypes
+    agree (the map pass writes dlogits in place over the stored acc, see the module doc),
+    a second one otherwise; no dlogits buffer when nothing stores them (``store``
+    False: neither dh nor dW asked for)."""
+    acc = torch.empty((m, cols), dtype=acc_dtype, device=device)
+    if not store:
+        return acc, None
+    if out_dtype == acc_dtype:
+        return acc, acc
+    return acc, torch.empty((m, cols), dtype=out_dtype, device=device)
+
+
 class _Walk:
-    """One fused loss over row chunks: inputs, the two row buffers, the accumulators."""
+    """One fused loss over row chunks: inputs, the row buffer(s), the accumulators."""
 
     def __init__(self, h, W, target, bias, rstd, denom, spec: _Spec, rows: int):
         M, H = h.shape
@@ -183,37 +215,33 @@ class _Walk:
         self.bufs = self._buffers(min(rows, M))
 
     def _allocate(self, M: int, H: int, V: int, several: bool) -> None:
-        """The per-row losses and the gradient accumulators asked for: dW straight in W's
-        dtype with one row chunk, an fp32 accumulator with several; dbias in fp32."""
+        """The per-row losses and the gradients asked for: dW in W's dtype, plus an fp32
+        accumulator of the chunks before the last with several row chunks; dbias in fp32."""
         spec, device = self.spec, self.h.device
         self.row_loss = torch.empty(M, dtype=F32, device=device)
         self.dh = torch.empty_like(self.h) if spec.need_dh else None
-        self.dW = torch.empty_like(self.W) if spec.need_dW and not several else None
+        self.dW = torch.empty_like(self.W) if spec.need_dW else None
         self.dW32 = None
         if spec.need_dW and several:
             self.dW32 = torch.empty((V, H), dtype=F32, device=device)
         self.dbias = torch.zeros(V, dtype=F32, device=device) if spec.need_dbias else None
         self.drstd = torch.empty(M, dtype=F32, device=device) if spec.need_drstd else None
 
-    def _buffers(self, m: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The two row buffers (stored acc, dlogits) on CUDA; the CPU reference returns
-        new tensors instead."""
+    def _buffers(self, m: int) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """The row buffers (stored acc, dlogits: one tensor twice by default) on CUDA;
+        the CPU reference returns new tensors instead."""
         if not self.h.is_cuda or self.spec.main == 0:
             return None
-        shape, device = (m, self.spec.main), self.h.device
-        return (
-            torch.empty(shape, dtype=self.spec.acc_dtype, device=device),
-            torch.empty(shape, dtype=self.spec.out_dtype, device=device),
-        )
+        spec = self.spec
+        return row_buffers(m, spec.main, spec.acc_dtype, spec.out_dtype, spec.store, self.h.device)
 
     def run(self) -> list[torch.Tensor]:
         for i, (r0, r1) in enumerate(self.plan):
             self._chunk(i, r0, r1)
-        self.bufs = None  # free the row buffers before dW's cast
+        self.bufs = self.dW32 = None
         loss = self.row_loss.sum() / self.denom
-        dW = self.dW32.to(self.W.dtype) if self.dW32 is not None else self.dW
         dbias = None if self.dbias is None else self.dbias.to(self.spec.bias_dtype)
-        return [loss, self.dh, dW, dbias, self.drstd]
+        return [loss, self.dh, self.dW, dbias, self.drstd]
 
     # ---- one row chunk ------------------------------------------------------------------
     def _chunk(self, i: int, r0: int, r1: int) -> None:
@@ -297,14 +325,27 @@ class _Walk:
         out.copy_(acc)
 
     def _dW(self, i: int, h_c, hf, dl, dl_t) -> None:
-        """Step 5: dW (+)= dlogits.T @ h_c: directly in W's dtype with one row chunk, into
-        the fp32 accumulator with several (the first chunk writes, the next ones add)."""
+        """Step 5: dW (+)= dlogits.T @ h_c: directly in W's dtype with one row chunk; with
+        several, into the fp32 accumulator (the first chunk writes, the next ones add) and
+        the last chunk writes dW = its product + the accumulator, rounded once."""
         main = self.spec.main
         if self.dW32 is None:
             if dl is not None:
                 matmul(dl.t(), h_c.t(), out=self.dW[:main])
             if dl_t is not None:
                 self.dW[main:] = (dl_t.T @ hf).to(self.W.dtype)
+            return
+        if i == len(self.plan) - 1:
+            if dl is not None:
+                out = self.dW[:main]
+                got = run_epilogue(
+                    final_sum_epilogue(self.W.dtype), dl.t(), h_c.t(), {TOTAL: out},
+                    **{PARTIAL_SUM: self.dW32[:main]},
+                )[TOTAL]  # fmt: skip
+                if got.data_ptr() != out.data_ptr():  # the CPU reference's new tensor
+                    out.copy_(got)
+            if dl_t is not None:
+                self.dW[main:] = (self.dW32[main:] + dl_t.T @ hf).to(self.W.dtype)
             return
         if dl is not None:
             matmul(dl.t(), h_c.t(), out=self.dW32[:main], accumulate=i > 0)
@@ -417,15 +458,34 @@ def _fused_setup(ctx, inputs, output) -> None:
     ctx.mark_non_differentiable(*output[1:])
 
 
+def _scaled(tensors: list, g: torch.Tensor) -> list:
+    """Each tensor (None kept) times the 0-dim ``g``, out of place, in its own dtype: one
+    ``torch._foreach_mul`` per dtype with ``g`` cast to that dtype. The foreach kernel
+    reads the scalar from device memory in a vectorized multi-tensor launch (its fast path
+    wants the scalar in the list's dtype); ``t * g`` would instead broadcast the 0-dim
+    CUDA tensor through TensorIterator's unvectorized dynamic-cast kernel, which rounded g
+    to t's dtype too. Under ``create_graph`` with ``g`` requiring grad, plain ``t * g``
+    (foreach ops cannot be differentiated with respect to a scalar tensor)."""
+    if g.requires_grad and torch.is_grad_enabled():
+        return [None if t is None else (t * g).to(t.dtype) for t in tensors]
+    out = list(tensors)
+    groups: dict[torch.dtype, list[int]] = {}
+    for i, t in enumerate(tensors):
+        if t is not None:
+            groups.setdefault(t.dtype, []).append(i)
+    for dtype, idx in groups.items():
+        scaled = torch._foreach_mul([tensors[i] for i in idx], g.to(dtype))
+        for i, t in zip(idx, scaled, strict=True):
+            out[i] = t
+    return out
+
+
 def _fused_backward(ctx, g_loss, *unused):
     """The saved gradients times the loss's upstream gradient (no GEMM)."""
     if g_loss is None:
         return (None,) * 16
-    grads = [
-        (t * g_loss).to(t.dtype) if need else None
-        for t, need in zip(ctx.saved_tensors, ctx.need, strict=True)
-    ]
-    dh, dW, dbias, drstd = grads
+    saved = [t if need else None for t, need in zip(ctx.saved_tensors, ctx.need, strict=True)]
+    dh, dW, dbias, drstd = _scaled(saved, g_loss)
     return (dh, dW, None, dbias, drstd) + (None,) * 11
 
 
