@@ -94,11 +94,12 @@ def _inputs(M=20, H=16, V=43, grad=(True, True, False, False)):
     return tensors, target
 
 
-def _fused_counts(chunks, dh=True, dW=True):
+def _fused_counts(chunks, dh=True, dW=True, fold=False):
     """Per row chunk the logits GEMM (``run_epilogue``), the map pass, the dh and dW
-    GEMMs (``matmul``), except that with several chunks the last chunk's dW GEMM is a
-    ``run_epilogue`` (``final_sum_epilogue``: + the fp32 sum of the others, one rounding)."""
-    last_dW = dW and chunks > 1
+    GEMMs (``matmul``), except that with ``fold`` (``FOLD_LAST_DW``) and several chunks the
+    last chunk's dW GEMM is a ``run_epilogue`` (``final_sum_epilogue``: + the fp32 sum of
+    the others, one rounding)."""
+    last_dW = fold and dW and chunks > 1
     out = {"fused.run_epilogue": chunks + last_dW, "fused.run_map": chunks}
     gemms = (dh + dW) * chunks - last_dW
     if gemms:
@@ -201,12 +202,16 @@ def test_saved_gradients_scale_with_the_upstream_gradient():
         torch.testing.assert_close(again, 2 * got)
 
 
+@pytest.mark.parametrize("fold", [False, True], ids=["cast", "fold"])
 @pytest.mark.parametrize("V", [24, 27], ids=["V%8=0", "tail3"])
-def test_many_row_chunks_round_dW_once(V):
-    """bf16 W, 40 row chunks: dW is accumulated in fp32 and rounded once (the last chunk's
-    GEMM adds the fp32 sum in its epilogue; the V mod 8 tail rows in torch), so it equals
+def test_many_row_chunks_round_dW_once(V, fold, monkeypatch):
+    """bf16 W, 40 row chunks: dW is accumulated in fp32 and rounded once (cast at the
+    end, or with ``FOLD_LAST_DW`` the last chunk's GEMM adds the fp32 sum in its
+    epilogue; the V mod 8 tail rows in torch), so it equals
     the one-chunk dW (one GEMM over all rows) within one bf16 rounding; a bf16 running sum
     over the chunks would drift by several."""
+    monkeypatch.setattr(ce_fused, "FOLD_LAST_DW", fold)
+    calls = Calls(monkeypatch)
     g = torch.Generator().manual_seed(1)
     M, H = 40, 16
     h = torch.randn(M, H, generator=g).to(BF16)
@@ -217,6 +222,10 @@ def test_many_row_chunks_round_dW_once(V):
         hl, Wl = leaves((h, W), BF16)
         loss = linear_cross_entropy(hl, Wl, target, reduction="sum", chunk_rows=rows)
         grads.append(torch.autograd.grad(loss, Wl)[0])
+        if rows == 1:
+            assert calls.take()["fused.run_epilogue"] == M + fold
+        else:
+            calls.take()
     one, many = grads
     ulp = one.float().abs() * 2.0**-8 + 1e-30
     assert ((many.float() - one.float()).abs() <= ulp).all()
@@ -365,3 +374,29 @@ def test_bf16_no_worse_than_eager_bf16(p, acc_dtype):
     eager = loss_and_grads(textbook, p, BF16, (h, W, None, None), target)
     for name, a, t, b in zip(("loss", "dh", "dW"), ours, truth, eager, strict=True):
         assert_close_to_reference(a, t, name=name, baseline=b, atol=2e-3, floor=1e-2)
+
+
+def test_backward_materializes_no_zero_gradients_for_the_saved_gradient_outputs():
+    """dh, dW, dbias, drstd are outputs of the fused op that nobody differentiates: the
+    backward must not get (V x H for dW) zero-filled gradients for them."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Fills(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.shapes = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            name = str(func)
+            if isinstance(out, torch.Tensor) and ("zero" in name or "fill" in name):
+                self.shapes.append((name, tuple(out.shape)))
+            return out
+
+    (h, W, b, r), target = _inputs()
+    loss = linear_cross_entropy(h, W, target, chunk_rows=8)
+    fills = Fills()
+    with fills:
+        loss.backward()
+    assert fills.shapes == []
+    assert h.grad is not None and W.grad is not None

@@ -78,6 +78,15 @@ F32 = torch.float32
 #: (h's dtype) buffer for dlogits. Read at call time.
 ACC_STORE_DTYPE: torch.dtype | None = None
 
+#: With several row chunks, how dW reaches W's dtype. False (default): every chunk's dW
+#: GEMM adds into the fp32 accumulator and one cast pass rounds it once at the end, after
+#: the row buffer is freed (peak: row buffer + fp32 accumulator, or accumulator + dW).
+#: True: the last chunk's GEMM adds the fp32 sum in its epilogue (``final_sum_epilogue``)
+#: and writes dW, rounded once: no cast pass (a V x H read + write less), but dW, the
+#: accumulator and the row buffer are alive together (+ V x H x 2 bytes of peak: 0.5 GiB
+#: at V = 128256, H = 2048). Read at call time.
+FOLD_LAST_DW: bool = False
+
 
 @attrs.frozen
 class _Spec:
@@ -220,7 +229,10 @@ class _Walk:
         spec, device = self.spec, self.h.device
         self.row_loss = torch.empty(M, dtype=F32, device=device)
         self.dh = torch.empty_like(self.h) if spec.need_dh else None
-        self.dW = torch.empty_like(self.W) if spec.need_dW else None
+        self.fold = several and FOLD_LAST_DW
+        # without the fold, dW of several chunks is the fp32 sum's cast (made in run())
+        direct = spec.need_dW and (not several or self.fold)
+        self.dW = torch.empty_like(self.W) if direct else None
         self.dW32 = None
         if spec.need_dW and several:
             self.dW32 = torch.empty((V, H), dtype=F32, device=device)
@@ -238,7 +250,10 @@ class _Walk:
     def run(self) -> list[torch.Tensor]:
         for i, (r0, r1) in enumerate(self.plan):
             self._chunk(i, r0, r1)
-        self.bufs = self.dW32 = None
+        self.bufs = None  # free the row buffer before dW's cast
+        if self.dW32 is not None and not self.fold:
+            self.dW = self.dW32.to(self.W.dtype)
+        self.dW32 = None
         loss = self.row_loss.sum() / self.denom
         dbias = None if self.dbias is None else self.dbias.to(self.spec.bias_dtype)
         return [loss, self.dh, self.dW, dbias, self.drstd]
@@ -326,8 +341,9 @@ class _Walk:
 
     def _dW(self, i: int, h_c, hf, dl, dl_t) -> None:
         """Step 5: dW (+)= dlogits.T @ h_c: directly in W's dtype with one row chunk; with
-        several, into the fp32 accumulator (the first chunk writes, the next ones add) and
-        the last chunk writes dW = its product + the accumulator, rounded once."""
+        several, into the fp32 accumulator (the first chunk writes, the next ones add;
+        ``run`` casts it once), or with ``FOLD_LAST_DW`` the last chunk writes dW = its
+        product + the accumulator, rounded once."""
         main = self.spec.main
         if self.dW32 is None:
             if dl is not None:
@@ -335,7 +351,7 @@ class _Walk:
             if dl_t is not None:
                 self.dW[main:] = (dl_t.T @ hf).to(self.W.dtype)
             return
-        if i == len(self.plan) - 1:
+        if self.fold and i == len(self.plan) - 1:
             if dl is not None:
                 out = self.dW[:main]
                 got = run_epilogue(
@@ -456,6 +472,9 @@ def _fused_setup(ctx, inputs, output) -> None:
                 inputs[4] is not None and inputs[15])  # fmt: skip
     ctx.save_for_backward(*output[1:])
     ctx.mark_non_differentiable(*output[1:])
+    # the gradient outputs are never differentiated: no zero-filled (V x H for dW!)
+    # gradients materialized for them in the backward
+    ctx.set_materialize_grads(False)
 
 
 def _scaled(tensors: list, g: torch.Tensor) -> list:
