@@ -87,3 +87,17 @@ def test_cross_entropy_kernels_compile_without_spills(name, tmp_path):
     opcodes = opcode_counts(disassemble(cubin))
     assert count_prefix(opcodes, "HGMMA") > 0
     assert count_prefix(opcodes, "LDL") == 0 and count_prefix(opcodes, "STL") == 0, "spills"
+
+
+def test_gradient_map_loads_its_row_vectors_once_per_band(tmp_path):
+    """The gradient map pass's row vectors (lse, the coefficients) and OneHot's targets
+    are loaded once per band of subtiles (``TraceSubtile.per_band``): 16 global loads in
+    the kernel where per-subtile loads made 64."""
+    if find_nvdisasm() is None:
+        pytest.skip("nvdisasm not installed")
+    epi, _, mnk = KERNELS["grad_map"]
+    cfg = epilogue_config(epi, bf16, *mnk, num_sms=132)
+    key = gemm_kernels.GemmKernelKey(cfg, bf16, FusedVisitor(epi), 132, "k", "k")
+    _, cubin = gemm_kernels.compile_artifacts(key, str(tmp_path))
+    opcodes = opcode_counts(disassemble(cubin))
+    assert count_prefix(opcodes, "LDG") <= 16, opcodes

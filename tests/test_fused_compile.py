@@ -88,3 +88,20 @@ def test_only_reducing_epilogues_have_a_finalize_kernel():
     assert not finalize.uses_kernel(EPILOGUES["residual_store"])
     assert not finalize.uses_kernel(EPILOGUES["swiglu_fwd"])
     assert finalize.uses_kernel(EPILOGUES["lse_target"])
+
+
+#: global loads (LDG) in the kernel of a catalogue epilogue whose vectors are loaded once
+#: per band of subtiles (``TraceSubtile.per_band``); per subtile they were 64, 16, 48.
+#: A 128 x 128 tile has 2 x 4 subtiles of 64 x 32: a row vector (rstd) is loaded in 2 of
+#: them, a column vector (gamma, freq) in 4 instead of 8.
+BAND_LOADS = {"rmsnorm_fwd": 32, "row_scale": 4, "rope": 20}
+
+
+@pytest.mark.parametrize("name", list(BAND_LOADS))
+def test_vectors_are_loaded_once_per_band_of_subtiles(name, tmp_path):
+    if find_nvdisasm() is None:
+        pytest.skip("nvdisasm not installed")
+    _, cubin = _compile(EPILOGUES[name], tmp_path)
+    opcodes = opcode_counts(disassemble(cubin))
+    assert count_prefix(opcodes, "LDG") <= BAND_LOADS[name], opcodes
+    assert count_prefix(opcodes, "LDL") == 0 and count_prefix(opcodes, "STL") == 0

@@ -77,9 +77,13 @@ class OneHot(Source):
         target = ctx.extra(self.target)
         hot = cute.make_rmem_tensor(v.layout, tracing.Float32)
         for r in v.frag.rows:
-            row = tracing.row_of(ctx, r)
-            # -1 for rows past M; the sentinel -1 itself is never a column either
-            want = tracing.load_index(target, row, ctx.shape_mn[0], -1)
+
+            def load(r=r):
+                row = tracing.row_of(ctx, r)
+                # -1 for rows past M; the sentinel -1 itself is never a column either
+                return tracing.load_index(target, row, ctx.shape_mn[0], -1)
+
+            want = ctx.per_band(("index", self.target, r, -1), 0, load)  # once per band
             for i in v.frag.row_members(r):
                 hot[i] = tracing.select_eq(v.coords[i][1], want, tracing.Float32(1.0))
         values[self.name] = tracing.masked(hot.load(), v.layout, v.coords, v.shape_mn, 0.0).load()

@@ -49,6 +49,9 @@ class TraceTile:
     loaded: dict = attrs.Factory(dict)  # TileLoad name -> fragment (per subtile)
     stored: dict = attrs.Factory(dict)  # TileStore output name -> fragment (per subtile)
     scratch_offsets: dict = attrs.Factory(dict)  # primitive -> its first scratch float
+    #: traced values shared by the subtiles of one row (or column) of subtiles of this
+    #: tile: ``TraceSubtile.per_band`` (e.g. a row vector's loads, made once per band)
+    memo: dict = attrs.Factory(dict)
 
     @property
     def tile_coord(self):
@@ -96,6 +99,20 @@ class TraceSubtile:
 
     def extra(self, name: str):
         return self.tile.extra(name)
+
+    def per_band(self, key, axis: int, make):
+        """``make()`` traced once per tile and band of subtiles: the subtiles that share
+        this one's subtile row (axis 0: values that depend only on the rows, e.g. a row
+        vector's loads) or subtile column (axis 1: only on the columns), in the order the
+        epilogue visits them; later subtiles of the band reuse the traced value instead of
+        loading it again. The subtile loop is unrolled at trace time, so the value is
+        defined (dominates) wherever it is reused. ``key`` names everything else the
+        value depends on."""
+        k = (key, axis, self.subtile[axis])
+        memo = self.tile.memo
+        if k not in memo:
+            memo[k] = make()
+        return memo[k]
 
     def view(self, width: Fraction = Fraction(1)) -> View:
         """The fragment geometry of width-``width`` values in this subtile."""

@@ -73,7 +73,14 @@ class VecLoad(Source):
         vec = ctx.extra(self.name)
         limit = view.shape_mn[axis]
         groups = tracing.same_index_groups(view.frag, axis)
-        values[self.name] = tracing.gather(view.layout, view.coords, vec, axis, limit, groups)
+
+        def load():
+            return tracing.gather(view.layout, view.coords, vec, axis, limit, groups)
+
+        # a row vector is the same for every subtile of a subtile row (a column vector
+        # for every subtile of a subtile column): loaded once per band, not per subtile
+        key = ("VecLoad", self.name, self.per, self.width)
+        values[self.name] = ctx.per_band(key, axis, load)
 
 
 @attrs.frozen
