@@ -5,6 +5,7 @@ float64 textbook autograd."""
 from __future__ import annotations
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from coda.testing.tolerance import assert_close_to_reference
 
@@ -22,3 +23,19 @@ def leaf(t, dtype=F32):
 
 def close(actual, truth, name):
     assert_close_to_reference(actual, truth, name=name, tol=TOL)
+
+
+class ZeroFills(TorchDispatchMode):
+    """Records (op, shape) of every tensor a zero / fill op makes inside the context: a
+    backward that autograd feeds zero-filled gradients of unused outputs shows them."""
+
+    def __init__(self):
+        super().__init__()
+        self.shapes: list[tuple[str, tuple[int, ...]]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = str(func)
+        if isinstance(out, torch.Tensor) and ("zero" in name or "fill" in name):
+            self.shapes.append((name, tuple(out.shape)))
+        return out

@@ -23,6 +23,7 @@ import torch
 from hypothesis import given, settings
 
 from _ce_helpers import BF16, F32, F64, TOL, leaves, loss_and_grads, make, names, problems, textbook
+from _fusion_helpers import ZeroFills
 from coda.fusions import _dispatch, ce_fused
 from coda.fusions import cross_entropy as ce
 from coda.fusions.ce_epilogues import PARTIAL_SUM, TOTAL, final_sum_epilogue
@@ -379,23 +380,10 @@ def test_bf16_no_worse_than_eager_bf16(p, acc_dtype):
 def test_backward_materializes_no_zero_gradients_for_the_saved_gradient_outputs():
     """dh, dW, dbias, drstd are outputs of the fused op that nobody differentiates: the
     backward must not get (V x H for dW) zero-filled gradients for them."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Fills(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.shapes = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            name = str(func)
-            if isinstance(out, torch.Tensor) and ("zero" in name or "fill" in name):
-                self.shapes.append((name, tuple(out.shape)))
-            return out
 
     (h, W, b, r), target = _inputs()
     loss = linear_cross_entropy(h, W, target, chunk_rows=8)
-    fills = Fills()
+    fills = ZeroFills()
     with fills:
         loss.backward()
     assert fills.shapes == []
