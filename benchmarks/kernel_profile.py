@@ -15,7 +15,9 @@ Profiles, after warm-up, ``--reps`` passes of each of:
 Per contender it writes the kernels' summed device time per pass, grouped by kernel
 name (top 25), the pass's wall time and the GPU-busy fraction (busy < wall means the
 host or a sync left the GPU idle). JSON ``{"device", "versions", "command",
-"profiles": {name: {"wall_ms", "gpu_ms", "kernels": [{"name", "ms", "calls"}]}}}``.
+"profiles": {name: {"wall_ms", "gpu_ms", "categories_ms", "kernels": [{"name", "ms",
+"calls"}], "sequence_one_pass"}}}`` and a PNG beside it (GPU time by kernel family per
+profile; ``--replot FILE`` redraws it from a written JSON, on any machine).
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ def category(name: str) -> str:
         return "cublas"
     if any(s in n for s in ("sdpa", "fmha", "flash", "cudnn")):
         return "attention"
-    if any(s in n for s in ("adam", "multi_tensor")):
+    if "adam" in n or "fusedoptimizer" in n:
         return "optimizer"
     if "at::native" in n or "memset" in n or "memcpy" in n:
         return "torch_elementwise"
@@ -148,6 +150,44 @@ def train_profiles(args, out: dict) -> None:
         del meth, model
 
 
+def chart(payload: dict, png: str) -> bool:
+    """Stacked bars of GPU time by kernel family, one panel for the block and loss
+    profiles and one for the training steps; False without matplotlib."""
+    try:
+        import matplotlib
+    except ImportError:
+        return False
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    profiles = payload["profiles"]
+    groups = [
+        [n for n in profiles if not n.startswith("train_")],
+        [n for n in profiles if n.startswith("train_")],
+    ]
+    groups = [g for g in groups if g]
+    if not groups:
+        return False
+    cats = sorted({c for p in profiles.values() for c in p["categories_ms"]})
+    fig, axes = plt.subplots(1, len(groups), figsize=(6 * len(groups), 4.5), squeeze=False)
+    for ax, names in zip(axes[0], groups, strict=True):
+        bottom = [0.0] * len(names)
+        for c in cats:
+            vals = [profiles[n]["categories_ms"].get(c, 0.0) for n in names]
+            ax.bar(range(len(names)), vals, bottom=bottom, label=c)
+            bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
+        ax.plot(range(len(names)), [profiles[n]["wall_ms"] for n in names], "k_", ms=30,
+                label="wall time")  # fmt: skip
+        ax.set_xticks(range(len(names)), names, rotation=20, fontsize=8)
+        ax.set_ylabel("ms per pass (GPU time by kernel family)")
+    axes[0][0].legend(fontsize=7)
+    fig.suptitle(f"kernel_profile, {payload.get('device', '')}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+    return True
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--H", type=int, default=2048)
@@ -158,7 +198,12 @@ def main(argv=None) -> None:
     p.add_argument("--train", nargs="*", default=[], help="whole training steps: coda liger eager")
     p.add_argument("--seq", action="store_true", help="print each pass's kernel sequence")
     p.add_argument("--out", default="benchmarks/results/kernel_profile_h200.json")
+    p.add_argument("--replot", metavar="JSON", help="run nothing: redraw this JSON's PNG")
     args = p.parse_args(argv)
+    if args.replot:
+        with open(args.replot) as f:
+            chart(json.load(f), os.path.splitext(args.replot)[0] + ".png")
+        return
     size = ts.configs(4)["llama3-1b" if args.H == 2048 else "h4096-trunc"]
     out = {**common.environment(), "command": " ".join(sys.argv), "profiles": {}}
 
@@ -211,6 +256,7 @@ def main(argv=None) -> None:
             for r in prof["sequence_one_pass"]:
                 print("     ", r)
     common.write_json(args.out, out)
+    chart(out, os.path.splitext(args.out)[0] + ".png")
 
 
 if __name__ == "__main__":

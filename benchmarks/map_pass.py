@@ -8,12 +8,14 @@ RMSNorm backward maps. This measures its bytes per second for a pure copy (TileL
 TileStore) and for the RMSNorm backward map (``scaled_grad``: two loads, one store, a row
 reduction), under the default epilogue config and variants (load / store buffering depth,
 cluster, tile width), each against a torch copy of the same bytes. Writes JSON rows
-``{"epilogue", "variant", "config", "us", "gbps", "torch_copy_gbps"}``.
+``{"epilogue", "variant", "config", "us", "gbps", "torch_copy_gbps"}`` and a PNG beside it
+(``--replot FILE`` redraws the PNG of a written JSON, on any machine).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 
@@ -47,13 +49,45 @@ def timed_us(fn, reps: int = 20) -> float:
     return common.median([common.time_once(fn, reps) * 1e3 for _ in range(5)])
 
 
+def chart(payload: dict, png: str) -> bool:
+    """Bars of GB/s per (epilogue, variant), torch's copy as a line; False without
+    matplotlib."""
+    try:
+        import matplotlib
+    except ImportError:
+        return False
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in payload["rows"] if "gbps" in r]
+    if not rows:
+        return False
+    fig, ax = plt.subplots(figsize=(max(7, 0.6 * len(rows)), 4.2))
+    ax.bar(range(len(rows)), [r["gbps"] for r in rows], color="tab:blue", label="coda map pass")
+    ax.axhline(rows[0]["torch_copy_gbps"], color="black", lw=0.8, label="torch copy")
+    labels = [f"{r['epilogue']}\n{r['variant']}" for r in rows]
+    ax.set_xticks(range(len(rows)), labels, rotation=60, fontsize=7)
+    ax.set_ylabel("GB/s")
+    ax.set_title(f"GEMM-free epilogue passes, {payload['m']} x {payload['n']}, {payload['device']}")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+    return True
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--m", type=int, default=8192)
     p.add_argument("--n", type=int, default=8192)
     p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--out", default="benchmarks/results/map_pass_h200.json")
+    p.add_argument("--replot", metavar="JSON", help="run nothing: redraw this JSON's PNG")
     args = p.parse_args(argv)
+    if args.replot:
+        with open(args.replot) as f:
+            chart(json.load(f), os.path.splitext(args.replot)[0] + ".png")
+        return
     m, n = args.m, args.n
     g = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(m, n, device="cuda", generator=g).to(BF16)
@@ -97,6 +131,7 @@ def main(argv=None) -> None:
     env = common.environment()
     payload = {**env, "command": " ".join(sys.argv), "m": m, "n": n, "rows": rows}
     common.write_json(args.out, payload)
+    chart(payload, os.path.splitext(args.out)[0] + ".png")
 
 
 if __name__ == "__main__":
