@@ -229,7 +229,7 @@ def test_workspace_grad_in_forward_path():
     partials and row vectors (a bound of about 1.6 GiB in all, below torch.compile's
     1.96 GiB of logits; the backward's copy of the gradients is smaller)."""
     workspace, M, V, H = _workspace()
-    rows = ce_chunks.grad_rows(M, V, 2)
+    rows = ce_chunks.grad_rows(M, V, 2, dw_hidden=H)
     assert rows == 2048 and len(ce_chunks.row_chunks(M, rows)) == 4
     bound = ce_chunks.grad_in_forward_workspace(M, V, H, 2, rows) + 64 * 2**20
     assert workspace <= bound, (workspace / GiB, bound / GiB)

@@ -165,3 +165,30 @@ def test_round_to_is_a_store_and_load():
     assert torch.equal(cm.round_to(x.double(), torch.bfloat16), x.to(torch.bfloat16).double())
     with pytest.raises(TypeError, match="float dtype"):
         cm.round_to(x, torch.int32)
+
+
+def test_grad_rows_takes_one_chunk_when_the_dW_accumulator_would_cost_more():
+    """With dW computed (``dw_hidden=H``), several row chunks need an fp32 V x H
+    accumulator: one chunk is taken whenever its workspace is no larger than the budget
+    chunks' (Llama 3's vocabulary: from H = 4096 at M = 8192)."""
+    V = 128256
+    assert ce_chunks.grad_rows(8192, V, 2, dw_hidden=2048) == 2048
+    assert ce_chunks.grad_rows(8192, V, 2, dw_hidden=4096) == 8192
+    assert ce_chunks.grad_rows(16384, V, 2, dw_hidden=4096) == 2048
+    assert ce_chunks.grad_rows(8192, V, 2) == 2048  # no dW: the budget alone
+
+
+@settings(max_examples=examples(200))
+@given(
+    st.integers(1, 40_000),
+    st.sampled_from([1000, 32000, 50257, 128256, 151936]),
+    st.sampled_from([512, 1024, 2048, 3072, 4096, 8192]),
+)
+def test_grad_rows_with_dW_never_raises_the_workspace(M, V, H):
+    """The rows chosen with ``dw_hidden`` never give a larger workspace bound than the
+    budget's rows."""
+    plain = ce_chunks.grad_rows(M, V, 2)
+    chosen = ce_chunks.grad_rows(M, V, 2, dw_hidden=H)
+    assert chosen in (plain, ce_chunks.round_up(M, ce_chunks.ROW_STEP))
+    ws = ce_chunks.grad_in_forward_workspace
+    assert ws(M, V, H, 2, chosen) <= ws(M, V, H, 2, plain)

@@ -130,14 +130,31 @@ def main_cols(V: int) -> int:
     return V - V % TMA_COLS
 
 
-def grad_rows(M: int, V: int, elem_bytes: int, budget: int | None = None) -> int:
+def grad_rows(
+    M: int, V: int, elem_bytes: int, budget: int | None = None, dw_hidden: int = 0
+) -> int:
     """Rows per chunk: rows * main_cols(V) * elem_bytes <= budget (one row buffer; default
     ``GRAD_ROWS_BYTES``, read at call time), a multiple of ``ROW_STEP`` (at least one
-    step), and no more than M rounded up to a step (one chunk when everything fits)."""
+    step), and no more than M rounded up to a step (one chunk when everything fits).
+
+    ``dw_hidden``: H when dW is computed, which with several chunks needs an fp32 V x H
+    accumulator. Then ONE chunk is taken whenever its workspace
+    (``grad_in_forward_workspace``) is no larger than the budget chunks': less peak
+    memory, and dW one GEMM over all tokens, rounded once, with no accumulator pass (e.g.
+    M = 8192, V = 128256: one chunk from H = 4096 on, a 2.0 GiB buffer where four chunks
+    take 0.5 GiB + a 2.0 GiB accumulator)."""
     budget = GRAD_ROWS_BYTES if budget is None else budget
     per_row = max(main_cols(V), 1) * elem_bytes
     rows = max(ROW_STEP, budget // per_row // ROW_STEP * ROW_STEP)
-    return min(rows, round_up(max(M, 1), ROW_STEP))
+    whole = round_up(max(M, 1), ROW_STEP)
+    if rows >= whole:
+        return whole
+    ws = grad_in_forward_workspace
+    if dw_hidden and ws(M, V, dw_hidden, elem_bytes, whole) <= ws(
+        M, V, dw_hidden, elem_bytes, rows
+    ):
+        return whole
+    return rows
 
 
 def row_chunks(M: int, rows: int) -> tuple[tuple[int, int], ...]:
