@@ -4,10 +4,12 @@
 
 For the RMSNorm-forward, SwiGLU-forward and LSE+target catalogue epilogues (cached
 kernels, GPU kept busy by a sleep kernel so only the host is timed, as in
-``launch_overhead.py``): the whole ``epi(A, B, **tensors)`` call, and the pieces of
+``launch_overhead.py``): the whole ``epi(A, B, **tensors)`` call, ``epilogue_kernels.run``
+alone, the plan's own call (allocations + launches, no look-ups or checks), and the
+pieces of
 ``coda.runtime.epilogue_kernels.run``: the problem look-up, the plan look-up, the fast
-checks, the output allocations, the GEMM launch and the finalize launch, each in a loop
-of its own. Writes JSON rows ``{"name", "shape", "step", "us"}``.
+checks, the cached sizes, the output allocations, the GEMM launch and the finalize
+launch, each in a loop of its own. Writes JSON rows ``{"name", "shape", "step", "us"}``.
 """
 
 from __future__ import annotations
@@ -56,6 +58,10 @@ def steps(name: str, size: int) -> dict:
 
     fns = {
         "call": lambda: epi(A, B, **t),
+        # the same call without Epilogue.__call__, then without the look-ups and checks
+        "run": lambda: ek.run(epi, A, B, t),
+        "plan_call": lambda: plan(A, B, t, None),
+        "sizes": lambda: plan.sizes(m, n),
         "problem": lambda: cached_problem(A, B),
         "plan": lambda: ek._plan(epi, A, B, (am, bm), None, m, n, k),
         "checks": lambda: plan.fast_checks_pass(A, B, t, m, n),
