@@ -1,0 +1,65 @@
+"""CPU checks of the profiling benchmarks' own logic: ``kernel_profile.py`` and
+``map_pass.py`` redraw their PNG from a committed JSON (``--replot``), and
+``kernel_profile.category`` sorts kernel names into the families its table reports."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+
+
+@pytest.mark.parametrize(
+    "script, result",
+    [("kernel_profile.py", "kernel_profile_h200.json"), ("map_pass.py", "map_pass_h200.json")],
+)
+def test_replot_draws_the_png_of_a_written_json(script, result, tmp_path):
+    pytest.importorskip("matplotlib")
+    data = tmp_path / result
+    shutil.copy(RESULTS / result, data)
+    r = subprocess.run(
+        [sys.executable, f"benchmarks/{script}", "--replot", str(data)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stderr
+    png = data.with_suffix(".png")
+    assert png.is_file() and png.stat().st_size > 10_000
+
+
+def test_kernel_categories():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        from kernel_profile import _annotation, category
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    assert category("kernel_cutlass_kernel_codamainloopkernelPingPongGemm_object_at_") == (
+        "coda_gemm"
+    )
+    assert category("kernel_cutlass_kernel_codaruntimefinalize_kernelFinalizeKernel") == (
+        "coda_finalize"
+    )
+    assert category("nvjet_sm90_tst_128x256_64x4_2x1_v_bz_coopA_NTN") == "cublas"
+    assert category("cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma") == "attention"
+    fused_adam = "void at::native::multi_tensor_apply_kernel<FusedOptimizerTensorListMetadata<4>>"
+    assert category(fused_adam) == "optimizer"
+    foreach = "void at::native::multi_tensor_apply_kernel<TensorListScalarListMetadata<float>>"
+    assert category(foreach) == "torch_elementwise"  # the loss's backward scaling
+    assert category("_swiglu_backward_kernel") == "other (triton, ...)"
+
+    class Event:
+        def __init__(self, name, annotation=False):
+            self.name, self.is_user_annotation = name, annotation
+
+    assert _annotation(Event("Optimizer.step#AdamW.step"))
+    assert _annotation(Event("my_region", annotation=True))
+    # kernel names hold '#' too: they stay kernels
+    assert not _annotation(Event("void at::native::elementwise_kernel<{lambda()#1}>"))
