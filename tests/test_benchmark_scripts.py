@@ -20,7 +20,8 @@ RESULTS = ROOT / "benchmarks" / "results"
     [("kernel_profile.py", "kernel_profile_h200.json"), ("map_pass.py", "map_pass_h200.json")],
 )
 def test_replot_draws_the_png_of_a_written_json(script, result, tmp_path):
-    pytest.importorskip("matplotlib")
+    """The script reads its committed JSON back and exits cleanly; with matplotlib
+    installed (the GPU machine; not CI's CPU install) it draws the PNG."""
     data = tmp_path / result
     shutil.copy(RESULTS / result, data)
     r = subprocess.run(
@@ -32,6 +33,11 @@ def test_replot_draws_the_png_of_a_written_json(script, result, tmp_path):
     )
     assert r.returncode == 0, r.stderr
     png = data.with_suffix(".png")
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert not png.exists()
+        return
     assert png.is_file() and png.stat().st_size > 10_000
 
 
