@@ -86,3 +86,44 @@ def print_table(rows: list[dict], columns: list[str]) -> None:
 
 def _fmt(v) -> str:
     return f"{v:.4g}" if isinstance(v, float) else str(v)
+
+
+# ---- charts -------------------------------------------------------------------------------
+
+
+def pyplot():
+    """``matplotlib.pyplot`` on the Agg backend, or None when matplotlib is not installed
+    (charts are optional; the JSON is the result)."""
+    try:
+        import matplotlib
+    except ImportError:
+        return None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save_figure(plt, fig, png: str) -> None:
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+
+
+def png_beside(json_path: str) -> str:
+    """The chart's path next to its JSON."""
+    return os.path.splitext(json_path)[0] + ".png"
+
+
+def add_replot_option(parser) -> None:
+    parser.add_argument("--replot", metavar="JSON", help="run nothing: redraw this JSON's PNG")
+
+
+def replotted(args, chart: Callable[[dict, str], object]) -> bool:
+    """With ``--replot JSON``: ``chart`` drawn from that JSON beside it (any machine), and
+    True (nothing else to run); else False."""
+    if not args.replot:
+        return False
+    with open(args.replot) as f:
+        chart(json.load(f), png_beside(args.replot))
+    return True

@@ -163,12 +163,9 @@ def train_profiles(args, out: dict) -> None:
 def chart(payload: dict, png: str) -> bool:
     """Stacked bars of GPU time by kernel family, one panel for the block and loss
     profiles and one for the training steps; False without matplotlib."""
-    try:
-        import matplotlib
-    except ImportError:
+    plt = common.pyplot()
+    if plt is None:
         return False
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
     profiles = payload["profiles"]
     groups = [
@@ -192,9 +189,7 @@ def chart(payload: dict, png: str) -> bool:
         ax.set_ylabel("ms per pass (GPU time by kernel family)")
     axes[0][0].legend(fontsize=7)
     fig.suptitle(f"kernel_profile, {payload.get('device', '')}", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(png, dpi=110)
-    plt.close(fig)
+    common.save_figure(plt, fig, png)
     return True
 
 
@@ -208,11 +203,9 @@ def main(argv=None) -> None:
     p.add_argument("--train", nargs="*", default=[], help="whole training steps: coda liger eager")
     p.add_argument("--seq", action="store_true", help="print each pass's kernel sequence")
     p.add_argument("--out", default="benchmarks/results/kernel_profile_h200.json")
-    p.add_argument("--replot", metavar="JSON", help="run nothing: redraw this JSON's PNG")
+    common.add_replot_option(p)
     args = p.parse_args(argv)
-    if args.replot:
-        with open(args.replot) as f:
-            chart(json.load(f), os.path.splitext(args.replot)[0] + ".png")
+    if common.replotted(args, chart):
         return
     size = ts.configs(4)["llama3-1b" if args.H == 2048 else "h4096-trunc"]
     out = {**common.environment(), "command": " ".join(sys.argv), "profiles": {}}
@@ -266,7 +259,7 @@ def main(argv=None) -> None:
             for r in prof["sequence_one_pass"]:
                 print("     ", r)
     common.write_json(args.out, out)
-    chart(out, os.path.splitext(args.out)[0] + ".png")
+    chart(out, common.png_beside(args.out))
 
 
 if __name__ == "__main__":

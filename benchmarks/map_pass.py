@@ -15,7 +15,6 @@ cluster, tile width), each against a torch copy of the same bytes. Writes JSON r
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -52,12 +51,9 @@ def timed_us(fn, reps: int = 20) -> float:
 def chart(payload: dict, png: str) -> bool:
     """Bars of GB/s per (epilogue, variant), torch's copy as a line; False without
     matplotlib."""
-    try:
-        import matplotlib
-    except ImportError:
+    plt = common.pyplot()
+    if plt is None:
         return False
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
     rows = [r for r in payload["rows"] if "gbps" in r]
     if not rows:
@@ -70,9 +66,7 @@ def chart(payload: dict, png: str) -> bool:
     ax.set_ylabel("GB/s")
     ax.set_title(f"GEMM-free epilogue passes, {payload['m']} x {payload['n']}, {payload['device']}")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(png, dpi=110)
-    plt.close(fig)
+    common.save_figure(plt, fig, png)
     return True
 
 
@@ -82,11 +76,9 @@ def main(argv=None) -> None:
     p.add_argument("--n", type=int, default=8192)
     p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--out", default="benchmarks/results/map_pass_h200.json")
-    p.add_argument("--replot", metavar="JSON", help="run nothing: redraw this JSON's PNG")
+    common.add_replot_option(p)
     args = p.parse_args(argv)
-    if args.replot:
-        with open(args.replot) as f:
-            chart(json.load(f), os.path.splitext(args.replot)[0] + ".png")
+    if common.replotted(args, chart):
         return
     m, n = args.m, args.n
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -131,7 +123,7 @@ def main(argv=None) -> None:
     env = common.environment()
     payload = {**env, "command": " ".join(sys.argv), "m": m, "n": n, "rows": rows}
     common.write_json(args.out, payload)
-    chart(payload, os.path.splitext(args.out)[0] + ".png")
+    chart(payload, common.png_beside(args.out))
 
 
 if __name__ == "__main__":
