@@ -512,7 +512,7 @@ class CodaPatch:
             made.append((t, fn, sources))
             return t
 
-        qkv = functools.partial(_assemble_qkv, head_dim=g.head_dim)
+        qkv = functools.partial(layouts.assemble_qkv, head_dim=g.head_dim)
         for i, layer in enumerate(list(stack.layers)[: len(g.layer_eps)]):
             attn, mlp, p = layer.self_attn, layer.mlp, f"layers.{i}."
             params[p + "attn.norm_weight"] = layer.input_layernorm.weight
@@ -547,10 +547,6 @@ class CodaPatch:
             stream = functional_call(self._template, params, (embeds, positions), strict=True)
         del params, assembled
         return stream.x.view(B, S, H)
-
-
-def _assemble_qkv(w_q, w_k, w_v, *, head_dim: int) -> torch.Tensor:
-    return layouts.assemble_qkv(w_q, w_k, w_v, head_dim)
 
 
 def _loss_problem(causal_lm: nn.Module) -> str | None:
