@@ -237,6 +237,21 @@ def plot(rows: list[dict], path: str) -> None:
     fig.savefig(path, dpi=120)
 
 
+def _environment() -> dict:
+    """``common.environment()`` plus the peers' package versions."""
+    versions = {}
+    for pkg in ("liger_kernel", "cut_cross_entropy"):
+        try:
+            from importlib.metadata import version
+
+            versions[pkg] = version(pkg.replace("_", "-"))
+        except Exception:
+            versions[pkg] = None
+    env = common.environment()
+    env["versions"].update(versions)
+    return env
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--H", type=int, nargs="+", default=[2048, 4096, 8192])
@@ -251,22 +266,14 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     fns = loss_functions()
     result: dict = {"rows": [], "workspace": [], "floor": [], "sweep": []}
+    env = _environment()
     for H in args.H:
         for M in args.M:
             part = bench_shape(H, M, args.V, args.rounds, fns, args.sweep, args.rows_sweep)
             for k in result:
                 result[k] += part[k]
-    versions = {}
-    for pkg in ("liger_kernel", "cut_cross_entropy"):
-        try:
-            from importlib.metadata import version
-
-            versions[pkg] = version(pkg.replace("_", "-"))
-        except Exception:
-            versions[pkg] = None
-    env = common.environment()
-    env["versions"].update(versions)
-    common.write_json(args.out, {**env, **result})
+            # after every shape: a run cut short keeps the shapes it finished
+            common.write_json(args.out, {**env, **result})
     plot(result["rows"], os.path.splitext(args.out)[0] + ".png")
     common.print_table(result["floor"], ["H", "M", "pass", "cublas_ms", "coda_gemm_ms"])
     cols = ["H", "M", "pass"] + [f"{c}_ms" for c in CONTENDERS]

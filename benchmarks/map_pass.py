@@ -5,9 +5,10 @@
 A map pass (``coda.fusions._dispatch.run_map``: an epilogue that never reads acc, after a
 zero GEMM of K = 8) is memory-bound work: the cross-entropy gradient map, the RoPE /
 RMSNorm backward maps. This measures its bytes per second for a pure copy (TileLoad ->
-TileStore) and for the RMSNorm backward map (``scaled_grad``: two loads, one store, a row
-reduction), under the default epilogue config and variants (load / store buffering depth,
-cluster, tile width), each against a torch copy of the same bytes. Writes JSON rows
+TileStore), for the RMSNorm backward map (``scaled_grad``: two loads, one store, a row
+reduction) and for the loss's gradient map (``ce_grad``), under the default epilogue
+config and variants (taking turns, load / store buffering depth, cluster, tile width),
+each against a torch copy of the same bytes. Writes JSON rows
 ``{"epilogue", "variant", "config", "us", "gbps", "torch_copy_gbps"}`` and a PNG beside it
 (``--replot FILE`` redraws the PNG of a written JSON, on any machine).
 """
@@ -27,16 +28,20 @@ import common  # noqa: E402
 from coda import Epilogue  # noqa: E402
 from coda.fusions import epilogues  # noqa: E402
 from coda.fusions._dispatch import MAP_K  # noqa: E402
+from coda.fusions.ce_epilogues import STORED_ACC, TARGET_DTYPE, grad_map_epilogue  # noqa: E402
 from coda.mainloop.config import choose_epilogue_config  # noqa: E402
 from coda.primitives import TileLoad, TileStore  # noqa: E402
 
 BF16 = torch.bfloat16
 VARIANTS = {
     "base": {},
-    "load8_epi8": {"load_stages": 8, "epi_stages": 8},
+    # the epilogues of the two consumer warpgroups taking turns (the default before
+    # concurrent_epilogues), at the old and at the deeper buffering
+    "turns": {"concurrent_epilogues": False, "epi_stages": 4, "load_stages": 4},
+    "turns_load8_epi8": {"concurrent_epilogues": False, "epi_stages": 8, "load_stages": 8},
+    "load8_epi4": {"load_stages": 8, "epi_stages": 4},
     "cluster1x1": {"cluster_m": 1},
     "tile64": {"tile_n": 64},
-    "tile64_load8_epi8": {"tile_n": 64, "load_stages": 8, "epi_stages": 8},
 }
 
 
@@ -94,6 +99,18 @@ def main(argv=None) -> None:
             epilogues.scaled_grad(BF16),
             {"dz": x, "z": z, "rstd": rstd},
             3 * m * n * 2,
+        ),
+        # the loss's gradient map: dlogits = ga * exp(z - lse) - gt * onehot (bf16 in, out)
+        "ce_grad": (
+            grad_map_epilogue(BF16, BF16, None, False, None, False, False, False),
+            {
+                STORED_ACC: x,
+                "lse": torch.full((m,), 12.0, device="cuda"),
+                "ga": rstd,
+                "gt": rstd,
+                "tloc": torch.randint(0, n, (m,), device="cuda", generator=g).to(TARGET_DTYPE),
+            },
+            2 * m * n * 2,
         ),
     }
     dst = torch.empty_like(x)

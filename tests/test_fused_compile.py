@@ -47,6 +47,24 @@ def test_catalogue_epilogue_sass(name, layout, tmp_path):
     assert (count_prefix(ops, "UTMASTG") > 0) == (stores > 0)
 
 
+@pytest.mark.parametrize("name", list(EPILOGUES))
+def test_catalogue_epilogue_sass_with_concurrent_epilogues(name, tmp_path):
+    """The config of one-k-tile problems (map passes: ``choose_epilogue_config`` at K <= 64)
+    runs both warpgroups' epilogues at once on split store buffers and scratch: every
+    catalogue epilogue fits shared memory there and compiles with no local memory."""
+    if find_nvdisasm() is None:
+        pytest.skip("nvdisasm not installed")
+    epi = EPILOGUES[name]
+    cfg = epilogue_config(epi, torch.bfloat16, 8192, 8192, 8, num_sms=132)
+    assert cfg.concurrent_epilogues and cfg.epi_stages == 8, cfg
+    key = gemm_kernels.GemmKernelKey(cfg, torch.bfloat16, FusedVisitor(epi))
+    _, cubin = gemm_kernels.compile_artifacts(key, str(tmp_path))
+    ops = opcode_counts(disassemble(cubin))
+    assert count_prefix(ops, "LDL") == 0 and count_prefix(ops, "STL") == 0, "spills"
+    # no epilogue turns: warpgroup 0's first arrive on them (named barrier 5) is gone
+    assert "BAR.ARV 0x5" not in disassemble(cubin)
+
+
 @settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck))
 @given(epilogues(), st.sampled_from(sorted(LAYOUTS.values())))
 def test_drawn_compositions_compile_for_sm90_without_spills(tmp_path_factory, epi, layout):

@@ -38,14 +38,31 @@ def test_fused_matches_reference(name, shape, layout):
     _check(EPILOGUES[name], shape, layout)
 
 
-def _check(epi, shape, layout="fwd"):
+#: both warpgroups' epilogues at once (the map passes' config); enough tiles that every CTA
+#: runs several, so the two warpgroups overlap
+CONCURRENT = GemmConfig(
+    tile_n=128, cluster_m=2, epi_stages=8, load_stages=16, concurrent_epilogues=True
+)
+
+
+@pytest.mark.parametrize(
+    "shape", [(3000, 2056, 40), (2100, 2056, 264)], ids=lambda s: "x".join(map(str, s))
+)
+@pytest.mark.parametrize("name", list(EPILOGUES))
+def test_concurrent_epilogues_match_reference(name, shape):
+    """Split store buffers and scratch per warpgroup: every catalogue epilogue on ragged
+    problems of one k-tile (the map passes) and of several."""
+    _check(EPILOGUES[name], shape, config=CONCURRENT)
+
+
+def _check(epi, shape, layout="fwd", config=None):
     m, n, k = shape
     step = n_multiple(epi)
     n = -(-n // step) * step  # N rounded up to what the epilogue's tensors need
     A, B, tensors = make_inputs(epi, m, n, k, bf16, seed=m + n + k)
     tensors = {key: (v.cuda() if isinstance(v, torch.Tensor) else v) for key, v in tensors.items()}
     A, B = operands(A.cuda(), B.cuda(), layout)
-    record = check_example(epi, A, B, tensors)
+    record = check_example(epi, A, B, tensors, config=config)
     assert not record["failed"], record
 
 

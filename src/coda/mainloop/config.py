@@ -67,6 +67,12 @@ class GemmConfig:
     #: split-K: each output tile's K loop runs as this many units of work whose results
     #: add in global memory (TMA reduce-add); > 1 only for a plain accumulating store
     split_k: int = attrs.field(default=1)
+    #: the two consumer warpgroups run their epilogues at the same time, each on its own
+    #: half of the store buffers (and of the visitor's scratch), instead of taking turns.
+    #: For problems of one k-tile (map passes: the epilogue is the whole kernel), where
+    #: there is no mainloop to hide an epilogue behind and taking turns leaves one warp
+    #: per scheduler to run it; needs epi_stages >= 2
+    concurrent_epilogues: bool = attrs.field(default=False)
 
     def __attrs_post_init__(self) -> None:
         if (self.cluster_m, self.cluster_n) not in _CLUSTERS:
@@ -80,6 +86,8 @@ class GemmConfig:
             raise ValueError("epi_stages must be in [1, 8]")
         if not 1 <= self.load_stages <= 16:
             raise ValueError("load_stages must be in [1, 16]")
+        if self.concurrent_epilogues and self.epi_stages < 2:
+            raise ValueError("concurrent_epilogues needs epi_stages >= 2 (one per warpgroup)")
         if not 1 <= self.split_k <= MAX_SPLIT_K:
             raise ValueError(f"split_k must be in [1, {MAX_SPLIT_K}]; got {self.split_k}")
 
@@ -178,11 +186,28 @@ def choose_config(
     return GemmConfig(tile_n=tile_n, cluster_m=cluster_m, split_k=splits)
 
 
+#: K up to which a fused GEMM is one k-tile: its epilogue is nearly the whole kernel
+ONE_K_TILE = 64
+
+
 def choose_epilogue_config(m: int, n: int, k: int, num_sms: int = DEFAULT_NUM_SMS) -> GemmConfig:
     """Config for a GEMM with a fused epilogue: 128x128 tiles.
 
     A 128x192 tile keeps 192 fp32 accumulator registers per thread of the 232 a consumer
     warpgroup has, leaving too few for epilogue values, reductions and running states
     (the compiler spills); 128x128 leaves about 100.
+
+    A problem of one k-tile (``k <= ONE_K_TILE``: the map passes) has no mainloop to hide
+    its epilogue behind: both warpgroups run their epilogues at once
+    (``concurrent_epilogues``), with 4 store buffers each and a load ring two tiles deep.
     """
-    return GemmConfig(tile_n=128, cluster_m=2 if -(-m // 128) >= 2 else 1)
+    cluster_m = 2 if -(-m // 128) >= 2 else 1
+    if k <= ONE_K_TILE:
+        return GemmConfig(
+            tile_n=128,
+            cluster_m=cluster_m,
+            epi_stages=8,
+            load_stages=16,
+            concurrent_epilogues=True,
+        )
+    return GemmConfig(tile_n=128, cluster_m=cluster_m)

@@ -17,6 +17,9 @@ Schedule (one CTA = 3 warpgroups, 384 threads, persistent over output tiles):
   take turns, the *epi* pair makes their epilogues take turns. So while warpgroup 0
   runs the epilogue of tile t, warpgroup 1 runs the tensor cores on tile t+1, and the
   epilogue hides behind the matmul. Consumers take 232 registers each.
+  With ``concurrent_epilogues`` (problems of one k-tile, whose epilogue is the whole
+  kernel) the epi pair is not used: each warpgroup stores through its own half of the
+  store buffers and has its own scratch, and both epilogues run at once.
 * the epilogue visits the 128 x tile_n accumulator in ``epi_m x epi_n`` subtiles:
   registers -> visitor -> dtype convert -> shared memory (stmatrix) -> global (TMA
   store), with ``epi_stages`` buffers in flight, for every output the visitor stores.
@@ -131,12 +134,16 @@ class PingPongGemm(Producers, EpilogueIO):
                 f"no M x N loads and no tile reductions"
             )
         self.scratch_floats = self.visitor.smem_bytes(config) // 4
+        # concurrent epilogues: each consumer warpgroup has its own scratch
+        self.scratch_copies = 2 if config.concurrent_epilogues else 1
         self.smem, self.epi_stages, self.load_stages = self._fit_smem(config)
         self.ab_stages = self.smem.ab_stages
 
     def _fit_smem(self, config: GemmConfig) -> tuple[SmemPlan, int, int]:
         """Deepest epilogue store/load buffering that still leaves >= 4 A/B stages (or,
-        failing that, >= 2); raises a clear error when the visitor's tensors do not fit."""
+        failing that, >= 2); raises a clear error when the visitor's tensors do not fit.
+        With concurrent epilogues the store buffers are split between the warpgroups (at
+        least one each) and the load ring may hold two tiles' subtiles."""
         sub = config.epi_m * config.epi_n
         n_sub = config.subtiles_per_tile[0] * config.subtiles_per_tile[1]
         store_bytes = sum(
@@ -147,15 +154,15 @@ class PingPongGemm(Producers, EpilogueIO):
             int(sub * w) * _nbytes(d)
             for d, w in zip(self.visitor.load_dtypes, self.load_widths, strict=True)
         )
-        for min_ab in (4, 2):
-            for epi_st, load_st in (
-                (config.epi_stages, config.load_stages),
-                (2, 2),
-                (1, 2),
-                (1, 1),
-            ):
-                epi_st, load_st = min(epi_st, config.epi_stages), min(load_st, n_sub)
-                extra = load_bytes * load_st + 4 * self.scratch_floats
+        concurrent = config.concurrent_epilogues
+        most_loads = 2 * n_sub if concurrent else n_sub
+        fallbacks = ((4, 8), (2, 4), (2, 2)) if concurrent else ((2, 2), (1, 2), (1, 1))
+        for min_ab in (2,) if concurrent else (4, 2):
+            for epi_st, load_st in ((config.epi_stages, config.load_stages), *fallbacks):
+                epi_st, load_st = min(epi_st, config.epi_stages), min(load_st, most_loads)
+                if concurrent:
+                    epi_st -= epi_st % 2  # an even split between the warpgroups
+                extra = load_bytes * load_st + 4 * self.scratch_floats * self.scratch_copies
                 try:
                     plan = plan_smem(
                         attrs.evolve(config, epi_stages=epi_st),
@@ -363,9 +370,11 @@ class PingPongGemm(Producers, EpilogueIO):
         # (TMA view, register-copy view) of every output's and operand's buffers
         sD, sD_rs = self._allocate_epi(smem, self.store_dtypes, self.store_widths, d_smem)
         sC, sC_sr = self._allocate_epi(smem, self.load_dtypes, self.load_widths, c_smem)
-        scratch = None
+        scratch_all = None
         if const_expr(self.scratch_floats > 0):
-            scratch = smem.allocate_tensor(Float32, cute.make_layout(self.scratch_floats), 16)
+            scratch_all = smem.allocate_tensor(
+                Float32, cute.make_layout(self.scratch_floats * self.scratch_copies), 16
+            )
 
         a_stage_layout = cute.slice_(a_smem_staged, (None, None, 0))
         b_stage_layout = cute.slice_(b_smem_staged, (None, None, 0))
@@ -521,8 +530,18 @@ class PingPongGemm(Producers, EpilogueIO):
                 tRS_rC.append(
                     as_values(rc, self.load_dtypes[i], value_layout(frag_shape, frag_geom, w))
                 )
+            concurrent = cfg.concurrent_epilogues
+            # store buffers this warpgroup cycles through, from its first one
+            own_bufs = self.epi_stages // 2 if const_expr(concurrent) else self.epi_stages
+            first_buf = wg * own_bufs if const_expr(concurrent) else 0
+            scratch = scratch_all
+            if const_expr(self.scratch_floats > 0 and concurrent):
+                scratch = cute.make_tensor(
+                    scratch_all.iterator + wg * self.scratch_floats,
+                    cute.make_layout(self.scratch_floats),
+                )
             store_pipe = pipeline.PipelineTmaStore.create(
-                num_stages=self.epi_stages,
+                num_stages=own_bufs,
                 producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, THREADS_PER_WG),
             )
             epi_bar = pipeline.NamedBarrier(
@@ -539,7 +558,8 @@ class PingPongGemm(Producers, EpilogueIO):
             if wg == 0:
                 # warpgroup 0 goes first: it signals its own turn barriers once.
                 self._turn_arrive(_Barrier.MMA_TURN, 0)
-                self._turn_arrive(_Barrier.EPI_TURN, 0)
+                if const_expr(not concurrent):
+                    self._turn_arrive(_Barrier.EPI_TURN, 0)
             # warpgroup 1 starts on the second tile: skip warpgroup 0's stages.
             if wg == 1:
                 read.advance(k_tiles)
@@ -569,8 +589,9 @@ class PingPongGemm(Producers, EpilogueIO):
                 warpgroup.wait_group(0)
                 self._release(ab_pipe, release, cfg.cluster_m * cfg.cluster_n)
 
-                # ---- epilogue (takes its turn on the store path)
-                self._turn_wait(_Barrier.EPI_TURN, wg)
+                # ---- epilogue (takes its turn on the store path, unless concurrent)
+                if const_expr(not concurrent):
+                    self._turn_wait(_Barrier.EPI_TURN, wg)
                 bSG = []
                 for i in cutlass.range_constexpr(n_stores):
                     gD = cute.local_tile(mD[i], self._tile(self.store_widths[i]), (tm, tn))
@@ -600,7 +621,7 @@ class PingPongGemm(Producers, EpilogueIO):
                     # A runtime buffer index (it varies with the tile): a static one lets
                     # the compiler hoist every (output, buffer) smem address out of the
                     # persistent loop, and those registers spill in heavy epilogues.
-                    buf = (t + s) % self.epi_stages
+                    buf = first_buf + (t + s) % own_bufs
                     cute.autovec_copy(tRS_rAcc[None, None, None, (sm, sn)], tRS_rD)
                     loaded = []
                     if const_expr(n_loads > 0):
@@ -643,16 +664,21 @@ class PingPongGemm(Producers, EpilogueIO):
                                 )
                             store_pipe.producer_commit()
                 self.visitor.end_tile(tctx, vstate)
-                # The other warpgroup reuses the epilogue buffers: drain our stores first.
-                if const_expr(n_stores > 0):
-                    if is_store_warp:
-                        store_pipe.producer_tail()
-                self._turn_arrive(_Barrier.EPI_TURN, 1 - wg)
+                if const_expr(not concurrent):
+                    # The other warpgroup reuses the epilogue buffers: drain our stores first.
+                    if const_expr(n_stores > 0):
+                        if is_store_warp:
+                            store_pipe.producer_tail()
+                    self._turn_arrive(_Barrier.EPI_TURN, 1 - wg)
 
                 read.advance(k_tiles)  # skip the other warpgroup's tile
                 if const_expr(n_loads > 0):
                     lread.advance(n_sub)
                 t += 2 * num_clusters
+            if const_expr(concurrent and n_stores > 0):
+                # the shared-memory buffers must outlive the stores that read them
+                if is_store_warp:
+                    store_pipe.producer_tail()
 
     # ------------------------------------------------------------------- helpers
     def _turn_wait(self, base: int, wg):

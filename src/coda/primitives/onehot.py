@@ -13,9 +13,10 @@ all-zero row. This is what the cross-entropy backward needs: its gradient
 ``softmax - onehot`` is recomputed per V chunk, with chunk-local targets, in the epilogue
 of the logits GEMM (``coda.fusions.cross_entropy``).
 
-On the GPU (``trace``) each thread loads the target of each of its rows once per subtile
-and compares it with the global column of each of its fragment elements, like
-``TargetSelect`` does; out-of-bounds columns give 0.
+On the GPU (``trace``) each thread loads the target of each of its rows once per band of
+subtiles (-1 when it is not below the value's column count) and compares it with the
+global column of each of its fragment elements; out-of-bounds elements give 0 with no
+per-element bounds check.
 """
 
 from __future__ import annotations
@@ -80,10 +81,13 @@ class OneHot(Source):
 
             def load(r=r):
                 row = tracing.row_of(ctx, r)
-                # -1 for rows past M; the sentinel -1 itself is never a column either
-                return tracing.load_index(target, row, ctx.shape_mn[0], -1)
+                # -1 for rows past M and for targets past the last column (the sentinel
+                # -1 itself is never a column either): no element out of bounds can match,
+                # so the comparison needs no per-element bounds mask
+                want = tracing.load_index(target, row, ctx.shape_mn[0], -1)
+                return tracing.index_below(want, v.shape_mn[1])
 
-            want = ctx.per_band(("index", self.target, r, -1), 0, load)  # once per band
+            want = ctx.per_band(("onehot", self.target, r, self.width), 0, load)  # per band
             for i in v.frag.row_members(r):
                 hot[i] = tracing.select_eq(v.coords[i][1], want, tracing.Float32(1.0))
-        values[self.name] = tracing.masked(hot.load(), v.layout, v.coords, v.shape_mn, 0.0).load()
+        values[self.name] = hot.load()

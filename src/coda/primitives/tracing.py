@@ -335,6 +335,15 @@ def load_index(vec, row, rows, ignore_index: cutlass.Constexpr[int]):
 
 
 @cute.jit
+def index_below(index, limit):
+    """``index`` if it is below ``limit``, else -1 (never a column)."""
+    out = Int32(-1)
+    if index < limit:
+        out = index
+    return out
+
+
+@cute.jit
 def select_eq(a, b, value):
     """``value`` where a == b, else 0."""
     out = Float32(0.0)
