@@ -39,7 +39,7 @@ VARIANTS = {
     # concurrent_epilogues), at the old and at the deeper buffering
     "turns": {"concurrent_epilogues": False, "epi_stages": 4, "load_stages": 4},
     "turns_load8_epi8": {"concurrent_epilogues": False, "epi_stages": 8, "load_stages": 8},
-    "load8_epi4": {"load_stages": 8, "epi_stages": 4},
+    "epi4": {"epi_stages": 4},
     "cluster1x1": {"cluster_m": 1},
     "tile64": {"tile_n": 64},
 }

@@ -53,6 +53,13 @@ KERNELS = {
         False,
         (16384, 8192, MAP_K),
     ),
+    # the fp32 stored acc (``ACC_STORE_DTYPE``): its 8 KiB subtile loads still fit the
+    # concurrent epilogues' two-tile load ring
+    "grad_map_all_acc32": (
+        grad_map_epilogue(torch.float32, bf16, bf16, True, 30.0, True, True, True),
+        False,
+        (16384, 8192, MAP_K),
+    ),
     # the last row chunk's dW = dlogits.T @ h_c + the fp32 sum of the other chunks, in
     # bf16: V' x H x rows (Llama 3, H = 2048, 2048 rows), A = dl.t() and B = h_c.t()
     "final_sum_dW": (final_sum_epilogue(bf16), True, (128256, 2048, 2048), ("m", "n")),

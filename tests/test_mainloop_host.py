@@ -127,3 +127,43 @@ def test_gemm_on_cpu_tensors_says_cuda_before_launch():
 def test_accumulate_needs_an_output():
     with pytest.raises(InputError, match="accumulate=True adds into `out`"):
         gemm(_bf16(8, 16), _bf16(24, 16), accumulate=True)
+
+
+def _map_kernels():
+    """(name, kernel object) of every catalogue epilogue and of the loss's gradient map
+    (bf16 and fp32 stored acc, default and every option) under the map passes' config."""
+    from coda.fusions.ce_epilogues import grad_map_epilogue
+    from coda.mainloop.config import choose_epilogue_config
+    from coda.mainloop.dtypes import to_cutlass
+    from coda.mainloop.kernel import PingPongGemm
+    from coda.runtime.fused import FusedVisitor
+    from coda.testing.catalog import EPILOGUES
+
+    bf16 = torch.bfloat16
+    epis = dict(EPILOGUES)
+    for acc in (bf16, torch.float32):
+        epis[f"grad_map_{acc}"] = grad_map_epilogue(
+            acc, bf16, None, False, None, False, False, False
+        )
+        epis[f"grad_map_all_{acc}"] = grad_map_epilogue(
+            acc, bf16, bf16, True, 15.0, True, True, True
+        )
+    cfg = choose_epilogue_config(8192, 128256, 8)
+    assert cfg.concurrent_epilogues
+    return [(n, PingPongGemm(cfg, to_cutlass(bf16), FusedVisitor(e))) for n, e in epis.items()]
+
+
+def test_concurrent_epilogues_give_each_warpgroup_its_own_load_stages():
+    """With concurrent epilogues every load-ring stage must belong to one warpgroup (a
+    ring of exactly two tiles' subtiles): a stage both used would let a warpgroup a tile
+    ahead pass its mbarrier parity wait on the fill meant for the other (a fp32-loading
+    gradient map with a shorter ring faulted on the H200). Each warpgroup also gets an
+    even share of >= 1 store buffers. The map passes of the catalogue and of the loss all
+    fit this way."""
+    for name, k in _map_kernels():
+        n_sub = k.config.subtiles_per_tile[0] * k.config.subtiles_per_tile[1]
+        assert k.concurrent, name
+        if k.load_dtypes:
+            assert k.load_stages == 2 * n_sub, (name, k.load_stages)
+        assert k.epi_stages >= 2 and k.epi_stages % 2 == 0, (name, k.epi_stages)
+        assert k.smem.total_bytes <= 232448 - 2048, name

@@ -71,7 +71,9 @@ class GemmConfig:
     #: half of the store buffers (and of the visitor's scratch), instead of taking turns.
     #: For problems of one k-tile (map passes: the epilogue is the whole kernel), where
     #: there is no mainloop to hide an epilogue behind and taking turns leaves one warp
-    #: per scheduler to run it; needs epi_stages >= 2
+    #: per scheduler to run it; needs epi_stages >= 2. The load ring is then two tiles'
+    #: subtiles deep whatever ``load_stages`` says; a kernel whose buffers do not fit so
+    #: takes turns instead (``PingPongGemm.concurrent``)
     concurrent_epilogues: bool = attrs.field(default=False)
 
     def __attrs_post_init__(self) -> None:
@@ -203,11 +205,5 @@ def choose_epilogue_config(m: int, n: int, k: int, num_sms: int = DEFAULT_NUM_SM
     """
     cluster_m = 2 if -(-m // 128) >= 2 else 1
     if k <= ONE_K_TILE:
-        return GemmConfig(
-            tile_n=128,
-            cluster_m=cluster_m,
-            epi_stages=8,
-            load_stages=16,
-            concurrent_epilogues=True,
-        )
+        return GemmConfig(tile_n=128, cluster_m=cluster_m, epi_stages=8, concurrent_epilogues=True)
     return GemmConfig(tile_n=128, cluster_m=cluster_m)

@@ -134,16 +134,33 @@ class PingPongGemm(Producers, EpilogueIO):
                 f"no M x N loads and no tile reductions"
             )
         self.scratch_floats = self.visitor.smem_bytes(config) // 4
-        # concurrent epilogues: each consumer warpgroup has its own scratch
-        self.scratch_copies = 2 if config.concurrent_epilogues else 1
-        self.smem, self.epi_stages, self.load_stages = self._fit_smem(config)
+        # concurrent epilogues (when they fit): each consumer warpgroup has its own scratch
+        fit = self._fit_smem(config, concurrent=True) if config.concurrent_epilogues else None
+        self.concurrent = fit is not None
+        self.scratch_copies = 2 if self.concurrent else 1
+        if fit is None:
+            fit = self._fit_smem(config, concurrent=False)
+            if fit is None:
+                raise ValueError(
+                    f"the epilogue's {len(self.visitor.store_dtypes)} stored and "
+                    f"{len(self.visitor.load_dtypes)} loaded M x N tensors do not fit in "
+                    f"shared memory next to the GEMM's A/B ring (tile {config.tile_m}x"
+                    f"{config.tile_n}); split the epilogue or use a smaller tile_n"
+                )
+        self.smem, self.epi_stages, self.load_stages = fit
         self.ab_stages = self.smem.ab_stages
 
-    def _fit_smem(self, config: GemmConfig) -> tuple[SmemPlan, int, int]:
+    def _fit_smem(self, config: GemmConfig, concurrent: bool) -> tuple[SmemPlan, int, int] | None:
         """Deepest epilogue store/load buffering that still leaves >= 4 A/B stages (or,
-        failing that, >= 2); raises a clear error when the visitor's tensors do not fit.
-        With concurrent epilogues the store buffers are split between the warpgroups (at
-        least one each) and the load ring may hold two tiles' subtiles."""
+        failing that, >= 2); None when the visitor's tensors do not fit.
+
+        Concurrent epilogues split the store buffers between the warpgroups (an even
+        number, at least one each; >= 2 A/B stages: one k-tile per tile needs no more)
+        and need a load ring of exactly two tiles' subtiles, so that every stage belongs
+        to one warpgroup (ring position = tile parity * subtiles + subtile). A stage the
+        two shared would break the mbarrier phase-parity wait: a warpgroup a whole tile
+        ahead would wait for the parity of a fill two fills ahead and pass on the one
+        between, meant for the other warpgroup. None when that ring does not fit."""
         sub = config.epi_m * config.epi_n
         n_sub = config.subtiles_per_tile[0] * config.subtiles_per_tile[1]
         store_bytes = sum(
@@ -154,32 +171,33 @@ class PingPongGemm(Producers, EpilogueIO):
             int(sub * w) * _nbytes(d)
             for d, w in zip(self.visitor.load_dtypes, self.load_widths, strict=True)
         )
-        concurrent = config.concurrent_epilogues
-        most_loads = 2 * n_sub if concurrent else n_sub
-        fallbacks = ((4, 8), (2, 4), (2, 2)) if concurrent else ((2, 2), (1, 2), (1, 1))
-        for min_ab in (2,) if concurrent else (4, 2):
-            for epi_st, load_st in ((config.epi_stages, config.load_stages), *fallbacks):
-                epi_st, load_st = min(epi_st, config.epi_stages), min(load_st, most_loads)
-                if concurrent:
-                    epi_st -= epi_st % 2  # an even split between the warpgroups
-                extra = load_bytes * load_st + 4 * self.scratch_floats * self.scratch_copies
+        if concurrent:
+            ring = 2 * n_sub
+            candidates = [
+                (e, ring) for e in (config.epi_stages - config.epi_stages % 2, 4, 2) if e >= 2
+            ]
+            min_abs = (2,)
+        else:
+            candidates = [
+                (min(e, config.epi_stages), min(ld, n_sub))
+                for e, ld in ((config.epi_stages, config.load_stages), (2, 2), (1, 2), (1, 1))
+            ]
+            min_abs = (4, 2)
+        scratch_bytes = 4 * self.scratch_floats * (2 if concurrent else 1)
+        for min_ab in min_abs:
+            for epi_st, load_st in candidates:
                 try:
                     plan = plan_smem(
                         attrs.evolve(config, epi_stages=epi_st),
                         _nbytes(torch.bfloat16),
                         store_bytes,
-                        extra,
+                        load_bytes * load_st + scratch_bytes,
                     )
                 except ValueError:
                     continue
                 if plan.ab_stages >= min_ab:
                     return plan, epi_st, load_st
-        raise ValueError(
-            f"the epilogue's {len(self.visitor.store_dtypes)} stored and "
-            f"{len(self.visitor.load_dtypes)} loaded M x N tensors do not fit in shared "
-            f"memory next to the GEMM's A/B ring (tile {config.tile_m}x{config.tile_n}); "
-            f"split the epilogue or use a smaller tile_n"
-        )
+        return None
 
     # ------------------------------------------------------------------ host side
     @cute.jit
@@ -530,7 +548,7 @@ class PingPongGemm(Producers, EpilogueIO):
                 tRS_rC.append(
                     as_values(rc, self.load_dtypes[i], value_layout(frag_shape, frag_geom, w))
                 )
-            concurrent = cfg.concurrent_epilogues
+            concurrent = self.concurrent
             # store buffers this warpgroup cycles through, from its first one
             own_bufs = self.epi_stages // 2 if const_expr(concurrent) else self.epi_stages
             first_buf = wg * own_bufs if const_expr(concurrent) else 0

@@ -14,7 +14,8 @@ time by the kernel's epilogue driver:
   memory with a TMA reduce-add, ``out += value``, instead of overwriting it; the output
   is never read by the kernel, so this costs no extra pass),
   ``smem_bytes(config)`` (scratch for cross-warp reductions, shared by the two consumer
-  warpgroups, whose epilogues take turns);
+  warpgroups, whose epilogues take turns; one copy per warpgroup with
+  ``concurrent_epilogues``);
 * ``begin_tile(tctx) -> state`` once per output tile;
 * ``visit(ctx, acc, loaded, state) -> stores`` per subtile: ``acc`` is the fp32
   accumulator fragment (a ``TensorSSA``), ``loaded`` one fp32 fragment per
