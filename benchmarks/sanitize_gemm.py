@@ -3,11 +3,17 @@ compute-sanitizer (memcheck / racecheck) runs on the device.
 
 compute-sanitizer --tool memcheck  python benchmarks/sanitize_gemm.py
 compute-sanitizer --tool racecheck python benchmarks/sanitize_gemm.py
+
+Last, a map pass (one k-tile: the two warpgroups' epilogues run at once) over a ragged
+problem where every CTA runs several tiles.
 """
 
 import torch
 
+from coda import Epilogue
+from coda.fusions._dispatch import run_map
 from coda.matmul import gemm
+from coda.primitives import TileLoad, TileStore
 from coda.testing.catalog import EPILOGUES
 from coda.testing.layouts import LAYOUTS, operands
 from coda.testing.strategies import make_inputs
@@ -30,3 +36,11 @@ for layout in LAYOUTS:
     print(f"sanitize_gemm {layout} {m}x{n}x{k}: max abs err {err:.4f}, accumulate {err_acc:.4f}")
     assert err < 0.5 and err_acc < 0.05
     assert torch.isfinite(fused["rstd"]).all()
+
+mm, nn = 1000, 8200  # ~4 cluster tiles per cluster: both warpgroups run several epilogues
+x = torch.randn(mm, nn, device="cuda").to(torch.bfloat16)
+copy = Epilogue((TileLoad("x", torch.bfloat16), TileStore("x", torch.bfloat16, name="y")))
+y = run_map(copy, mm, nn, x, x=x)["y"]
+torch.cuda.synchronize()
+print(f"sanitize_gemm map pass {mm}x{nn}: exact copy {torch.equal(y, x)}")
+assert torch.equal(y, x)

@@ -167,3 +167,32 @@ def test_concurrent_epilogues_give_each_warpgroup_its_own_load_stages():
             assert k.load_stages == 2 * n_sub, (name, k.load_stages)
         assert k.epi_stages >= 2 and k.epi_stages % 2 == 0, (name, k.epi_stages)
         assert k.smem.total_bytes <= 232448 - 2048, name
+
+
+def test_concurrent_epilogues_take_turns_when_their_load_ring_does_not_fit():
+    """Three fp32 M x N loads at 128 x 192 tiles: a two-tile load ring (24 subtiles of
+    24 KiB) cannot fit, so the kernel keeps the config but takes turns (``concurrent``
+    False, at most one tile's subtiles in the ring); one bf16 load fits concurrently."""
+    from coda import Epilogue
+    from coda.mainloop.dtypes import to_cutlass
+    from coda.mainloop.kernel import PingPongGemm
+    from coda.primitives import Elementwise, TileLoad, TileStore, ops
+    from coda.runtime.fused import FusedVisitor
+
+    f32, bf16 = torch.float32, torch.bfloat16
+    cfg = GemmConfig(tile_n=192, cluster_m=2, epi_stages=8, concurrent_epilogues=True)
+    heavy = Epilogue(
+        (
+            TileLoad("x", f32),
+            TileLoad("y", f32),
+            TileLoad("z", f32),
+            Elementwise("s", ops.add, ins=("x", "y")),
+            Elementwise("t", ops.add, ins=("s", "z")),
+            TileStore("t", bf16),
+        )
+    )
+    k = PingPongGemm(cfg, to_cutlass(bf16), FusedVisitor(heavy))
+    assert not k.concurrent and k.load_stages <= 12
+    light = Epilogue((TileLoad("x", bf16), TileStore("x", bf16, name="y")))
+    k = PingPongGemm(cfg, to_cutlass(bf16), FusedVisitor(light))
+    assert k.concurrent and k.load_stages == 24
