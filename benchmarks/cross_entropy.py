@@ -201,12 +201,8 @@ def bench_shape(
 
 
 def plot(rows: list[dict], path: str) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = common.pyplot()
+    if plt is None:
         print("matplotlib not installed: no PNG", file=sys.stderr)
         return
     fig, axes = plt.subplots(1, 3, figsize=(18, 5))
@@ -233,8 +229,7 @@ def plot(rows: list[dict], path: str) -> None:
     axes[2].set_title("fwd+bwd peak memory above inputs (GiB)")
     axes[0].legend()
     fig.suptitle(f"LM head + cross-entropy, V={sel[0]['V'] if sel else ''}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    common.save_figure(plt, fig, path)
 
 
 def _environment() -> dict:

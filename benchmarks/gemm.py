@@ -97,11 +97,10 @@ def bench_shape(m: int, n: int, k: int, rounds: int, config=None, layout: str = 
 
 
 def chart(rows: list[dict], path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = common.pyplot()
+    if plt is None:
+        print("matplotlib not installed: no chart")
+        return
     labels = [f"{r['layout']} {r.get('proj', '')} {r['M']}x{r['N']}x{r['K']}" for r in rows]
     x = range(len(rows))
     fig, ax = plt.subplots(figsize=(max(10, 0.35 * len(rows)), 4.5))
@@ -111,8 +110,7 @@ def chart(rows: list[dict], path: str) -> None:
     ax.set_ylabel("TFLOP/s (bf16)")
     ax.set_title("GEMM out = A @ B^T, " + torch.cuda.get_device_name(0))
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    common.save_figure(plt, fig, path)
 
 
 def geomean(xs: list[float]) -> float:

@@ -280,14 +280,10 @@ def bench(name: str, M: int, H: int, rounds: int, liger) -> list[dict]:
 
 
 def chart(rows: list[dict], path: str) -> None:
-    try:
-        import matplotlib
-    except ImportError:
+    plt = common.pyplot()
+    if plt is None:
         print("matplotlib not installed: no chart")
         return
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     cols = ["coda_ms", "compile_ms", "liger_ms", "eager_ms", "coda_floor_ms"]
     labels = [f"{r['pattern']} H={r['H']} {r['pass']}" for r in rows]
     fig, ax = plt.subplots(figsize=(max(10, 0.6 * len(rows)), 4.5))
@@ -302,8 +298,7 @@ def chart(rows: list[dict], path: str) -> None:
     ax.set_ylabel("time / cuBLAS GEMM floor")
     ax.set_title("Llama-block patterns, " + torch.cuda.get_device_name(0))
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    common.save_figure(plt, fig, path)
 
 
 def main(argv=None) -> None:

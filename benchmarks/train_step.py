@@ -634,14 +634,10 @@ def bench_block(size: LlamaSize, M: int, args: argparse.Namespace, errors: list[
 
 # ---- output ----------------------------------------------------------------------------
 def chart(rows: list[dict], block: list[dict], path: str, device: str) -> bool:
-    try:
-        import matplotlib
-    except ImportError:
+    plt = common.pyplot()
+    if plt is None:
         print("matplotlib not installed: no chart")
         return False
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     panels = 3 if block else 2
     fig, axes = plt.subplots(1, panels, figsize=(5.2 * panels, 4.4))
     colors = {
@@ -704,9 +700,7 @@ def chart(rows: list[dict], block: list[dict], path: str, device: str) -> bool:
         ax.set_title(f"one decoder block, M={block[0]['M']} tokens", fontsize=10)
         ax.legend(fontsize=8)
     fig.suptitle(f"Hugging Face Llama training step, bf16, {device}", fontsize=11)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    common.save_figure(plt, fig, path)
     return True
 
 
