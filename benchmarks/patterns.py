@@ -315,14 +315,15 @@ def main(argv=None) -> None:
         for name in args.patterns.split(","):
             rows += bench(name, args.M, H, args.rounds, liger)
             torch.cuda.empty_cache()
-    common.write_json(
-        args.out,
-        {
-            **common.environment(),
-            "liger_kernel": None if liger is None else _liger_version(),
-            "rows": rows,
-        },
-    )
+            # written after every pattern: a run cut short keeps what it finished
+            common.write_json(
+                args.out,
+                {
+                    **common.environment(),
+                    "liger_kernel": None if liger is None else _liger_version(),
+                    "rows": rows,
+                },
+            )
     chart(rows, os.path.splitext(args.out)[0] + ".png")
     common.print_table(
         [{k: ("-" if v is None else v) for k, v in r.items()} for r in rows],
