@@ -254,6 +254,10 @@ def contenders(p: Pattern, compiled: Callable, liger, backward: bool) -> dict:
 
 def bench(name: str, M: int, H: int, rounds: int, liger) -> list[dict]:
     p = Pattern(name, M, H)
+    # a fresh dynamo cache per pattern and H: ``Pattern.eager`` is one code object for
+    # every pattern, so a shared cache would hit the recompile limit (8) and fall back to
+    # eager, or turn dynamic after the first new shape
+    torch._dynamo.reset()
     compiled = torch.compile(p.eager)
     rows = []
     for pass_ in ("fwd", "fwd+bwd"):
