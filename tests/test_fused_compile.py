@@ -124,3 +124,18 @@ def test_vectors_are_loaded_once_per_band_of_subtiles(name, tmp_path):
     opcodes = opcode_counts(disassemble(cubin))
     assert count_prefix(opcodes, "LDG") <= BAND_LOADS[name], opcodes
     assert count_prefix(opcodes, "LDL") == 0 and count_prefix(opcodes, "STL") == 0
+
+
+def test_column_reductions_reduce_scatter_across_lanes(tmp_path):
+    """dgamma_colsum reduces two values per column (a sum and a max). A thread holds 8
+    columns of each 64 x 32 subtile; combining them over the 8 lanes that share columns
+    by reduce-scatter takes 7 shuffles per reduction per subtile (a butterfly per column:
+    24) and one shared-memory update per lane (before: 8 per lane in lanes 0-3), so a
+    128 x 128 tile's 8 subtiles make 2 x 8 x 7 = 112 shuffles (before: 384)."""
+    if find_nvdisasm() is None:
+        pytest.skip("nvdisasm not installed")
+    _, cubin = _compile(EPILOGUES["dgamma_colsum"], tmp_path, LAYOUTS["dgrad"])
+    ops = opcode_counts(disassemble(cubin))
+    assert count_prefix(ops, "SHFL") <= 2 * 8 * 7, ops
+    assert count_prefix(ops, "STS") <= 2 * 8, ops
+    assert count_prefix(ops, "LDL") == 0 and count_prefix(ops, "STL") == 0

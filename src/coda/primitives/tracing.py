@@ -437,32 +437,61 @@ def keep_lane_half(even, odd, layout):
 # ---- column reductions (over the rows of a tile) ---------------------------------------
 def col_accumulate(ctx: TraceSubtile, op: str, vals, view: View, key) -> None:
     """Reduce each column of this subtile over its 64 rows down to one value per warp
-    (thread-local, then across the 8 lane groups) and combine it into the warp's slot of
-    the tile's column scratch (written by the first row of subtiles, combined after)."""
+    (thread-local, then across the 8 lane groups: a reduce-scatter when a thread holds a
+    multiple of 8 columns, else a butterfly per column) and combine it into the warp's
+    slot of the tile's column scratch (written by the first row of subtiles, combined
+    after)."""
     tile = ctx.tile
     scratch, base = tile.scratch_for(key)
     tile_cols = int(tile.config.tile_n * view.width)
     col0 = tile.tile_coord[1] * tile_cols
     first = ctx.subtile[0] == 0
+    local, cols = [], []
     for c in view.frag.cols:
         members = view.frag.col_members(c)
         v = vals[members[0]]
         for i in members[1:]:
             v = fr.combine(op, v, vals[i])
-        v = fr.column_allreduce(op, v)
-        col = view.coords[members[0]][1] - col0
-        _col_slot(scratch, base, tile_cols, col, v, op, first)
+        local.append(v)
+        cols.append(view.coords[members[0]][1] - col0)
+    if len(local) % 8 == 0:
+        # each lane ends with its own columns' totals and writes them all
+        for v, col in fr.column_reduce_scatter(op, local, cols):
+            _col_slot(scratch, base, tile_cols, col, v, op, first, True)
+        return
+    for v, col in zip(local, cols, strict=True):  # width 1/2: 4 columns per thread
+        _col_slot(scratch, base, tile_cols, col, fr.column_allreduce(op, v), op, first, False)
 
 
 @cute.jit
-def _col_slot(scratch, base, tile_cols, col, v, op: cutlass.Constexpr[str], first):
+def _col_slot(
+    scratch,
+    base,
+    tile_cols,
+    col,
+    v,
+    op: cutlass.Constexpr[str],
+    first,
+    every_lane: cutlass.Constexpr[bool],
+):
+    """Put warp-total ``v`` of column ``col`` into this warp's slot: from every lane (after
+    a reduce-scatter each lane holds other columns' totals), or from lanes 0-3 only (after
+    an all-reduce the 8 lanes of a column group hold the same totals)."""
     warp = cute.arch.make_warp_uniform(cute.arch.warp_idx()) % 4
-    if cute.arch.lane_idx() < 4:
-        idx = base + warp * tile_cols + col
-        if cutlass.const_expr(first):
-            scratch[idx] = v
-        else:
-            scratch[idx] = fr.combine(op, scratch[idx], v)
+    idx = base + warp * tile_cols + col
+    if cutlass.const_expr(every_lane):
+        _slot_update(scratch, idx, v, op, first)
+    else:
+        if cute.arch.lane_idx() < 4:
+            _slot_update(scratch, idx, v, op, first)
+
+
+@cute.jit
+def _slot_update(scratch, idx, v, op: cutlass.Constexpr[str], first):
+    if cutlass.const_expr(first):
+        scratch[idx] = v
+    else:
+        scratch[idx] = fr.combine(op, scratch[idx], v)
 
 
 def flush_cols(tile: TraceTile, key, width: Fraction, op: str, partials) -> None:
