@@ -1,4 +1,5 @@
-"""Ragged-shape GEMMs in every operand layout, plain, accumulating and fused, for
+"""Ragged-shape GEMMs in every operand layout, plain, accumulating and fused (RMSNorm
+forward; column reductions; width-2 operands with a row reduction), for
 compute-sanitizer (memcheck / racecheck) runs on the device.
 
 compute-sanitizer --tool memcheck  python benchmarks/sanitize_gemm.py
@@ -30,6 +31,13 @@ for layout in LAYOUTS:
     epi = EPILOGUES["rmsnorm_fwd"]
     _, _, tensors = make_inputs(epi, m, n, k, torch.bfloat16, seed=1)
     fused = epi(a, b, **{key: v.cuda() for key, v in tensors.items()})
+    # column reductions (the reduce-scatter across lanes, shared-memory slots) and
+    # width-2 loads / stores with a row reduction
+    for name in ("dgamma_colsum", "swiglu_bwd"):
+        other = EPILOGUES[name]
+        _, _, more = make_inputs(other, m, n, k, torch.bfloat16, seed=2)
+        got = other(a, b, **{key: v.cuda() for key, v in more.items()})
+        assert all(torch.isfinite(t).all() for t in got.values() if t.is_floating_point())
     torch.cuda.synchronize()
     err = (out.float() - ref).abs().max().item()
     err_acc = (acc - 1 - ref).abs().max().item()

@@ -11,7 +11,10 @@ Training step (rows): ``transformers`` LlamaForCausalLM from a random config, pa
 in bf16 (``model.to(torch.bfloat16)``, as HF trainers with bf16 do), SDPA attention,
 AdamW (fused), random ``input_ids`` (batch ``--batch`` x ``--seq``) and
 ``labels = input_ids``; one step = forward with labels, backward, ``optimizer.step()``,
-``zero_grad(set_to_none=True)``, timed with CUDA events. Configs:
+``zero_grad(set_to_none=True)``, timed with CUDA events (details: ``median_step_ms``).
+Next to it, ``host_ms_per_step``: the host's time to issue one step while a sleep kernel keeps
+the GPU busy (median of 3): when it is below the step's GPU time the GPU never waits for
+the host (a step that synchronizes shows the sleep's length instead). Configs:
 
 * ``llama3-1b``: Llama 3.2 1B's shape: H=2048, 16 layers, FFN 8192, 32 query / 8 KV heads
   (head_dim 64), vocab 128256, tied embeddings, rope_theta 500000 (default RoPE; the
@@ -257,6 +260,21 @@ class Method:
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
 
+    def host_ms(self) -> float | None:
+        """Milliseconds the host takes to issue one step while the GPU is kept busy (a
+        sleep kernel queued first, so the host never waits for the GPU unless the step
+        synchronizes): the step's CPU cost. Below the step's GPU time, the GPU never
+        waits for the host. None on the CPU."""
+        if DEVICE != "cuda":
+            return None
+        torch.cuda.synchronize()
+        torch.cuda._sleep(HOST_SLEEP_CYCLES)
+        t0 = time.perf_counter()
+        self.step()
+        issued = time.perf_counter() - t0
+        torch.cuda.synchronize()
+        return 1e3 * issued
+
     def peak(self) -> tuple[float | None, float | None]:
         """(resident + step workspace, raw max_memory_allocated) in GiB over one step;
         (None, None) on the CPU."""
@@ -279,6 +297,11 @@ class Method:
             self.calls = dict(self.patch.calls)
             self.fallbacks = dict(self.patch.fallbacks)
         self.model = self.run = self.opt = self.patch = None  # type: ignore[assignment]
+
+
+#: GPU cycles of the sleep queued before a host-time measurement (~2.5 s at H200 clocks:
+#: longer than any step takes to issue)
+HOST_SLEEP_CYCLES = 5_000_000_000
 
 
 def estimate_gib(size: LlamaSize, tokens: int, n_models: int) -> float:
@@ -321,6 +344,7 @@ def bench_config(
         "estimated_gib_all_resident": need,
         "errors": {},
         "median_step_ms": {},
+        "host_ms_per_step": {},
         "step_ms_rounds": {},
         "raw_max_allocated_gib": {},
         "first_loss": {},
@@ -354,6 +378,7 @@ def bench_config(
 
     times: dict[str, list[float]] = {m: [] for m in methods}
     peaks: dict[str, float] = {}
+    hosts: dict[str, float] = {}
     live: dict[str, Method] = {}
     if mode == "interleaved":
         copies = {m: (base if m == "eager" else copy.deepcopy(base)) for m in methods}
@@ -377,6 +402,7 @@ def bench_config(
         for m in list(live):
             try:
                 peaks[m], details["raw_max_allocated_gib"][m] = live[m].peak()
+                hosts[m] = common.median([live[m].host_ms() or 0.0 for _ in range(3)])
             except Exception as exc:
                 details["errors"][m] = _short(exc)
     else:
@@ -403,6 +429,7 @@ def bench_config(
                 for _ in range(args.rounds):
                     times[m].append(timed(meth.step, args.reps))
                 peaks[m], details["raw_max_allocated_gib"][m] = meth.peak()
+                hosts[m] = common.median([meth.host_ms() or 0.0 for _ in range(3)])
             except Exception as exc:
                 details["errors"][m] = _short(exc)
             live[m] = meth
@@ -425,6 +452,18 @@ def bench_config(
         details["step_ms_rounds"][m] = times[m] if m in methods else []
         row[f"{m}_tokens_per_s"] = tokens / (med / 1e3) if med else None
         row[f"{m}_peak_gib"] = peaks.get(m) if ok else None
+        # the step's host (issue) time, next to its GPU time (median_step_ms)
+        details["host_ms_per_step"][m] = (hosts.get(m) or None) if ok else None
+    issued = {m: details["host_ms_per_step"][m] for m in METHODS if m in methods}
+    print(
+        f"{name}: host ms to issue a step / GPU ms per step: "
+        + ", ".join(
+            f"{m} {h:.1f} / {details['median_step_ms'][m]:.1f}"
+            for m, h in issued.items()
+            if h and details["median_step_ms"][m]
+        ),
+        flush=True,
+    )
     if "compile" in live and details["median_step_ms"].get("compile"):
         ratios = [c / k for c, k in zip(times["compile"], times.get("coda", []), strict=False)]
         details["coda_speedup_vs_compile_median_of_rounds"] = (
