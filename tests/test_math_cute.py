@@ -35,7 +35,9 @@ from coda.primitives import ops
 
 ensure_arch()
 
-UNARY = tuple(n for n in cm.__all__ if n not in ("maximum", "minimum", "clamp", "where"))
+UNARY = tuple(
+    n for n in cm.__all__ if n not in ("maximum", "minimum", "clamp", "where", "exp_diff")
+)
 
 
 def _unary_case(name):
@@ -55,6 +57,9 @@ CASES = {
     "clamp": lambda x, y, s: cm.clamp(x, -1.0, 0.5),
     "clamp_int": lambda x, y, s: cm.clamp(x, -2, 1),
     "clamp_empty": lambda x, y, s: cm.clamp(x, 1.0, -1.0),  # lo > hi: hi, as torch
+    # softmax-like: the first argument at most the second (as a row max or lse is)
+    "exp_diff": lambda x, y, s: cm.exp_diff(cm.minimum(x, y), cm.maximum(x, y)),
+    "exp_diff_scalar": lambda x, y, s: cm.exp_diff(cm.minimum(x, s), s),
     "where": lambda x, y, s: cm.where(x > y, x, y),
     "where_leaky": lambda x, y, s: cm.where(x > 0, x, 0.1 * x),
     "where_numbers": lambda x, y, s: cm.where(x > 0, 1.0, -1),

@@ -140,12 +140,12 @@ def mask_neg_inf(z: Any, valid: Any) -> Any:
 
 def ce_grad(z: Any, lse: Any, ga: Any, gt: Any, hit: Any) -> Any:
     """ga * softmax(z) + gt * onehot: the gradient of (lse, z[target]) weighted per row."""
-    return ga * cm.exp(z - lse) + gt * hit
+    return ga * cm.exp_diff(z, lse) + gt * hit
 
 
 def ce_grad_sum(z: Any, lse: Any, ga: Any, gt: Any, hit: Any, gs: Any) -> Any:
     """``ce_grad`` plus gs * 1: the gradient of the row sum of z (label smoothing)."""
-    return ga * cm.exp(z - lse) + gt * hit + gs
+    return ga * cm.exp_diff(z, lse) + gt * hit + gs
 
 
 def _logits(

@@ -50,6 +50,8 @@ on the H200 their results are bit-identical to the float32 emulation of
 function               CuTeDSL implementation                                         ulp
 =====================  =============================================================  ========
 exp, exp2              ``cute.math.exp / exp2`` (libdevice; ``ex2.approx`` core)      1.9
+exp_diff (***)         exp(x - y) as ``ex2.approx.ftz.f32(x log2 e - y log2 e)``,      2 +
+                       the subtraction fused into one FMA with y log2 e per row      |x-y|/2
 log, log2, log1p       ``cute.math.log / log2 / log1p`` (libdevice polynomials)       0.9
 sqrt, rsqrt            ``cute.math.sqrt`` (``sqrt.rn.f32``), ``cute.math.rsqrt``      0.5, 1.5
                        (``rsqrt.approx.f32``)
@@ -82,6 +84,13 @@ with ``rcp.approx`` (PTX bound: 1 ulp) they pass
 ``tests/test_math_cute_gpu.py::test_sigmoid_silu_ulp`` (<= 4 ulp) on the H200; the exact
 maximum was not recorded.
 
+(***) exp_diff: for softmax-like terms, x <= y (y a row max or log-sum-exp). Two
+instructions (FFMA + MUFU.EX2) instead of libdevice exp's eight: the ``ex2.approx`` bound
+(2 ulp) plus the rounding of the FMA, about |x - y| * 2^-24 * ln 2 relative (4e-7 at
+|x - y| = 10, where the term is 5e-5; terms below 2^-126, x - y < -87, flush to 0). The
+fused log-sum-exp and the cross-entropy gradient use it: their inner exp ran a large
+part of those epilogues' instructions.
+
 (*) gelu_tanh: <= 4.4e-7 absolute; relative error grows for x < -3, where 1 + tanh(...)
 cancels (torch's fp32 kernel: the same). Signed zeros may differ from torch (relu(-0.0) is
 not guaranteed to match); NaN and +-inf follow torch. sin/cos are NaN past |x| ~ 3.29e6,
@@ -105,6 +114,7 @@ __all__ = [
     "erf",
     "exp",
     "exp2",
+    "exp_diff",
     "gelu_tanh",
     "log",
     "log1p",
@@ -449,6 +459,35 @@ def _unary(fname: str, torch_op: Any, cute_op: Callable[[Any], Any], doc: str) -
 
 
 exp = _unary("exp", torch.exp, _cute_math("exp"), "e**x")
+
+#: log2(e): exp(x) = 2 ** (x * LOG2E)
+LOG2E = 1.4426950408889634
+
+
+def _cute_exp_diff(x: Any, y: Any) -> Any:
+    x, y = _cute_promote("exp_diff", (x, y))
+    if not _in_device_code():
+        return _cute().math.exp(x - y)
+    # x * LOG2E - y * LOG2E contracts into one FMA per element; y * LOG2E is shared by the
+    # elements of a row (one value broadcast), so the compiler computes it once. The NVVM
+    # intrinsic is scalar-only: fragments take the fast-math lowering (the same ex2.approx)
+    t = x * LOG2E - y * LOG2E
+    if isinstance(t, _cute().TensorSSA):
+        return _cute().math.exp2(t, fastmath=True)
+    return _cute().math.exp2(t, approx=True, ftz=True)
+
+
+def exp_diff(x: Any, y: Any) -> Any:
+    """exp(x - y) for softmax-like terms (x <= y, y a row's max or log-sum-exp); either
+    may be a Python number. In kernels ``ex2.approx.ftz(x log2 e - y log2 e)``: two
+    instructions, within ~2 ulp + |x - y| * 2^-24 relative (see the module doc); in torch
+    ``torch.exp(x - y)``."""
+    if _backend("exp_diff", (x, y)) == _TORCH:
+        t = _first_tensor((x, y))
+        return torch.exp(_as_tensor(x, t) - _as_tensor(y, t))
+    return _cute_exp_diff(x, y)
+
+
 exp2 = _unary("exp2", torch.exp2, _cute_math("exp2"), "2**x")
 log = _unary("log", torch.log, _cute_math("log"), "natural logarithm")
 log2 = _unary("log2", torch.log2, _cute_math("log2"), "base-2 logarithm")
