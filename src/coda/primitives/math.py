@@ -88,8 +88,9 @@ maximum was not recorded.
 instructions (FFMA + MUFU.EX2) instead of libdevice exp's eight: the ``ex2.approx`` bound
 (2 ulp) plus the rounding of the FMA, about |x - y| * 2^-24 * ln 2 relative (4e-7 at
 |x - y| = 10, where the term is 5e-5; terms below 2^-126, x - y < -87, flush to 0). The
-fused log-sum-exp and the cross-entropy gradient use it: their inner exp ran a large
-part of those epilogues' instructions.
+cross-entropy gradient uses it (its map pass: 3696 -> 2800 SASS instructions). The fused
+log-sum-exp keeps the accurate exp: with ``exp_diff`` its 128 x 128 kernel spilled two
+registers.
 
 (*) gelu_tanh: <= 4.4e-7 absolute; relative error grows for x < -3, where 1 + tanh(...)
 cancels (torch's fp32 kernel: the same). Signed zeros may differ from torch (relu(-0.0) is

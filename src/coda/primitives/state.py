@@ -166,10 +166,9 @@ class LogSumExp(StateTransition):
             old_m, old_s = band.get(r, (None, None))
             new_m = smax if old_m is None else tracing.fr.combine("max", old_m, smax)
             base = tracing.finite_or_zero(new_m)
-            base2 = base * tracing.LOG2E
             total = tracing.Float32(0.0)
             for i in v.frag.row_members(r):
-                total = total + tracing.exp_shifted(x[i], base2)
+                total = total + tracing.exp(x[i] - base)
             total = tracing.fr.quad_allreduce("sum", total)
             if old_s is not None:
                 total = total + old_s * tracing.exp(old_m - base)

@@ -39,7 +39,6 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32
 
 from ..mainloop import fragment as fr
-from .math import LOG2E
 
 
 @attrs.define
@@ -312,12 +311,6 @@ def flush_band(ctx: TraceSubtile, band: dict, names: tuple[str, ...]) -> None:
 
 def exp(x):
     return cute.math.exp(x)
-
-
-def exp_shifted(x, shift2):
-    """exp(x - shift) given ``shift2`` = shift * log2(e): ``ex2.approx.ftz`` of one FMA
-    (the accuracy of ``coda.primitives.math.exp_diff``); x = -inf gives 0."""
-    return cute.math.exp2(x * LOG2E - shift2, approx=True, ftz=True)
 
 
 @cute.jit
