@@ -260,20 +260,22 @@ class Method:
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
 
-    def host_ms(self) -> float | None:
-        """Milliseconds the host takes to issue one step while the GPU is kept busy (a
-        sleep kernel queued first, so the host never waits for the GPU unless the step
-        synchronizes): the step's CPU cost. Below the step's GPU time, the GPU never
-        waits for the host. None on the CPU."""
+    def host_ms(self, reps: int = 3) -> float | None:
+        """Median over ``reps`` of the milliseconds the host takes to issue one step while
+        the GPU is kept busy (a sleep kernel queued first, so the host never waits for the
+        GPU unless the step synchronizes): the step's CPU cost. Below the step's GPU time,
+        the GPU never waits for the host. None on the CPU."""
         if DEVICE != "cuda":
             return None
-        torch.cuda.synchronize()
-        torch.cuda._sleep(HOST_SLEEP_CYCLES)
-        t0 = time.perf_counter()
-        self.step()
-        issued = time.perf_counter() - t0
-        torch.cuda.synchronize()
-        return 1e3 * issued
+        issued = []
+        for _ in range(reps):
+            torch.cuda.synchronize()
+            torch.cuda._sleep(HOST_SLEEP_CYCLES)
+            t0 = time.perf_counter()
+            self.step()
+            issued.append(1e3 * (time.perf_counter() - t0))
+            torch.cuda.synchronize()
+        return common.median(issued)
 
     def peak(self) -> tuple[float | None, float | None]:
         """(resident + step workspace, raw max_memory_allocated) in GiB over one step;
@@ -378,7 +380,7 @@ def bench_config(
 
     times: dict[str, list[float]] = {m: [] for m in methods}
     peaks: dict[str, float] = {}
-    hosts: dict[str, float] = {}
+    hosts: dict[str, float | None] = {}
     live: dict[str, Method] = {}
     if mode == "interleaved":
         copies = {m: (base if m == "eager" else copy.deepcopy(base)) for m in methods}
@@ -402,7 +404,7 @@ def bench_config(
         for m in list(live):
             try:
                 peaks[m], details["raw_max_allocated_gib"][m] = live[m].peak()
-                hosts[m] = common.median([live[m].host_ms() or 0.0 for _ in range(3)])
+                hosts[m] = live[m].host_ms()
             except Exception as exc:
                 details["errors"][m] = _short(exc)
     else:
@@ -429,7 +431,7 @@ def bench_config(
                 for _ in range(args.rounds):
                     times[m].append(timed(meth.step, args.reps))
                 peaks[m], details["raw_max_allocated_gib"][m] = meth.peak()
-                hosts[m] = common.median([meth.host_ms() or 0.0 for _ in range(3)])
+                hosts[m] = meth.host_ms()
             except Exception as exc:
                 details["errors"][m] = _short(exc)
             live[m] = meth
@@ -453,7 +455,7 @@ def bench_config(
         row[f"{m}_tokens_per_s"] = tokens / (med / 1e3) if med else None
         row[f"{m}_peak_gib"] = peaks.get(m) if ok else None
         # the step's host (issue) time, next to its GPU time (median_step_ms)
-        details["host_ms_per_step"][m] = (hosts.get(m) or None) if ok else None
+        details["host_ms_per_step"][m] = hosts.get(m) if ok else None
     issued = {m: details["host_ms_per_step"][m] for m in METHODS if m in methods}
     print(
         f"{name}: host ms to issue a step / GPU ms per step: "

@@ -460,35 +460,6 @@ def _unary(fname: str, torch_op: Any, cute_op: Callable[[Any], Any], doc: str) -
 
 
 exp = _unary("exp", torch.exp, _cute_math("exp"), "e**x")
-
-#: log2(e): exp(x) = 2 ** (x * LOG2E)
-LOG2E = 1.4426950408889634
-
-
-def _cute_exp_diff(x: Any, y: Any) -> Any:
-    x, y = _cute_promote("exp_diff", (x, y))
-    if not _in_device_code():
-        return _cute().math.exp(x - y)
-    # x * LOG2E - y * LOG2E contracts into one FMA per element; y * LOG2E is shared by the
-    # elements of a row (one value broadcast), so the compiler computes it once. The NVVM
-    # intrinsic is scalar-only: fragments take the fast-math lowering (the same ex2.approx)
-    t = x * LOG2E - y * LOG2E
-    if isinstance(t, _cute().TensorSSA):
-        return _cute().math.exp2(t, fastmath=True)
-    return _cute().math.exp2(t, approx=True, ftz=True)
-
-
-def exp_diff(x: Any, y: Any) -> Any:
-    """exp(x - y) for softmax-like terms (x <= y, y a row's max or log-sum-exp); either
-    may be a Python number. In kernels ``ex2.approx.ftz(x log2 e - y log2 e)``: two
-    instructions, within ~2 ulp + |x - y| * 2^-24 relative (see the module doc); in torch
-    ``torch.exp(x - y)``."""
-    if _backend("exp_diff", (x, y)) == _TORCH:
-        t = _first_tensor((x, y))
-        return torch.exp(_as_tensor(x, t) - _as_tensor(y, t))
-    return _cute_exp_diff(x, y)
-
-
 exp2 = _unary("exp2", torch.exp2, _cute_math("exp2"), "2**x")
 log = _unary("log", torch.log, _cute_math("log"), "natural logarithm")
 log2 = _unary("log2", torch.log2, _cute_math("log2"), "base-2 logarithm")
@@ -530,6 +501,34 @@ def minimum(a: Any, b: Any) -> Any:
         t = _first_tensor((a, b))
         return torch.minimum(_as_tensor(a, t), _as_tensor(b, t))
     return _cute_min(a, b)
+
+
+#: log2(e): exp(x) = 2 ** (x * LOG2E)
+LOG2E = 1.4426950408889634
+
+
+def _cute_exp_diff(x: Any, y: Any) -> Any:
+    x, y = _cute_promote("exp_diff", (x, y))
+    if not _in_device_code():
+        return _cute().math.exp(x - y)
+    # x * LOG2E - y * LOG2E contracts into one FMA per element; y * LOG2E is shared by the
+    # elements of a row (one value broadcast), so the compiler computes it once. The NVVM
+    # intrinsic is scalar-only: fragments take the fast-math lowering (the same ex2.approx)
+    t = x * LOG2E - y * LOG2E
+    if isinstance(t, _cute().TensorSSA):
+        return _cute().math.exp2(t, fastmath=True)
+    return _cute().math.exp2(t, approx=True, ftz=True)
+
+
+def exp_diff(x: Any, y: Any) -> Any:
+    """exp(x - y) for softmax-like terms (x <= y, y a row's max or log-sum-exp); either
+    may be a Python number. In kernels ``ex2.approx.ftz(x log2 e - y log2 e)``: two
+    instructions, within ~2 ulp + |x - y| * 2^-24 relative (see the module doc); in torch
+    ``torch.exp(x - y)``."""
+    if _backend("exp_diff", (x, y)) == _TORCH:
+        t = _first_tensor((x, y))
+        return torch.exp(_as_tensor(x, t) - _as_tensor(y, t))
+    return _cute_exp_diff(x, y)
 
 
 def clamp(x: Any, lo: float, hi: float) -> Any:
