@@ -8,7 +8,9 @@ N=K in ``--sizes``) and each operand layout (``coda.testing.layouts``: forward, 
 with B N-major, wgrad with A M-major and B N-major), the fused kernel
 (``epi(A, B, **tensors)``, finalize included) and the plain GEMM (``coda.gemm`` with the
 same config and layout, bf16 output) are timed in interleaved rounds; fused_ms / plain_ms
-is the epilogue's cost.
+is the epilogue's cost. ``--staggered`` also times the fused kernel with
+``GemmConfig.staggered_copies`` in the same rounds (row fields ``staggered_ms`` and
+``staggered_ratio``: its fused / plain).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import argparse
 import os
 import sys
 
+import attrs
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -31,7 +34,9 @@ from coda.testing.strategies import make_inputs  # noqa: E402
 M = 16384
 
 
-def bench(name: str, m: int, n: int, k: int, rounds: int, layout: str = "fwd") -> dict:
+def bench(
+    name: str, m: int, n: int, k: int, rounds: int, layout: str = "fwd", staggered: bool = False
+) -> dict:
     epi = EPILOGUES[name]
     A, B, tensors = make_inputs(epi, m, n, k, torch.bfloat16, seed=0)
     A, B = operands(A.cuda(), B.cuda(), layout)
@@ -39,15 +44,21 @@ def bench(name: str, m: int, n: int, k: int, rounds: int, layout: str = "fwd") -
     cfg = choose_epilogue_config(m, n, k)
     out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
     flops = 2 * m * n * k
-    times = common.interleaved(
-        {
-            "fused": lambda: epi(A, B, config=cfg, **tensors),
-            "plain": lambda: gemm(A, B, out=out, config=cfg),
-        },
-        rounds=rounds,
-        reps=max(3, min(30, int(2e13 / flops))),
-    )
+    methods = {
+        "fused": lambda: epi(A, B, config=cfg, **tensors),
+        "plain": lambda: gemm(A, B, out=out, config=cfg),
+    }
+    if staggered:
+        stag = attrs.evolve(cfg, staggered_copies=True)
+        methods["staggered"] = lambda: epi(A, B, config=stag, **tensors)
+    times = common.interleaved(methods, rounds=rounds, reps=max(3, min(30, int(2e13 / flops))))
     fused, plain = common.median(times["fused"]), common.median(times["plain"])
+    extra = {}
+    if staggered:
+        extra = {
+            "staggered_ms": common.median(times["staggered"]),
+            "staggered_ratio": common.median_ratio(times["staggered"], times["plain"]),
+        }
     return {
         "epilogue": name,
         "layout": layout,
@@ -58,6 +69,7 @@ def bench(name: str, m: int, n: int, k: int, rounds: int, layout: str = "fwd") -
         "plain_ms": plain,
         "ratio": common.median_ratio(times["fused"], times["plain"]),
         "config": f"{cfg.tile_m}x{cfg.tile_n} cluster {cfg.cluster_m}x{cfg.cluster_n}",
+        **extra,
     }
 
 
@@ -68,16 +80,20 @@ def main(argv=None) -> None:
     p.add_argument("--sizes", default="2048,4096,8192")
     p.add_argument("--layouts", default="fwd,dgrad,wgrad")
     p.add_argument("--epilogues", default=",".join(EPILOGUES))
+    p.add_argument("--staggered", action="store_true", help="also time GemmConfig.staggered_copies")
     args = p.parse_args(argv)
     rows = [
-        bench(name, M, size, size, args.rounds, layout)
+        bench(name, M, size, size, args.rounds, layout, args.staggered)
         for size in (int(x) for x in args.sizes.split(","))
         for layout in args.layouts.split(",")
         for name in args.epilogues.split(",")
     ]
     worst = max(r["ratio"] for r in rows)
     common.write_json(args.out, {**common.environment(), "max_ratio": worst, "rows": rows})
-    common.print_table(rows, ["epilogue", "layout", "M", "N", "K", "fused_ms", "plain_ms", "ratio"])
+    cols = ["epilogue", "layout", "M", "N", "K", "fused_ms", "plain_ms", "ratio"]
+    if args.staggered:
+        cols += ["staggered_ms", "staggered_ratio"]
+    common.print_table(rows, cols)
     print(f"max fused/plain = {worst:.3f}")
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 
+import attrs
 import torch
 
 from coda.mainloop.config import choose_epilogue_config
@@ -25,9 +26,12 @@ def main(argv=None) -> None:
     p.add_argument("epilogue", choices=sorted(EPILOGUES))
     p.add_argument("--m", type=int, default=16384)
     p.add_argument("--nk", type=int, default=2048)
+    p.add_argument("--staggered", action="store_true", help="GemmConfig.staggered_copies")
     args = p.parse_args(argv)
     m, n, k = args.m, args.nk, args.nk
     cfg = choose_epilogue_config(m, n, k)
+    if args.staggered:
+        cfg = attrs.evolve(cfg, staggered_copies=True)
     epi = EPILOGUES[args.epilogue]
     A, B, t = make_inputs(epi, m, n, k, torch.bfloat16, seed=0)
     A, B = A.cuda(), B.cuda()

@@ -140,3 +140,26 @@ def test_results_never_alias_each_other():
     results = [out[s.name] for s in epi.outputs if not s.is_partials]
     storages = {t.untyped_storage().data_ptr() for t in results}
     assert len(storages) == len(results)
+
+
+#: ``GemmConfig.staggered_copies`` (opt-in): 32-bit register <-> shared copies take their
+#: two column halves in an order staggered by lane parity. Every epilogue with such a
+#: copy: swiglu_bwd (packed width-2 load and store), fp32 tiles in and out, a width-2
+#: fp32 store next to packed loads, in every layout
+STAGGERED = GemmConfig(tile_n=128, cluster_m=2, staggered_copies=True)
+STAGGERED_EPILOGUES = {
+    "swiglu_bwd": EPILOGUES["swiglu_bwd"],
+    "fp32_tiles": Epilogue()
+    .add(TileLoad("r", torch.float32))
+    .add(Elementwise("x", ops.add, ins=("acc", "r")))
+    .add(TileStore("x", torch.float32))
+    .add(TileReduce("xs", of="x", op="sumsq")),
+    "double_width_cols": CORNERS["double_width_cols"],
+}
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("name", list(STAGGERED_EPILOGUES))
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_staggered_copies_match_reference(name, shape, layout):
+    _check(STAGGERED_EPILOGUES[name], shape, layout, config=STAGGERED)

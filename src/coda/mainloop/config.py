@@ -75,6 +75,13 @@ class GemmConfig:
     #: subtiles deep whatever ``load_stages`` says; a kernel whose buffers do not fit so
     #: takes turns instead (``PingPongGemm.concurrent``)
     concurrent_epilogues: bool = attrs.field(default=False)
+    #: the epilogue's 32-bit register <-> shared copies (fp32 values, packed width-2
+    #: 16-bit pairs) take their two column halves in an order staggered by lane parity
+    #: (``coda.mainloop.epilogue_io``): by the bank model 2 shared-memory wavefronts per
+    #: 64-bit access instead of the 4 Nsight Compute measured. Opt-in: compiled and
+    #: checked on the CPU (SASS, the copy's data movement run on the host), not yet run
+    #: on a GPU
+    staggered_copies: bool = attrs.field(default=False)
 
     def __attrs_post_init__(self) -> None:
         if (self.cluster_m, self.cluster_n) not in _CLUSTERS:

@@ -6,6 +6,17 @@ Sits in ``coda.mainloop``. Values of width 1 move with the accumulator's stmatri
 ldmatrix copies; width-2 16-bit values move as 32-bit column pairs on an fp32 view of the
 same swizzled buffer; other widths element by element in the order of
 :mod:`coda.mainloop.fragment`.
+
+32-bit copies (fp32 values, packed width-2 pairs) are *staggered*: a thread holds two
+adjacent columns (8 bytes) of rows ``lane // 4`` and ``+ 8`` in four 32-byte column groups
+of a 128-byte swizzled row. A 64-bit shared access is served a half-warp (4 rows) at a
+time, and under the 128B swizzle rows ``2i`` and ``2i + 1`` put the same column group on
+the same 8 banks: a 2-way conflict, 4 wavefronts per instruction where 2 are ideal
+(Nsight Compute, ``benchmarks/results/ncu_smem_h200.json``). Lanes of odd rows therefore
+take their column groups in the order ``g ^ 2`` (the subtile's two 16-column halves
+swapped): the 4 rows of a half-warp then land on 4 different bank octets. The values are
+swapped to match with selects, so every element still goes to its own address. Opt-in
+(``GemmConfig.staggered_copies``): not yet run on a GPU.
 """
 
 from __future__ import annotations
@@ -41,6 +52,43 @@ def as_values(rmem, dtype, layout):
     """A register buffer seen as ``dtype`` elements in ``layout`` (it may hold them packed
     two to a 32-bit element, or be the very tensor)."""
     return cute.make_tensor(cute.recast_ptr(rmem.iterator, dtype=dtype), layout)
+
+
+def stagger_parity(wg_tidx):
+    """1 on the lanes whose accumulator rows are odd (``lane // 4`` odd), else 0: they take
+    a 32-bit copy's two column halves in swapped order (see the module doc)."""
+    return (wg_tidx >> 2) & 1
+
+
+def _halves_swapped(parity, a, b):
+    """``b`` where ``parity`` is 1, else ``a`` (two register fragments of one shape)."""
+    odd = cute.full(a.shape, parity != 0, cutlass.Boolean)
+    return cute.where(odd, b, a)
+
+
+def store_staggered(copy, regs, smem, parity, slots=(0, 1)):
+    """Register -> shared copy of a 32-bit subtile fragment, halves staggered by lane
+    parity. ``regs`` / ``smem``: the copy's (value, m, n) partitions, n = the two
+    16-column halves of the subtile. Copy slot ``n`` moves half ``n ^ parity``; the kernel
+    issues both slots (``slots`` lets a test issue one)."""
+    for n in slots:
+        mine = regs[None, None, n]
+        tmp = cute.make_rmem_tensor(mine.layout, mine.element_type)
+        tmp.store(_halves_swapped(parity, mine.load(), regs[None, None, 1 - n].load()))
+        cute.copy(copy, tmp, smem[None, None, n ^ parity])
+
+
+def load_staggered(copy, smem, regs, parity):
+    """Shared -> register copy of a 32-bit subtile fragment, the inverse of
+    :func:`store_staggered`."""
+    got = []
+    for n in range(2):
+        dst = regs[None, None, n]
+        tmp = cute.make_rmem_tensor(dst.layout, dst.element_type)
+        cute.copy(copy, smem[None, None, n ^ parity], tmp)
+        got.append(tmp.load())
+    for n in range(2):
+        regs[None, None, n].store(_halves_swapped(parity, got[n], got[1 - n]))
 
 
 class EpilogueIO:

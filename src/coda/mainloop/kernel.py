@@ -52,7 +52,15 @@ from cutlass.tensor_utils import LayoutEnum
 
 from .config import DEFAULT_NUM_SMS, GemmConfig, SmemPlan, plan_smem
 from .dtypes import to_cutlass
-from .epilogue_io import EpilogueIO, as_values, packed, value_layout
+from .epilogue_io import (
+    EpilogueIO,
+    as_values,
+    load_staggered,
+    packed,
+    stagger_parity,
+    store_staggered,
+    value_layout,
+)
 from .fragment import Fragment
 from .producers import Producers
 from .scheduler import TileScheduler
@@ -494,6 +502,10 @@ class PingPongGemm(Producers, EpilogueIO):
             frag_shape = thr_coord.partition_S(cute.make_identity_tensor(cfg.epi_tile)).shape
             tRS_rAcc = self._acc_subtile_view(acc, coord_copy)
             tRS_rD = cute.make_rmem_tensor(frag_shape, self.acc_dtype)
+            # 32-bit shared copies staggered by lane parity (GemmConfig.staggered_copies)
+            parity = stagger_parity(wg_tidx)
+            staggered_stores = []
+            staggered_loads = []
             r2s = []
             tRS_sD = []
             tRS_rOut = []
@@ -504,6 +516,7 @@ class PingPongGemm(Producers, EpilogueIO):
             for i in cutlass.range_constexpr(n_stores):
                 w = self.store_widths[i]
                 unit = self.store_dtypes[i] if const_expr(w == 1) else Float32
+                staggered_stores.append(cfg.staggered_copies and unit.width == 32)
                 if const_expr(packed(self.store_dtypes[i], w) or w == 1):
                     # width 2 at 16 bits: a column pair is one 32-bit element of an fp32
                     # view of the buffer, laid out like the accumulator
@@ -532,6 +545,7 @@ class PingPongGemm(Producers, EpilogueIO):
                 w = self.load_widths[i]
                 if const_expr(packed(self.load_dtypes[i], w) or w == 1):
                     unit = self.load_dtypes[i] if const_expr(w == 1) else Float32
+                    staggered_loads.append(cfg.staggered_copies and unit.width == 32)
                     cp = self._make_s2r_copy(tiled_mma, unit)
                     thr = cp.get_slice(wg_tidx)
                     s2r.append(cp)
@@ -539,6 +553,7 @@ class PingPongGemm(Producers, EpilogueIO):
                     rc = cute.make_rmem_tensor(frag_shape, unit)
                     tSR_rC.append(thr.retile(rc))
                 else:
+                    staggered_loads.append(False)
                     s2r.append(frag_geom.points(local_points, w))
                     tSR_sC.append(None)
                     rc = cute.make_rmem_tensor(
@@ -645,7 +660,14 @@ class PingPongGemm(Producers, EpilogueIO):
                     if const_expr(n_loads > 0):
                         load_pipe.consumer_wait(lread)
                         for i in cutlass.range_constexpr(n_loads):
-                            if const_expr(tSR_rC[i] is not None):
+                            if const_expr(tSR_rC[i] is not None and staggered_loads[i]):
+                                load_staggered(
+                                    s2r[i],
+                                    tSR_sC[i][None, None, None, lread.index],
+                                    tSR_rC[i],
+                                    parity,
+                                )
+                            elif const_expr(tSR_rC[i] is not None):
                                 cute.copy(
                                     s2r[i], tSR_sC[i][None, None, None, lread.index], tSR_rC[i]
                                 )
@@ -668,7 +690,11 @@ class PingPongGemm(Producers, EpilogueIO):
                             store_pipe.producer_acquire()
                         epi_bar.arrive_and_wait()
                         for i in cutlass.range_constexpr(n_stores):
-                            if const_expr(tRS_sD[i] is not None):
+                            if const_expr(tRS_sD[i] is not None and staggered_stores[i]):
+                                store_staggered(
+                                    r2s[i], tRS_rOut[i], tRS_sD[i][(None, None, None, buf)], parity
+                                )
+                            elif const_expr(tRS_sD[i] is not None):
                                 cute.copy(r2s[i], tRS_rOut[i], tRS_sD[i][(None, None, None, buf)])
                             else:
                                 for j, (r, c) in enumerate(r2s[i]):

@@ -1,0 +1,195 @@
+"""CPU CI for ``GemmConfig.staggered_copies`` (``coda.mainloop.epilogue_io``).
+
+Three checks, none needing a GPU:
+
+* the bank model: with the thread -> element map of the epilogue's 32-bit copy (read off
+  CuTe's tiled copy here) and the 128B swizzle, a 64-bit shared access takes 4 wavefronts
+  (the 2-way conflict Nsight Compute measured on the H200) and the staggered order 2;
+* the data movement: ``store_staggered`` / ``load_staggered`` run on the host (CuTeDSL
+  host code, a CPU tensor in place of shared memory) for all 128 threads of a warpgroup:
+  every element lands at its own (row, column), one copy slot moves the half that the
+  lane's parity picks, and a load gives back what was stored;
+* the kernel: a width-2 catalogue epilogue compiles with the staggered copies, its shared
+  accesses still 64-bit (LDS.64 / STS.64, as many as without), no local memory.
+"""
+
+import cutlass
+import cutlass.cute as cute
+import pytest
+import torch
+from cutlass import Float32, Int32
+
+pytestmark = pytest.mark.compile
+
+ROWS, COLS = 64, 32  # the epilogue subtile, in 32-bit elements
+THREADS = 128
+
+
+def _copy_and_thread_map():
+    """The epilogue's 32-bit register <-> shared tiled copy, and each thread's (row, col)
+    of its 16 values in copy order (CuTe host code)."""
+    import cutlass.utils.hopper_helpers as sm90_utils
+    from cutlass.tensor_utils import LayoutEnum
+
+    def make_copy():
+        mma = sm90_utils.make_trivial_tiled_mma(
+            cutlass.BFloat16,
+            cutlass.BFloat16,
+            cute.nvgpu.OperandMajorMode.K,
+            cute.nvgpu.OperandMajorMode.K,
+            Float32,
+            (1, 1, 1),
+            tiler_mn=(64, 128),
+        )
+        atom = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4), cutlass.Float16)
+        c_atom = cute.make_tiled_copy_C_atom(atom, mma)
+        store = sm90_utils.get_smem_store_op(LayoutEnum.ROW_MAJOR, Float32, Float32)
+        return cute.make_tiled_copy_S(store, c_atom)
+
+    coords = {}
+
+    @cute.jit
+    def probe(t: cutlass.Constexpr):
+        part = make_copy().get_slice(t).partition_D(cute.make_identity_tensor((ROWS, COLS)))
+        coords[t] = [part[j] for j in range(cute.size(part))]
+
+    for t in range(32):  # one warp; the other three repeat it 16 rows down
+        probe(t)
+    return make_copy, {t: [(int(r), int(c)) for r, c in v] for t, v in coords.items()}
+
+
+@pytest.fixture(scope="module")
+def copy_map():
+    return _copy_and_thread_map()
+
+
+def _swizzle_128b(byte: int) -> int:
+    return byte ^ (((byte >> 7) & 7) << 4)
+
+
+def _wavefronts(thread_map, staggered: bool) -> float:
+    """Mean shared-memory wavefronts per 64-bit instruction of one warp: each thread moves
+    two adjacent 32-bit columns per instruction; a 64-bit access is served a half-warp at a
+    time, each bank one 4-byte word per wavefront."""
+    per_instr = []
+    for slot in range(4):  # the four 8-column groups of a row: one instruction each
+        total = 0
+        for half in (range(16), range(16, 32)):
+            words: dict[int, set[int]] = {}
+            for t in half:
+                row, col0 = thread_map[t][0]
+                group = slot ^ (2 * ((t >> 2) & 1)) if staggered else slot
+                for col in (col0 + 8 * group, col0 + 8 * group + 1):
+                    byte = _swizzle_128b(4 * (row * COLS + col))
+                    words.setdefault(byte // 4 % 32, set()).add(byte)
+            total += max(len(w) for w in words.values())
+        per_instr.append(total)
+    return sum(per_instr) / len(per_instr)
+
+
+def test_thread_map_is_the_accumulator_fragment(copy_map):
+    _, tmap = copy_map
+    for t, coords in tmap.items():
+        r0, c0 = t // 4, 2 * (t % 4)
+        want = {(r0 + 8 * i, c0 + d + 8 * g) for i in (0, 1) for d in (0, 1) for g in range(4)}
+        assert set(coords) == want, t
+
+
+def test_bank_model_staggering_halves_the_wavefronts(copy_map):
+    _, tmap = copy_map
+    assert _wavefronts(tmap, staggered=False) == 4.0  # as measured (ncu_smem_h200.json)
+    assert _wavefronts(tmap, staggered=True) == 2.0  # 256 bytes: the ideal
+
+
+def _run_on_host(make_copy, slots):
+    from cutlass.cute.runtime import from_dlpack
+
+    from coda.mainloop.epilogue_io import load_staggered, stagger_parity, store_staggered
+
+    @cute.jit
+    def one_thread(smem: cute.Tensor, back: cute.Tensor, t: Int32):
+        thr = make_copy().get_slice(t)
+        ident = thr.partition_S(cute.make_identity_tensor((ROWS, COLS)))
+        regs = cute.make_rmem_tensor(ident.shape, Float32)
+        for j in cutlass.range_constexpr(cute.size(regs)):
+            r, c = ident[j]
+            regs[j] = Float32(r * 100 + c)
+        parity = stagger_parity(t)
+        store_staggered(make_copy(), regs, thr.partition_D(smem), parity, slots=slots)
+        got = cute.make_rmem_tensor(ident.shape, Float32)
+        if cutlass.const_expr(len(slots) == 2):
+            load_staggered(make_copy(), thr.partition_S(smem), got, parity)
+            for j in cutlass.range_constexpr(cute.size(got)):
+                r, c = ident[j]
+                back[r, c] = got[j]
+
+    smem = torch.full((ROWS, COLS), -1.0)
+    back = torch.full((ROWS, COLS), -1.0)
+    args = (from_dlpack(smem), from_dlpack(back))
+    compiled = cute.compile(one_thread, *args, Int32(0))
+    for t in range(THREADS):
+        compiled(*args, Int32(t))
+    return smem, back
+
+
+def test_staggered_store_and_load_move_every_element_to_its_place(copy_map):
+    make_copy, _ = copy_map
+    smem, back = _run_on_host(make_copy, slots=(0, 1))
+    want = torch.arange(ROWS)[:, None] * 100.0 + torch.arange(COLS)[None, :]
+    assert torch.equal(smem, want)
+    assert torch.equal(back, want)
+
+
+def test_one_copy_slot_moves_the_half_the_lane_parity_picks(copy_map):
+    """Slot 0 alone: even fragment rows (lanes with lane // 4 even) write columns 0-15,
+    odd rows columns 16-31; nothing else is written."""
+    make_copy, _ = copy_map
+    smem, _ = _run_on_host(make_copy, slots=(0,))
+    want = torch.arange(ROWS)[:, None] * 100.0 + torch.arange(COLS)[None, :]
+    rows = torch.arange(ROWS)[:, None]
+    first_half = torch.arange(COLS)[None, :] < 16
+    written = torch.where((rows % 2 == 0), first_half, ~first_half)
+    assert torch.equal(smem[written], want[written])
+    assert bool((smem[~written] == -1.0).all())
+
+
+def _fp32_tiles():
+    from coda import Epilogue
+    from coda.primitives import Elementwise, TileLoad, TileStore, ops
+
+    return (
+        Epilogue()
+        .add(TileLoad("r", torch.float32))
+        .add(Elementwise("x", ops.add, ins=("acc", "r")))
+        .add(TileStore("x", torch.float32))
+    )
+
+
+@pytest.mark.parametrize("name", ["swiglu_bwd", "fp32_tiles"])
+@pytest.mark.parametrize("layout", [("k", "k"), ("m", "n")], ids=["fwd", "wgrad"])
+def test_staggered_kernel_keeps_64bit_shared_accesses_and_no_spills(name, layout, tmp_path):
+    """swiglu_bwd: packed width-2 bf16 pairs in and out; fp32_tiles: an fp32 tile in and
+    out (width 1)."""
+    from coda.mainloop.config import GemmConfig
+    from coda.runtime import gemm_kernels
+    from coda.runtime.fused import FusedVisitor
+    from coda.runtime.sass import count_prefix, disassemble, find_nvdisasm, opcode_counts
+    from coda.testing.catalog import EPILOGUES
+
+    if find_nvdisasm() is None:
+        pytest.skip("nvdisasm not installed")
+    epi = EPILOGUES[name] if name in EPILOGUES else _fp32_tiles()
+    counts = {}
+    for staggered in (False, True):
+        cfg = GemmConfig(tile_n=128, cluster_m=2, staggered_copies=staggered)
+        key = gemm_kernels.GemmKernelKey(
+            cfg, torch.bfloat16, FusedVisitor(epi), a_major=layout[0], b_major=layout[1]
+        )
+        _, cubin = gemm_kernels.compile_artifacts(key, str(tmp_path / str(staggered)))
+        counts[staggered] = opcode_counts(disassemble(cubin))
+    for ops in counts.values():
+        assert count_prefix(ops, "LDL") == 0 and count_prefix(ops, "STL") == 0
+    for op in ("LDS.64", "STS.64"):
+        assert counts[True].get(op, 0) == counts[False].get(op, 0) > 0, op
+    # one select per 32-bit value moved: the swap of the two halves
+    assert counts[True].get("FSEL", 0) > counts[False].get("FSEL", 0)
