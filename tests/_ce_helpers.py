@@ -14,7 +14,8 @@ NAMES = ("loss", "dh", "dW", "dbias", "drstd")
 
 
 def textbook(h, W, target, *, bias=None, rstd=None, softcap=None, label_smoothing=0.0,
-             z_loss=0.0, ignore_index=-100, reduction="mean", num_items_in_batch=None):  # fmt: skip
+             z_loss=0.0, ignore_index=-100, reduction="mean", num_items_in_batch=None,
+             temperature=1.0):  # fmt: skip
     """The unfused loss, written from the definitions (h: (M, H), target: (M,))."""
     logits = h @ W.T
     if rstd is not None:
@@ -23,6 +24,7 @@ def textbook(h, W, target, *, bias=None, rstd=None, softcap=None, label_smoothin
         logits = logits + bias
     if softcap is not None:
         logits = softcap * torch.tanh(logits / softcap)
+    logits = logits / temperature
     rows = F.cross_entropy(
         logits, target, ignore_index=ignore_index, reduction="none",
         label_smoothing=label_smoothing,
@@ -58,6 +60,7 @@ def problems(draw, reductions=("mean", "sum", "none"), max_V=90):
         softcap=draw(st.sampled_from([None, None, 1.5, 30.0])),
         label_smoothing=draw(st.sampled_from([0.0, 0.0, 0.1, 1.0])),
         z_loss=draw(st.sampled_from([0.0, 0.0, 1e-2])),
+        temperature=draw(st.sampled_from([1.0, 1.0, 0.7, 2.0])),
         reduction=reduction,
         num_items_in_batch=items,
         ignore_index=draw(st.sampled_from([-100, -1, 0])),
@@ -93,6 +96,8 @@ def options(p):
     out = {k: p[k] for k in keys}
     if p.get("num_items_in_batch") is not None:
         out["num_items_in_batch"] = p["num_items_in_batch"]
+    if p.get("temperature", 1.0) != 1.0:
+        out["temperature"] = p["temperature"]
     return out
 
 

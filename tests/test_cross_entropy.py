@@ -233,6 +233,8 @@ def test_out_of_range_targets_raise_on_cpu():
         (dict(reduction="none", num_items_in_batch=3), "num_items_in_batch"),
         (dict(label_smoothing=1.5), "label_smoothing"),
         (dict(softcap=0.0), "softcap"),
+        (dict(temperature=0.0), "temperature"),
+        (dict(temperature=float("inf")), "temperature"),
         (dict(chunk_size=12), "multiple of 8"),
         (dict(chunk_rows=0), "chunk_rows"),
         (dict(reduction="none", grad_in_forward=True), "grad_in_forward=True"),

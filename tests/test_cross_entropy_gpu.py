@@ -31,7 +31,7 @@ GiB = 2**30
 
 
 def textbook(h, W, target, bias=None, rstd=None, softcap=None, label_smoothing=0.0,
-             z_loss=0.0, reduction="mean", num_items_in_batch=None):  # fmt: skip
+             z_loss=0.0, reduction="mean", num_items_in_batch=None, temperature=1.0):  # fmt: skip
     logits = h @ W.T
     if rstd is not None:
         logits = logits * rstd[:, None].to(logits.dtype)
@@ -39,6 +39,7 @@ def textbook(h, W, target, bias=None, rstd=None, softcap=None, label_smoothing=0
         logits = logits + bias
     if softcap is not None:
         logits = softcap * torch.tanh(logits / softcap)
+    logits = logits / temperature
     rows = F.cross_entropy(logits, target, reduction="none", label_smoothing=label_smoothing)
     valid = target != -100
     if z_loss:
@@ -91,6 +92,9 @@ OPTIONS = {
         bias=True, rstd=True, softcap=15.0, label_smoothing=0.05, z_loss=1e-4, reduction="sum"
     ),
     "num_items": dict(num_items_in_batch=100, z_loss=1e-4),
+    # folds into the row scale, the bias and the cap: no kernel of its own
+    "temperature": dict(temperature=0.7),
+    "temperature_all": dict(bias=True, rstd=True, softcap=15.0, temperature=1.3, reduction="none"),
 }
 SHAPES = [(512, 256, 1000), (300, 264, 50257), (1000, 512, 32000), (257, 128, 151936)]
 # path -> the keyword arguments that force it (chunking: None = automatic)

@@ -41,6 +41,7 @@ Logits: z = softcap(rstd * (h @ W.T) + bias), softcap(s) = cap * tanh(s / cap).
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 import torch
@@ -335,6 +336,23 @@ def _denominator(
     return valid.sum().clamp(min=1).to(F32)
 
 
+def _tempered(
+    r: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    cap: float | None,
+    inv_t: float,
+    h2: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor | None, float | None]:
+    """Row scale, bias and cap of ``logits / T`` (see ``linear_cross_entropy``): each
+    times ``inv_t`` = 1 / T, the row scale made of ones when there is none."""
+    if r is None:
+        r = torch.full((h2.shape[0],), inv_t, dtype=torch.float32, device=h2.device)
+    else:
+        r = r * inv_t
+    bias = None if bias is None else bias * inv_t
+    return r, bias, None if cap is None else cap * inv_t
+
+
 def linear_cross_entropy(
     h: torch.Tensor,
     W: torch.Tensor,
@@ -348,6 +366,7 @@ def linear_cross_entropy(
     bias: torch.Tensor | None = None,
     num_items_in_batch: torch.Tensor | int | None = None,
     rstd: torch.Tensor | None = None,
+    temperature: float = 1.0,
     shift: bool = False,
     return_lse: bool = False,
     return_z_loss: bool = False,
@@ -370,7 +389,11 @@ def linear_cross_entropy(
     divided by it instead of the mean. label_smoothing: as ``F.cross_entropy``. z_loss:
     adds z_loss * lse^2 per non-ignored row. softcap: logits = cap * tanh(s / cap).
     bias: (V,). rstd: (...) per-row scale of the logits (a deferred final RMSNorm);
-    differentiable like every other input.
+    differentiable like every other input. temperature: the loss of ``logits /
+    temperature`` (sampling temperature of RL losses; label smoothing, z-loss and the
+    returned lse see the tempered logits). It costs no kernel of its own: softcap(s) / T
+    = (cap / T) tanh((s / T) / (cap / T)), so 1 / T scales the row scale (an fp32 vector
+    of ones without rstd), the bias (in its dtype) and the cap.
 
     Returns the loss (fp32), or a tuple (loss, lse) / (loss, z_loss) / (loss, lse,
     z_loss) with ``return_lse`` (per-row log-sum-exp, shaped like ``target``) and
@@ -402,6 +425,8 @@ def linear_cross_entropy(
         raise ValueError(f"chunk_size must be a positive multiple of {TMA_COLS}; got {chunk_size}")
     if chunk_rows is not None and chunk_rows <= 0:
         raise ValueError(f"chunk_rows must be a positive number of rows; got {chunk_rows}")
+    if not (math.isfinite(temperature) and temperature > 0):
+        raise ValueError(f"temperature must be a positive finite float; got {temperature}")
     fused = _grad_in_forward(
         grad_in_forward, reduction, return_lse, return_z_loss, (h, W, bias, rstd)
     )
@@ -427,6 +452,8 @@ def linear_cross_entropy(
         r = rstd.reshape(-1).float()
     eps = float(label_smoothing)
     cap = None if softcap is None else float(softcap)
+    if temperature != 1.0:
+        r, bias, cap = _tempered(r, bias, cap, 1.0 / temperature, h2)
     valid = t != ignore_index
     if fused:
         denom = _denominator(valid, reduction, num_items_in_batch)

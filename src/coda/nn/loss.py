@@ -18,6 +18,9 @@ its forward takes the hidden states, the LM head weight (V, H) and the labels::
   rstd = (mean x^2 + eps)^-1/2 (cheap, O(M H), differentiable) and scales the logits
   rows by rstd inside the GEMM epilogue, so gradients reach x and the norm weight.
 
+* ``temperature``: the loss of ``logits / temperature`` (RL losses; per-token values with
+  ``reduction="none"``), at no extra kernel cost.
+
 * ``grad_in_forward`` (None: automatic; see ``linear_cross_entropy``): in training the
   forward computes the loss and its gradients (3 logits-sized GEMMs, the backward only
   scales them); False keeps the recompute path (4 GEMMs, workspace independent of the
@@ -53,6 +56,7 @@ class LinearCrossEntropyLoss(nn.Module):
         softcap: float | None = None,
         shift: bool = False,
         check: bool = False,
+        temperature: float = 1.0,
         chunk_size: int | None = None,
         grad_in_forward: bool | None = None,
         chunk_rows: int | None = None,
@@ -63,6 +67,7 @@ class LinearCrossEntropyLoss(nn.Module):
         self.label_smoothing = label_smoothing
         self.z_loss = z_loss
         self.softcap = softcap
+        self.temperature = temperature
         self.shift = shift
         self.check = check
         self.chunk_size = chunk_size
@@ -71,6 +76,7 @@ class LinearCrossEntropyLoss(nn.Module):
 
     def extra_repr(self) -> str:
         keys = ("ignore_index", "reduction", "label_smoothing", "z_loss", "softcap", "shift")
+        keys += ("temperature",) if self.temperature != 1.0 else ()
         keys += ("grad_in_forward",) if self.grad_in_forward is not None else ()
         return ", ".join(f"{k}={getattr(self, k)!r}" for k in keys)
 
@@ -107,6 +113,7 @@ class LinearCrossEntropyLoss(nn.Module):
             bias=bias,
             num_items_in_batch=num_items_in_batch,
             rstd=rstd,
+            temperature=self.temperature,
             shift=self.shift and shift_labels is None,
             check=self.check,
             chunk_size=self.chunk_size,
