@@ -29,10 +29,10 @@ def _params(seed=0):
 
 def loss_fn(h, rstd, W, bias, labels):
     """A causal-LM loss with every option: shift, deferred norm, bias, softcap, label
-    smoothing, z-loss, returned lse (folded into the result so it carries a gradient)."""
+    smoothing, z-loss, temperature, returned lse (folded into the result so it carries a gradient)."""
     loss, lse = linear_cross_entropy(
         h, W, labels, rstd=rstd, bias=bias, softcap=20.0, label_smoothing=0.1,
-        z_loss=1e-3, shift=True, return_lse=True, chunk_size=16,
+        z_loss=1e-3, shift=True, return_lse=True, chunk_size=16, temperature=0.8,
     )  # fmt: skip
     return loss + 1e-3 * lse.mean()
 
@@ -42,7 +42,7 @@ def fused_loss_fn(h, rstd, W, bias, labels):
     over row chunks of 4 rows, with num_items_in_batch."""
     return linear_cross_entropy(
         h, W, labels, rstd=rstd, bias=bias, softcap=20.0, label_smoothing=0.1,
-        z_loss=1e-3, shift=True, num_items_in_batch=11, chunk_rows=4,
+        z_loss=1e-3, shift=True, num_items_in_batch=11, chunk_rows=4, temperature=0.8,
     )  # fmt: skip
 
 
