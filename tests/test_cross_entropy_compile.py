@@ -29,7 +29,8 @@ def _params(seed=0):
 
 def loss_fn(h, rstd, W, bias, labels):
     """A causal-LM loss with every option: shift, deferred norm, bias, softcap, label
-    smoothing, z-loss, temperature, returned lse (folded into the result so it carries a gradient)."""
+    smoothing, z-loss, temperature, returned lse (folded into the result so it carries a
+    gradient)."""
     loss, lse = linear_cross_entropy(
         h, W, labels, rstd=rstd, bias=bias, softcap=20.0, label_smoothing=0.1,
         z_loss=1e-3, shift=True, return_lse=True, chunk_size=16, temperature=0.8,
