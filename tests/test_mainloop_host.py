@@ -51,6 +51,9 @@ def test_config_validation_errors():
         GemmConfig(cluster_m=2, cluster_n=2)
     with pytest.raises(ValueError, match="epi_n=16"):
         GemmConfig(epi_n=16)
+    for flag in ("concurrent_epilogues", "staggered_copies"):
+        with pytest.raises(TypeError, match=f"{flag} must be a bool"):
+            GemmConfig(**{flag: 1})
 
 
 def test_smem_plan_fits_capacity():

@@ -42,6 +42,11 @@ def _check_in(allowed):
     return check
 
 
+def _is_bool(instance, attribute, value):
+    if not isinstance(value, bool):
+        raise TypeError(f"GemmConfig.{attribute.name} must be a bool; got {value!r}")
+
+
 @attrs.frozen(cache_hash=True)
 class GemmConfig:
     """One compile-time configuration of the PingPong GEMM.
@@ -74,14 +79,14 @@ class GemmConfig:
     #: per scheduler to run it; needs epi_stages >= 2. The load ring is then two tiles'
     #: subtiles deep whatever ``load_stages`` says; a kernel whose buffers do not fit so
     #: takes turns instead (``PingPongGemm.concurrent``)
-    concurrent_epilogues: bool = attrs.field(default=False)
+    concurrent_epilogues: bool = attrs.field(default=False, validator=_is_bool)
     #: the epilogue's 32-bit register <-> shared copies (fp32 values, packed width-2
     #: 16-bit pairs) take their two column halves in an order staggered by lane parity
     #: (``coda.mainloop.epilogue_io``): by the bank model 2 shared-memory wavefronts per
     #: 64-bit access instead of the 4 Nsight Compute measured. Opt-in: compiled and
     #: checked on the CPU (SASS, the copy's data movement run on the host), not yet run
     #: on a GPU
-    staggered_copies: bool = attrs.field(default=False)
+    staggered_copies: bool = attrs.field(default=False, validator=_is_bool)
 
     def __attrs_post_init__(self) -> None:
         if (self.cluster_m, self.cluster_n) not in _CLUSTERS:
