@@ -91,8 +91,104 @@ def load_staggered(copy, smem, regs, parity):
         regs[None, None, n].store(_halves_swapped(parity, got[n], got[1 - n]))
 
 
+class SubtileStore:
+    """One output's subtile on its way out: the visitor's values go into ``values`` (a
+    register fragment), then ``__call__(buf)`` copies them to store buffer ``buf`` of
+    shared memory. The copy is stmatrix (16-bit, width 1), a 32-bit copy (fp32 values or
+    packed width-2 pairs; staggered with ``GemmConfig.staggered_copies``) or, for other
+    widths, element by element at ``points`` (``coda.mainloop.fragment``)."""
+
+    def __init__(self, copy, regs, values, smem_part, smem, points, staggered, parity):
+        self.copy, self.regs, self.values = copy, regs, values
+        self.smem_part, self.smem, self.points = smem_part, smem, points
+        self.staggered, self.parity = staggered, parity
+
+    def __call__(self, buf):
+        if self.smem_part is None:
+            for j, (r, c) in enumerate(self.points):
+                self.smem[(r, c, buf)] = self.regs[j]
+        elif self.staggered:
+            store_staggered(
+                self.copy, self.regs, self.smem_part[(None, None, None, buf)], self.parity
+            )
+        else:
+            cute.copy(self.copy, self.regs, self.smem_part[(None, None, None, buf)])
+
+
+class SubtileLoad:
+    """One loaded operand's subtile on its way in: ``__call__(stage)`` copies it from
+    stage ``stage`` of the load ring into registers and returns its values as fp32.
+    ldmatrix (16-bit, width 1), a 32-bit copy (staggered like :class:`SubtileStore`'s)
+    or element by element."""
+
+    def __init__(self, copy, regs, values, smem_part, smem, points, staggered, parity):
+        self.copy, self.regs, self.values = copy, regs, values
+        self.smem_part, self.smem, self.points = smem_part, smem, points
+        self.staggered, self.parity = staggered, parity
+
+    def __call__(self, stage):
+        if self.smem_part is None:
+            for j, (r, c) in enumerate(self.points):
+                self.values[j] = self.smem[(r, c, stage)]
+        elif self.staggered:
+            load_staggered(
+                self.copy, self.smem_part[None, None, None, stage], self.regs, self.parity
+            )
+        else:
+            cute.copy(self.copy, self.smem_part[None, None, None, stage], self.regs)
+        return self.values.load().to(Float32)
+
+
 class EpilogueIO:
     """Epilogue buffer and copy helpers of the PingPong kernel."""
+
+    def _subtile_stores(self, tiled_mma, wg_tidx, sD, sD_rs, frag, frag_shape, points, parity):
+        """A :class:`SubtileStore` per output (fixed per warpgroup, reused every subtile)."""
+        cfg = self.config
+        out = []
+        for i in range(len(self.store_dtypes)):
+            dtype, w = self.store_dtypes[i], self.store_widths[i]
+            unit = dtype if w == 1 else Float32
+            staggered = cfg.staggered_copies and unit.width == 32
+            layout = value_layout(frag_shape, frag, w)
+            if packed(dtype, w) or w == 1:
+                # width 2 at 16 bits: a column pair is one 32-bit element of an fp32 view
+                # of the buffer, laid out like the accumulator
+                cp = self._make_r2s_copy(tiled_mma, unit)
+                thr = cp.get_slice(wg_tidx)
+                part = thr.partition_D(sD_rs[i])
+                # the copy groups modes its own way; same elements in the same order
+                own = thr.partition_S(cute.make_identity_tensor(cfg.epi_tile)).shape
+                regs = cute.make_rmem_tensor(own, unit)
+                at = None
+            else:
+                cp, part, at = None, None, frag.points(points, w)
+                regs = cute.make_rmem_tensor(layout, dtype)
+            values = as_values(regs, dtype, layout)
+            out.append(SubtileStore(cp, regs, values, part, sD[i], at, staggered, parity))
+        return out
+
+    def _subtile_loads(self, tiled_mma, wg_tidx, sC, sC_sr, frag, frag_shape, points, parity):
+        """A :class:`SubtileLoad` per loaded operand (fixed per warpgroup)."""
+        cfg = self.config
+        out = []
+        for i in range(len(self.load_dtypes)):
+            dtype, w = self.load_dtypes[i], self.load_widths[i]
+            layout = value_layout(frag_shape, frag, w)
+            if packed(dtype, w) or w == 1:
+                unit = dtype if w == 1 else Float32
+                cp = self._make_s2r_copy(tiled_mma, unit)
+                thr = cp.get_slice(wg_tidx)
+                part = thr.partition_S(sC_sr[i])
+                frag_regs = cute.make_rmem_tensor(frag_shape, unit)
+                regs, at = thr.retile(frag_regs), None
+                staggered = cfg.staggered_copies and unit.width == 32
+            else:
+                cp, part, at, staggered = None, None, frag.points(points, w), False
+                frag_regs = regs = cute.make_rmem_tensor(layout, dtype)
+            values = as_values(frag_regs, dtype, layout)
+            out.append(SubtileLoad(cp, regs, values, part, sC[i], at, staggered, parity))
+        return out
 
     def _allocate_epi(self, smem, dtypes, widths, layouts):
         """Shared buffers of the epilogue's outputs (or operands): for each, the view TMA

@@ -52,15 +52,7 @@ from cutlass.tensor_utils import LayoutEnum
 
 from .config import DEFAULT_NUM_SMS, GemmConfig, SmemPlan, plan_smem
 from .dtypes import to_cutlass
-from .epilogue_io import (
-    EpilogueIO,
-    as_values,
-    load_staggered,
-    packed,
-    stagger_parity,
-    store_staggered,
-    value_layout,
-)
+from .epilogue_io import EpilogueIO, stagger_parity
 from .fragment import Fragment
 from .producers import Producers
 from .scheduler import TileScheduler
@@ -504,65 +496,15 @@ class PingPongGemm(Producers, EpilogueIO):
             tRS_rD = cute.make_rmem_tensor(frag_shape, self.acc_dtype)
             # 32-bit shared copies staggered by lane parity (GemmConfig.staggered_copies)
             parity = stagger_parity(wg_tidx)
-            staggered_stores = []
-            staggered_loads = []
-            r2s = []
-            tRS_sD = []
-            tRS_rOut = []
-            tRS_rOutView = []
             # subtile-local (row, col) of each element, for values of width != 1
             local = thr_coord.partition_S(cute.make_identity_tensor(cfg.epi_tile))
             local_points = [local[j] for j in range(cute.size(local))]
-            for i in cutlass.range_constexpr(n_stores):
-                w = self.store_widths[i]
-                unit = self.store_dtypes[i] if const_expr(w == 1) else Float32
-                staggered_stores.append(cfg.staggered_copies and unit.width == 32)
-                if const_expr(packed(self.store_dtypes[i], w) or w == 1):
-                    # width 2 at 16 bits: a column pair is one 32-bit element of an fp32
-                    # view of the buffer, laid out like the accumulator
-                    cp = self._make_r2s_copy(tiled_mma, unit)
-                    thr = cp.get_slice(wg_tidx)
-                    r2s.append(cp)
-                    tRS_sD.append(thr.partition_D(sD_rs[i]))
-                    # the copy groups modes its own way; same elements in the same order
-                    own = thr.partition_S(cute.make_identity_tensor(cfg.epi_tile)).shape
-                    rout = cute.make_rmem_tensor(own, unit)
-                else:
-                    r2s.append(frag_geom.points(local_points, w))
-                    tRS_sD.append(None)
-                    rout = cute.make_rmem_tensor(
-                        value_layout(frag_shape, frag_geom, w), self.store_dtypes[i]
-                    )
-                tRS_rOut.append(rout)
-                tRS_rOutView.append(
-                    as_values(rout, self.store_dtypes[i], value_layout(frag_shape, frag_geom, w))
-                )
-            s2r = []
-            tSR_sC = []
-            tSR_rC = []
-            tRS_rC = []
-            for i in cutlass.range_constexpr(n_loads):
-                w = self.load_widths[i]
-                if const_expr(packed(self.load_dtypes[i], w) or w == 1):
-                    unit = self.load_dtypes[i] if const_expr(w == 1) else Float32
-                    staggered_loads.append(cfg.staggered_copies and unit.width == 32)
-                    cp = self._make_s2r_copy(tiled_mma, unit)
-                    thr = cp.get_slice(wg_tidx)
-                    s2r.append(cp)
-                    tSR_sC.append(thr.partition_S(sC_sr[i]))
-                    rc = cute.make_rmem_tensor(frag_shape, unit)
-                    tSR_rC.append(thr.retile(rc))
-                else:
-                    staggered_loads.append(False)
-                    s2r.append(frag_geom.points(local_points, w))
-                    tSR_sC.append(None)
-                    rc = cute.make_rmem_tensor(
-                        value_layout(frag_shape, frag_geom, w), self.load_dtypes[i]
-                    )
-                    tSR_rC.append(None)
-                tRS_rC.append(
-                    as_values(rc, self.load_dtypes[i], value_layout(frag_shape, frag_geom, w))
-                )
+            stores = self._subtile_stores(
+                tiled_mma, wg_tidx, sD, sD_rs, frag_geom, frag_shape, local_points, parity
+            )
+            loads = self._subtile_loads(
+                tiled_mma, wg_tidx, sC, sC_sr, frag_geom, frag_shape, local_points, parity
+            )
             concurrent = self.concurrent
             # store buffers this warpgroup cycles through, from its first one
             own_bufs = self.epi_stages // 2 if const_expr(concurrent) else self.epi_stages
@@ -660,21 +602,7 @@ class PingPongGemm(Producers, EpilogueIO):
                     if const_expr(n_loads > 0):
                         load_pipe.consumer_wait(lread)
                         for i in cutlass.range_constexpr(n_loads):
-                            if const_expr(tSR_rC[i] is not None and staggered_loads[i]):
-                                load_staggered(
-                                    s2r[i],
-                                    tSR_sC[i][None, None, None, lread.index],
-                                    tSR_rC[i],
-                                    parity,
-                                )
-                            elif const_expr(tSR_rC[i] is not None):
-                                cute.copy(
-                                    s2r[i], tSR_sC[i][None, None, None, lread.index], tSR_rC[i]
-                                )
-                            else:
-                                for j, (r, c) in enumerate(s2r[i]):
-                                    tRS_rC[i][j] = sC[i][(r, c, lread.index)]
-                            loaded.append(tRS_rC[i].load().to(Float32))
+                            loaded.append(loads[i](lread.index))
                         cute.arch.fence_view_async_shared()
                         self._release(load_pipe, lread, 1)
                         lread.advance()
@@ -685,20 +613,12 @@ class PingPongGemm(Producers, EpilogueIO):
                     outs = self.visitor.visit(ctx, tRS_rD.load(), tuple(loaded), vstate)
                     if const_expr(n_stores > 0):
                         for i in cutlass.range_constexpr(n_stores):
-                            tRS_rOutView[i].store(outs[i].to(self.store_dtypes[i]))
+                            stores[i].values.store(outs[i].to(self.store_dtypes[i]))
                         if is_store_warp:
                             store_pipe.producer_acquire()
                         epi_bar.arrive_and_wait()
                         for i in cutlass.range_constexpr(n_stores):
-                            if const_expr(tRS_sD[i] is not None and staggered_stores[i]):
-                                store_staggered(
-                                    r2s[i], tRS_rOut[i], tRS_sD[i][(None, None, None, buf)], parity
-                                )
-                            elif const_expr(tRS_sD[i] is not None):
-                                cute.copy(r2s[i], tRS_rOut[i], tRS_sD[i][(None, None, None, buf)])
-                            else:
-                                for j, (r, c) in enumerate(r2s[i]):
-                                    sD[i][(r, c, buf)] = tRS_rOut[i][j]
+                            stores[i](buf)
                         cute.arch.fence_proxy("async.shared", space="cta")
                         epi_bar.arrive_and_wait()
                         if is_store_warp:
