@@ -1,6 +1,7 @@
 """GPU fuzzer: random compositions run fused on the GPU against eager references.
 
     python -m coda.testing.fuzz --examples 300 [--seed 0] [--workers 8] [--out fuzz.json]
+                                [--staggered]
 
 Sits in ``coda.testing``; the same property the CPU suite checks, on the real kernel.
 Each example draws an epilogue (``epilogues()``), a ragged problem size, an operand
@@ -17,7 +18,8 @@ An output fails when ``err(coda) > 2 * err(eager) + atol`` (errors relative to
 rounding of the stored value, which flips when coda's fp32 math and torch's differ in
 the last fp32 bit at a rounding boundary), or holds NaN/inf where the truth is finite. Examples are
 drawn from one seeded hypothesis run; ``--workers`` processes split them (each compiles
-its own kernels) and the parent merges their JSON into one summary.
+its own kernels) and the parent merges their JSON into one summary. ``--staggered`` runs
+every example with ``GemmConfig.staggered_copies`` on.
 """
 
 from __future__ import annotations
@@ -68,11 +70,15 @@ def check_example(epi, A, B, tensors, config=None) -> dict[str, Any]:
     return record
 
 
-def _draw_and_run(seed: int, examples: int, worker: int, workers: int, out_path: str) -> None:
+def _draw_and_run(
+    seed: int, examples: int, worker: int, workers: int, out_path: str, staggered: bool = False
+) -> None:
+    import attrs
     from hypothesis import HealthCheck, Phase, given, settings
     from hypothesis import seed as hseed
     from hypothesis import strategies as st
 
+    from ..mainloop.config import choose_epilogue_config
     from ..runtime.fused import n_multiple
     from .layouts import LAYOUTS, operands
     from .strategies import epilogues, make_inputs
@@ -117,9 +123,13 @@ def _draw_and_run(seed: int, examples: int, worker: int, workers: int, out_path:
             "seed": ex_seed,
             "epilogue": epi.describe(),
         }
+        config = None
+        if staggered:
+            config = attrs.evolve(choose_epilogue_config(m, n, k), staggered_copies=True)
+            rec["staggered"] = True
         t0 = time.time()
         try:
-            rec.update(check_example(epi, A, B, tensors))
+            rec.update(check_example(epi, A, B, tensors, config=config))
         except Exception as e:  # a crash is a failure, recorded with its message
             rec.update({"failed": True, "error": f"{type(e).__name__}: {e}"[:2000]})
         rec["seconds"] = time.time() - t0
@@ -164,9 +174,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--part", default=None, help=argparse.SUPPRESS)
     p.add_argument("--out", default="fuzz.json")
+    p.add_argument(
+        "--staggered", action="store_true", help="run with GemmConfig.staggered_copies on"
+    )
     args = p.parse_args(argv)
     if args.worker is not None:
-        _draw_and_run(args.seed, args.examples, args.worker, args.workers, args.part)
+        _draw_and_run(
+            args.seed, args.examples, args.worker, args.workers, args.part, args.staggered
+        )
         return 0
     t0 = time.time()
     with tempfile.TemporaryDirectory() as tmp:
@@ -187,6 +202,7 @@ def main(argv: list[str] | None = None) -> int:
                 str(w),
                 "--part",
                 part,
+                *(["--staggered"] if args.staggered else []),
             ]
             procs.append((subprocess.Popen(cmd), part))
         records = []
@@ -203,6 +219,7 @@ def main(argv: list[str] | None = None) -> int:
         "examples": len(records),
         "failures": len(failures),
         "seed": args.seed,
+        "staggered_copies": args.staggered,
         "command": " ".join(["python -m coda.testing.fuzz", *(argv or sys.argv[1:])]),
         "versions": {
             "torch": torch.__version__,
