@@ -8,7 +8,9 @@ Three checks, none needing a GPU:
 * the data movement: ``store_staggered`` / ``load_staggered`` run on the host (CuTeDSL
   host code, a CPU tensor in place of shared memory) for all 128 threads of a warpgroup:
   every element lands at its own (row, column), one copy slot moves the half that the
-  lane's parity picks, and a load gives back what was stored;
+  lane's parity picks, and a load gives back what was stored; the same through the
+  kernel's own copy objects (``SubtileStore`` / ``SubtileLoad`` as ``EpilogueIO`` builds
+  them, with the kernel's register views), staggered and not;
 * the kernel: a width-2 catalogue epilogue compiles with the staggered copies, its shared
   accesses still 64-bit (LDS.64 / STS.64, as many as without), no local memory.
 """
@@ -151,6 +153,77 @@ def test_one_copy_slot_moves_the_half_the_lane_parity_picks(copy_map):
     written = torch.where((rows % 2 == 0), first_half, ~first_half)
     assert torch.equal(smem[written], want[written])
     assert bool((smem[~written] == -1.0).all())
+
+
+def _kernel_path_on_host(staggered: bool):
+    """The kernel's own epilogue copy objects, run on the host for every thread of a
+    warpgroup: ``EpilogueIO._subtile_stores`` / ``_subtile_loads`` built as the kernel
+    builds them (register views from the bf16 coordinate copy, fp32 tensors of width 1),
+    values written through the store's ``values`` view at the coordinate copy's (row,
+    col), copied out to a one-stage "shared" buffer (a CPU tensor), loaded back and read
+    through the load's ``values`` view. Returns (buffer, loaded-back)."""
+    from fractions import Fraction
+
+    from cutlass.cute.runtime import from_dlpack
+
+    from coda.mainloop.config import GemmConfig
+    from coda.mainloop.epilogue_io import EpilogueIO, stagger_parity
+    from coda.mainloop.fragment import Fragment
+
+    class IO(EpilogueIO):
+        acc_dtype = Float32
+        config = GemmConfig(tile_n=128, cluster_m=2, staggered_copies=staggered)
+        store_dtypes = load_dtypes = (Float32,)
+        store_widths = load_widths = (Fraction(1),)
+
+    make_copy, _ = _copy_and_thread_map()
+
+    @cute.jit
+    def one_thread(smem: cute.Tensor, back: cute.Tensor, t: Int32):
+        io = IO()
+        import cutlass.utils.hopper_helpers as sm90_utils
+
+        mma = sm90_utils.make_trivial_tiled_mma(
+            cutlass.BFloat16,
+            cutlass.BFloat16,
+            cute.nvgpu.OperandMajorMode.K,
+            cute.nvgpu.OperandMajorMode.K,
+            Float32,
+            (1, 1, 1),
+            tiler_mn=(64, 128),
+        )
+        coord_copy = io._make_r2s_copy(mma, cutlass.BFloat16)
+        thr_coord = coord_copy.get_slice(t)
+        frag = Fragment(coord_copy, (ROWS, COLS))
+        coords = thr_coord.partition_S(cute.make_identity_tensor((ROWS, COLS)))
+        points = [coords[j] for j in range(cute.size(coords))]
+        parity = stagger_parity(t)
+        store = io._subtile_stores(mma, t, (smem,), (smem,), frag, coords.shape, points, parity)[0]
+        load = io._subtile_loads(mma, t, (smem,), (smem,), frag, coords.shape, points, parity)[0]
+        for j in cutlass.range_constexpr(cute.size(coords)):
+            r, c = coords[j]
+            store.values[j] = Float32(r * 100 + c)
+        store(0)
+        load(0)
+        for j in cutlass.range_constexpr(cute.size(coords)):
+            r, c = coords[j]
+            back[r, c] = load.values[j]
+
+    smem = torch.full((ROWS, COLS, 1), -1.0)
+    back = torch.full((ROWS, COLS), -1.0)
+    args = (from_dlpack(smem), from_dlpack(back))
+    compiled = cute.compile(one_thread, *args, Int32(0))
+    for t in range(THREADS):
+        compiled(*args, Int32(t))
+    return smem[:, :, 0], back
+
+
+@pytest.mark.parametrize("staggered", [False, True], ids=["plain", "staggered"])
+def test_kernel_copy_objects_round_trip_every_element(staggered):
+    smem, back = _kernel_path_on_host(staggered)
+    want = torch.arange(ROWS)[:, None] * 100.0 + torch.arange(COLS)[None, :]
+    assert torch.equal(smem, want)
+    assert torch.equal(back, want)
 
 
 def _fp32_tiles():
