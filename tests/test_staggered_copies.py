@@ -155,34 +155,44 @@ def test_one_copy_slot_moves_the_half_the_lane_parity_picks(copy_map):
     assert bool((smem[~written] == -1.0).all())
 
 
-def _kernel_path_on_host(staggered: bool):
+#: (dtype, width) of the 32-bit copies: fp32 values, and packed (gate, up)-style pairs
+KERNEL_CASES = {"fp32": ("float32", 1), "bf16_pairs": ("bfloat16", 2)}
+
+
+def _kernel_path_on_host(staggered: bool, case: str, encode: str):
     """The kernel's own epilogue copy objects, run on the host for every thread of a
     warpgroup: ``EpilogueIO._subtile_stores`` / ``_subtile_loads`` built as the kernel
-    builds them (register views from the bf16 coordinate copy, fp32 tensors of width 1),
-    values written through the store's ``values`` view at the coordinate copy's (row,
-    col), copied out to a one-stage "shared" buffer (a CPU tensor), loaded back and read
-    through the load's ``values`` view. Returns (buffer, loaded-back)."""
+    builds them (register views from the bf16 coordinate copy; a width-2 16-bit tensor
+    moves as fp32 column pairs through an fp32 view of its buffer), each value written
+    through the store's ``values`` view at its (row, col), copied out to a one-stage
+    "shared" buffer (a CPU tensor), loaded back and read through the load's ``values``
+    view. Values encode the row or the column (``encode``), exact in bf16. Returns the
+    buffer and the loaded-back values, both (64, 32 * width)."""
     from fractions import Fraction
 
+    import cutlass.utils.hopper_helpers as sm90_utils
     from cutlass.cute.runtime import from_dlpack
 
     from coda.mainloop.config import GemmConfig
     from coda.mainloop.epilogue_io import EpilogueIO, stagger_parity
     from coda.mainloop.fragment import Fragment
 
+    torch_dtype, w = getattr(torch, KERNEL_CASES[case][0]), KERNEL_CASES[case][1]
+    dtype = Float32 if torch_dtype == torch.float32 else cutlass.BFloat16
+    cols = COLS * w
+
     class IO(EpilogueIO):
         acc_dtype = Float32
         config = GemmConfig(tile_n=128, cluster_m=2, staggered_copies=staggered)
-        store_dtypes = load_dtypes = (Float32,)
-        store_widths = load_widths = (Fraction(1),)
+        store_dtypes = load_dtypes = (dtype,)
+        store_widths = load_widths = (Fraction(w),)
 
-    make_copy, _ = _copy_and_thread_map()
+    def staged(t, n):  # (64, n) -> (64, n, 1): one buffer stage, as the kernel's
+        return cute.make_tensor(t.iterator, cute.make_layout((ROWS, n, 1), stride=(n, 1, 0)))
 
     @cute.jit
-    def one_thread(smem: cute.Tensor, back: cute.Tensor, t: Int32):
+    def one_thread(buf: cute.Tensor, pairs: cute.Tensor, back: cute.Tensor, t: Int32):
         io = IO()
-        import cutlass.utils.hopper_helpers as sm90_utils
-
         mma = sm90_utils.make_trivial_tiled_mma(
             cutlass.BFloat16,
             cutlass.BFloat16,
@@ -193,37 +203,45 @@ def _kernel_path_on_host(staggered: bool):
             tiler_mn=(64, 128),
         )
         coord_copy = io._make_r2s_copy(mma, cutlass.BFloat16)
-        thr_coord = coord_copy.get_slice(t)
         frag = Fragment(coord_copy, (ROWS, COLS))
-        coords = thr_coord.partition_S(cute.make_identity_tensor((ROWS, COLS)))
+        coords = coord_copy.get_slice(t).partition_S(cute.make_identity_tensor((ROWS, COLS)))
         points = [coords[j] for j in range(cute.size(coords))]
+        at = frag.points(points, Fraction(w))  # (row, col) of each value at width w
         parity = stagger_parity(t)
-        store = io._subtile_stores(mma, t, (smem,), (smem,), frag, coords.shape, points, parity)[0]
-        load = io._subtile_loads(mma, t, (smem,), (smem,), frag, coords.shape, points, parity)[0]
-        for j in cutlass.range_constexpr(cute.size(coords)):
-            r, c = coords[j]
-            store.values[j] = Float32(r * 100 + c)
+        views = ((staged(buf, cols),), (staged(pairs, COLS),))
+        store = io._subtile_stores(mma, t, *views, frag, coords.shape, points, parity)[0]
+        load = io._subtile_loads(mma, t, *views, frag, coords.shape, points, parity)[0]
+        for j in cutlass.range_constexpr(len(at)):
+            r, c = at[j]
+            code = r if cutlass.const_expr(encode == "row") else c
+            store.values[j] = dtype(Float32(code))
         store(0)
         load(0)
-        for j in cutlass.range_constexpr(cute.size(coords)):
-            r, c = coords[j]
-            back[r, c] = load.values[j]
+        for j in cutlass.range_constexpr(len(at)):
+            r, c = at[j]
+            back[r, c] = load.values[j].to(Float32)
 
-    smem = torch.full((ROWS, COLS, 1), -1.0)
-    back = torch.full((ROWS, COLS), -1.0)
-    args = (from_dlpack(smem), from_dlpack(back))
+    buf = torch.full((ROWS, cols), -1.0, dtype=torch_dtype)
+    back = torch.full((ROWS, cols), -1.0)
+    pairs = buf.view(torch.float32)  # the same bytes as fp32 (column pairs at width 2)
+    args = (from_dlpack(buf), from_dlpack(pairs), from_dlpack(back))
     compiled = cute.compile(one_thread, *args, Int32(0))
     for t in range(THREADS):
         compiled(*args, Int32(t))
-    return smem[:, :, 0], back
+    return buf.float(), back
 
 
+@pytest.mark.parametrize("case", list(KERNEL_CASES))
 @pytest.mark.parametrize("staggered", [False, True], ids=["plain", "staggered"])
-def test_kernel_copy_objects_round_trip_every_element(staggered):
-    smem, back = _kernel_path_on_host(staggered)
-    want = torch.arange(ROWS)[:, None] * 100.0 + torch.arange(COLS)[None, :]
-    assert torch.equal(smem, want)
-    assert torch.equal(back, want)
+def test_kernel_copy_objects_round_trip_every_element(staggered, case):
+    for encode in ("row", "col"):
+        buf, back = _kernel_path_on_host(staggered, case, encode)
+        rows, cols = torch.meshgrid(
+            torch.arange(buf.shape[0]), torch.arange(buf.shape[1]), indexing="ij"
+        )
+        want = (rows if encode == "row" else cols).float()
+        assert torch.equal(buf, want), encode
+        assert torch.equal(back, want), encode
 
 
 def _fp32_tiles():
