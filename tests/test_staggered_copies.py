@@ -9,8 +9,10 @@ Three checks, none needing a GPU:
   host code, a CPU tensor in place of shared memory) for all 128 threads of a warpgroup:
   every element lands at its own (row, column), one copy slot moves the half that the
   lane's parity picks, and a load gives back what was stored; the same through the
-  kernel's own copy objects (``SubtileStore`` / ``SubtileLoad`` as ``EpilogueIO`` builds
-  them, with the kernel's register views), staggered and not;
+  kernel's own buffers and copy objects (``EpilogueIO._epi_views``' 128B-swizzled views,
+  ``SubtileStore`` / ``SubtileLoad`` with the kernel's register views), staggered and
+  not, fp32 tiles and packed width-2 bf16 pairs: every element at the byte TMA's 128B
+  swizzle gives its (row, col);
 * the kernel: a width-2 catalogue epilogue compiles with the staggered copies, its shared
   accesses still 64-bit (LDS.64 / STS.64, as many as without), no local memory.
 """
@@ -160,18 +162,20 @@ KERNEL_CASES = {"fp32": ("float32", 1), "bf16_pairs": ("bfloat16", 2)}
 
 
 def _kernel_path_on_host(staggered: bool, case: str, encode: str):
-    """The kernel's own epilogue copy objects, run on the host for every thread of a
-    warpgroup: ``EpilogueIO._subtile_stores`` / ``_subtile_loads`` built as the kernel
-    builds them (register views from the bf16 coordinate copy; a width-2 16-bit tensor
-    moves as fp32 column pairs through an fp32 view of its buffer), each value written
-    through the store's ``values`` view at its (row, col), copied out to a one-stage
-    "shared" buffer (a CPU tensor), loaded back and read through the load's ``values``
-    view. Values encode the row or the column (``encode``), exact in bf16. Returns the
-    buffer and the loaded-back values, both (64, 32 * width)."""
+    """The kernel's own epilogue buffers and copy objects, run on the host for every
+    thread of a warpgroup: the buffer views of ``EpilogueIO._epi_views`` (the 128B-swizzled
+    layout of ``make_smem_layout_epi`` on a 1024-byte aligned CPU buffer in place of shared
+    memory; a width-2 16-bit tensor also seen as fp32 column pairs), the
+    ``SubtileStore`` / ``SubtileLoad`` of ``_subtile_stores`` / ``_subtile_loads`` with the
+    kernel's register views; each value written through the store's ``values`` view at
+    its (row, col), copied to the buffer, loaded back and read through the load's
+    ``values`` view. Values encode the row or the column (``encode``), exact in bf16.
+    Returns the raw buffer (as the tensor's dtype) and the loaded-back values (64, 32 w)."""
     from fractions import Fraction
 
     import cutlass.utils.hopper_helpers as sm90_utils
     from cutlass.cute.runtime import from_dlpack
+    from cutlass.tensor_utils import LayoutEnum
 
     from coda.mainloop.config import GemmConfig
     from coda.mainloop.epilogue_io import EpilogueIO, stagger_parity
@@ -187,11 +191,8 @@ def _kernel_path_on_host(staggered: bool, case: str, encode: str):
         store_dtypes = load_dtypes = (dtype,)
         store_widths = load_widths = (Fraction(w),)
 
-    def staged(t, n):  # (64, n) -> (64, n, 1): one buffer stage, as the kernel's
-        return cute.make_tensor(t.iterator, cute.make_layout((ROWS, n, 1), stride=(n, 1, 0)))
-
     @cute.jit
-    def one_thread(buf: cute.Tensor, pairs: cute.Tensor, back: cute.Tensor, t: Int32):
+    def one_thread(raw: cute.Tensor, back: cute.Tensor, t: Int32):
         io = IO()
         mma = sm90_utils.make_trivial_tiled_mma(
             cutlass.BFloat16,
@@ -202,15 +203,17 @@ def _kernel_path_on_host(staggered: bool, case: str, encode: str):
             (1, 1, 1),
             tiler_mn=(64, 128),
         )
+        layout = sm90_utils.make_smem_layout_epi(dtype, LayoutEnum.ROW_MAJOR, io._box(w), 1)
+        tma, reg = io._epi_views(raw.iterator, dtype, Fraction(w), layout)
         coord_copy = io._make_r2s_copy(mma, cutlass.BFloat16)
         frag = Fragment(coord_copy, (ROWS, COLS))
         coords = coord_copy.get_slice(t).partition_S(cute.make_identity_tensor((ROWS, COLS)))
         points = [coords[j] for j in range(cute.size(coords))]
         at = frag.points(points, Fraction(w))  # (row, col) of each value at width w
         parity = stagger_parity(t)
-        views = ((staged(buf, cols),), (staged(pairs, COLS),))
-        store = io._subtile_stores(mma, t, *views, frag, coords.shape, points, parity)[0]
-        load = io._subtile_loads(mma, t, *views, frag, coords.shape, points, parity)[0]
+        views = ((tma,), (reg,), frag, coords.shape, points, parity)
+        store = io._subtile_stores(mma, t, *views)[0]
+        load = io._subtile_loads(mma, t, *views)[0]
         for j in cutlass.range_constexpr(len(at)):
             r, c = at[j]
             code = r if cutlass.const_expr(encode == "row") else c
@@ -221,26 +224,37 @@ def _kernel_path_on_host(staggered: bool, case: str, encode: str):
             r, c = at[j]
             back[r, c] = load.values[j].to(Float32)
 
-    buf = torch.full((ROWS, cols), -1.0, dtype=torch_dtype)
+    nbytes = ROWS * cols * torch_dtype.itemsize
+    big = torch.full((nbytes + 1024,), 0xFF, dtype=torch.uint8)  # 0xFF..: NaN in both
+    start = -big.data_ptr() % 1024
+    raw = big[start : start + nbytes]
     back = torch.full((ROWS, cols), -1.0)
-    pairs = buf.view(torch.float32)  # the same bytes as fp32 (column pairs at width 2)
-    args = (from_dlpack(buf), from_dlpack(pairs), from_dlpack(back))
+    args = (from_dlpack(raw, assumed_align=1024), from_dlpack(back))
     compiled = cute.compile(one_thread, *args, Int32(0))
     for t in range(THREADS):
         compiled(*args, Int32(t))
-    return buf.float(), back
+    return raw.view(torch_dtype).float(), back
+
+
+def _tma_128b(rows: int, row_bytes: int, elem: int) -> torch.Tensor:
+    """Element index, in a buffer written by TMA with 128B swizzle, of each logical
+    (row, col) of a (rows, row_bytes / elem) box: byte bits 4-6 XOR bits 7-9."""
+    byte = torch.arange(rows)[:, None] * row_bytes + torch.arange(row_bytes // elem) * elem
+    return (byte ^ (((byte >> 7) & 7) << 4)) // elem
 
 
 @pytest.mark.parametrize("case", list(KERNEL_CASES))
 @pytest.mark.parametrize("staggered", [False, True], ids=["plain", "staggered"])
-def test_kernel_copy_objects_round_trip_every_element(staggered, case):
+def test_kernel_copies_write_where_tma_reads_and_load_back(staggered, case):
+    """Every element lands at the byte TMA's 128B swizzle gives its (row, col), and
+    comes back through the load."""
     for encode in ("row", "col"):
-        buf, back = _kernel_path_on_host(staggered, case, encode)
-        rows, cols = torch.meshgrid(
-            torch.arange(buf.shape[0]), torch.arange(buf.shape[1]), indexing="ij"
-        )
-        want = (rows if encode == "row" else cols).float()
-        assert torch.equal(buf, want), encode
+        raw, back = _kernel_path_on_host(staggered, case, encode)
+        cols = back.shape[1]
+        rows_, cols_ = torch.meshgrid(torch.arange(ROWS), torch.arange(cols), indexing="ij")
+        want = (rows_ if encode == "row" else cols_).float()
+        where = _tma_128b(ROWS, 128, 128 // cols)
+        assert torch.equal(raw[where], want), encode
         assert torch.equal(back, want), encode
 
 

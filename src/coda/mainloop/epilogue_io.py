@@ -192,27 +192,29 @@ class EpilogueIO:
 
     def _allocate_epi(self, smem, dtypes, widths, layouts):
         """Shared buffers of the epilogue's outputs (or operands): for each, the view TMA
-        uses and the view the register copies use (the same tensor, except for packed
-        width-2 16-bit buffers, also seen as fp32 column pairs: a 128-byte row either
-        way, so the same 128B swizzle)."""
+        uses and the view the register copies use (see :meth:`_epi_views`)."""
         tma_views, reg_views = [], []
         for i in range(len(dtypes)):
-            lay = layouts[i]
-            raw = smem.allocate(cute.cosize(lay.outer) * dtypes[i].width // 8, 1024)
-            tma_views.append(
-                cute.make_tensor(cute.recast_ptr(raw, lay.inner, dtype=dtypes[i]), lay.outer)
-            )
-            if packed(dtypes[i], widths[i]):
-                stages = cute.size(lay.outer, mode=[2])
-                pairs = sm90_utils.make_smem_layout_epi(
-                    Float32, LayoutEnum.ROW_MAJOR, self.config.epi_tile, stages
-                )
-                reg_views.append(
-                    cute.make_tensor(cute.recast_ptr(raw, pairs.inner, dtype=Float32), pairs.outer)
-                )
-            else:
-                reg_views.append(tma_views[-1])
+            raw = smem.allocate(cute.cosize(layouts[i].outer) * dtypes[i].width // 8, 1024)
+            tma, reg = self._epi_views(raw, dtypes[i], widths[i], layouts[i])
+            tma_views.append(tma)
+            reg_views.append(reg)
         return tuple(tma_views), tuple(reg_views)
+
+    def _epi_views(self, raw, dtype, width, layout):
+        """(TMA view, register-copy view) of one buffer at byte pointer ``raw`` (1024-byte
+        aligned), laid out by ``layout`` (``make_smem_layout_epi``; its swizzle acts on
+        byte addresses, as TMA's does): the same tensor, except for packed width-2 16-bit
+        buffers, also seen as fp32 column pairs (a 128-byte row either way, so the same
+        128B swizzle)."""
+        tma = cute.make_tensor(cute.recast_ptr(raw, layout.inner, dtype=dtype), layout.outer)
+        if not packed(dtype, width):
+            return tma, tma
+        stages = cute.size(layout.outer, mode=[2])
+        pairs = sm90_utils.make_smem_layout_epi(
+            Float32, LayoutEnum.ROW_MAJOR, self.config.epi_tile, stages
+        )
+        return tma, cute.make_tensor(cute.recast_ptr(raw, pairs.inner, dtype=Float32), pairs.outer)
 
     def _box(self, width: Fraction) -> tuple[int, int]:
         """TMA box (= one subtile) of a width-``width`` output or operand."""
