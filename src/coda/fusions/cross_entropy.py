@@ -393,7 +393,8 @@ def linear_cross_entropy(
     temperature`` (sampling temperature of RL losses; label smoothing, z-loss and the
     returned lse see the tempered logits). It costs no kernel of its own: softcap(s) / T
     = (cap / T) tanh((s / T) / (cap / T)), so 1 / T scales the row scale (an fp32 vector
-    of ones without rstd), the bias (in its dtype) and the cap.
+    of ones without rstd), the bias (in its dtype) and the cap. With softcap, the cap is
+    compiled into the kernels: each distinct cap / T compiles its own.
 
     Returns the loss (fp32), or a tuple (loss, lse) / (loss, z_loss) / (loss, lse,
     z_loss) with ``return_lse`` (per-row log-sum-exp, shaped like ``target``) and
