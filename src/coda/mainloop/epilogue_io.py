@@ -91,17 +91,24 @@ def load_staggered(copy, smem, regs, parity):
         regs[None, None, n].store(_halves_swapped(parity, got[n], got[1 - n]))
 
 
-class SubtileStore:
-    """One output's subtile on its way out: the visitor's values go into ``values`` (a
-    register fragment), then ``__call__(buf)`` copies them to store buffer ``buf`` of
-    shared memory. The copy is stmatrix (16-bit, width 1), a 32-bit copy (fp32 values or
-    packed width-2 pairs; staggered with ``GemmConfig.staggered_copies``) or, for other
-    widths, element by element at ``points`` (``coda.mainloop.fragment``)."""
+class _SubtileCopy:
+    """What a subtile copy of one tensor needs: the tiled copy (None: element by element),
+    the registers it moves and their ``values`` view (the visitor's fragment), the copy's
+    shared-memory partition (or the buffer and ``points``, element by element), and
+    whether the 32-bit copy is staggered (``parity``: this lane's)."""
 
     def __init__(self, copy, regs, values, smem_part, smem, points, staggered, parity):
         self.copy, self.regs, self.values = copy, regs, values
         self.smem_part, self.smem, self.points = smem_part, smem, points
         self.staggered, self.parity = staggered, parity
+
+
+class SubtileStore(_SubtileCopy):
+    """One output's subtile on its way out: the visitor's values go into ``values`` (a
+    register fragment), then ``__call__(buf)`` copies them to store buffer ``buf`` of
+    shared memory. The copy is stmatrix (16-bit, width 1), a 32-bit copy (fp32 values or
+    packed width-2 pairs; staggered with ``GemmConfig.staggered_copies``) or, for other
+    widths, element by element at ``points`` (``coda.mainloop.fragment``)."""
 
     def __call__(self, buf):
         if self.smem_part is None:
@@ -115,16 +122,11 @@ class SubtileStore:
             cute.copy(self.copy, self.regs, self.smem_part[(None, None, None, buf)])
 
 
-class SubtileLoad:
+class SubtileLoad(_SubtileCopy):
     """One loaded operand's subtile on its way in: ``__call__(stage)`` copies it from
     stage ``stage`` of the load ring into registers and returns its values as fp32.
     ldmatrix (16-bit, width 1), a 32-bit copy (staggered like :class:`SubtileStore`'s)
     or element by element."""
-
-    def __init__(self, copy, regs, values, smem_part, smem, points, staggered, parity):
-        self.copy, self.regs, self.values = copy, regs, values
-        self.smem_part, self.smem, self.points = smem_part, smem, points
-        self.staggered, self.parity = staggered, parity
 
     def __call__(self, stage):
         if self.smem_part is None:
