@@ -29,6 +29,22 @@ ROWS, COLS = 64, 32  # the epilogue subtile, in 32-bit elements
 THREADS = 128
 
 
+def _tiled_mma():
+    """The consumer warpgroup's bf16 WGMMA (K-major operands, a 64 x 128 atom tile): what
+    the epilogue's copies are laid out against."""
+    import cutlass.utils.hopper_helpers as sm90_utils
+
+    return sm90_utils.make_trivial_tiled_mma(
+        cutlass.BFloat16,
+        cutlass.BFloat16,
+        cute.nvgpu.OperandMajorMode.K,
+        cute.nvgpu.OperandMajorMode.K,
+        Float32,
+        (1, 1, 1),
+        tiler_mn=(64, 128),
+    )
+
+
 def _copy_and_thread_map():
     """The epilogue's 32-bit register <-> shared tiled copy, and each thread's (row, col)
     of its 16 values in copy order (CuTe host code)."""
@@ -36,15 +52,7 @@ def _copy_and_thread_map():
     from cutlass.tensor_utils import LayoutEnum
 
     def make_copy():
-        mma = sm90_utils.make_trivial_tiled_mma(
-            cutlass.BFloat16,
-            cutlass.BFloat16,
-            cute.nvgpu.OperandMajorMode.K,
-            cute.nvgpu.OperandMajorMode.K,
-            Float32,
-            (1, 1, 1),
-            tiler_mn=(64, 128),
-        )
+        mma = _tiled_mma()
         atom = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4), cutlass.Float16)
         c_atom = cute.make_tiled_copy_C_atom(atom, mma)
         store = sm90_utils.get_smem_store_op(LayoutEnum.ROW_MAJOR, Float32, Float32)
@@ -197,15 +205,7 @@ def _kernel_path_on_host(staggered: bool, case: str, encode: str):
     @cute.jit
     def one_thread(raw: cute.Tensor, back: cute.Tensor, t: Int32):
         io = IO()
-        mma = sm90_utils.make_trivial_tiled_mma(
-            cutlass.BFloat16,
-            cutlass.BFloat16,
-            cute.nvgpu.OperandMajorMode.K,
-            cute.nvgpu.OperandMajorMode.K,
-            Float32,
-            (1, 1, 1),
-            tiler_mn=(64, 128),
-        )
+        mma = _tiled_mma()
         layout = sm90_utils.make_smem_layout_epi(dtype, LayoutEnum.ROW_MAJOR, io._box(w), 1)
         tma, reg = io._epi_views(raw.iterator, dtype, Fraction(w), layout)
         coord_copy = io._make_r2s_copy(mma, cutlass.BFloat16)
