@@ -28,7 +28,7 @@ import common  # noqa: E402
 from coda.mainloop.config import GemmConfig, choose_config  # noqa: E402
 from coda.matmul import gemm  # noqa: E402
 
-CLUSTERS = ((2, 1), (1, 2), (1, 1))
+CLUSTERS = ((2, 1), (1, 2), (1, 1), (2, 2))
 TILES = (128, 160, 192)
 SWIZZLES = (4, 16)
 

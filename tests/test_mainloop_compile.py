@@ -6,6 +6,8 @@ from the nvidia-cuda-nvdisasm wheel turns the cubin into SASS.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -40,6 +42,12 @@ CASES = [
         torch.bfloat16,
         torch.float16,
         "HGMMA.64x160x16.F32.BF16",
+    ),
+    (
+        GemmConfig(tile_n=128, cluster_m=2, cluster_n=2),
+        torch.bfloat16,
+        torch.bfloat16,
+        "HGMMA.64x128x16.F32.BF16",
     ),
 ]
 
@@ -162,3 +170,20 @@ def test_kloop_releases_stages_without_reading_the_thread_index(sass_of, case):
     assert any("ELECT" in line for line in loop)
     assert any("SYNCS.ARRIVE" in line for line in loop)
     assert not [line for line in loop if "S2R" in line], "thread-index read in the k-loop"
+
+
+@pytest.mark.parametrize(
+    "cluster,peers", [((2, 1), 2), ((1, 2), 2), ((2, 2), 3)], ids=["2x1", "1x2", "2x2"]
+)
+def test_stage_release_arrives_on_the_ctas_that_multicast_into_it(sass_of, cluster, peers):
+    """A consumer warp releases an A/B stage on every CTA whose TMA multicast fills it:
+    both CTAs of a 2x1 / 1x2 cluster, and 3 of a 2x2 one (itself, its A peer, its B peer;
+    an arrive on the diagonal CTA would break that CTA's barrier phase). The k-loop has
+    two release sites (in the loop and after it)."""
+    cfg = GemmConfig(tile_n=128, cluster_m=cluster[0], cluster_n=cluster[1])
+    ptx, sass = sass_of(cfg, torch.bfloat16, torch.bfloat16)
+    remote = re.findall(r"mbarrier\.arrive[^;]*shared::cluster", ptx)
+    assert len(remote) == 2 * peers
+    multicast = [op for op in opcode_counts(sass) if op.startswith("UTMALDG") and "MULTICAST" in op]
+    ops = opcode_counts(sass)
+    assert sum(ops[op] for op in multicast) >= (2 if cluster == (2, 2) else 1)  # A and B

@@ -87,6 +87,9 @@ def test_gemm_dtypes(ab_dtype, out_dtype):
         GemmConfig(tile_n=192, cluster_m=2),
         GemmConfig(tile_n=128, cluster_m=1, cluster_n=2),
         GemmConfig(tile_n=160, cluster_m=2, group_m=1),
+        # 2x2 clusters (A and B both multicast; not yet run on a GPU when added)
+        GemmConfig(tile_n=128, cluster_m=2, cluster_n=2),
+        GemmConfig(tile_n=192, cluster_m=2, cluster_n=2, group_m=1),
     ],
     ids=str,
 )
@@ -97,6 +100,23 @@ def test_gemm_configs_ragged(config):
     b = torch.randn(n, k, device="cuda", generator=g).to(torch.bfloat16)
     out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
     gemm(a, b, out=out, config=config)
+    err, base = _errors(a, b, out, torch.bfloat16)
+    assert not out.isnan().any()
+    assert err <= 2 * base + 1e-6, (err, base)
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("shape", [(1111, 1320, 1048), (129, 136, 72), (4096, 4096, 512)])
+def test_gemm_cluster_2x2_every_layout(layout, shape):
+    """A 2x2 cluster in every operand layout, ragged and not, odd and even tile counts (an
+    odd count leaves a cluster with CTAs past the edge, which still load and release)."""
+    m, n, k = shape
+    g = torch.Generator(device="cuda").manual_seed(5)
+    a = torch.randn(m, k, device="cuda", generator=g).to(torch.bfloat16)
+    b = torch.randn(n, k, device="cuda", generator=g).to(torch.bfloat16)
+    a_v, b_v = operands(a, b, layout)
+    out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+    gemm(a_v, b_v, out=out, config=GemmConfig(tile_n=128, cluster_m=2, cluster_n=2))
     err, base = _errors(a, b, out, torch.bfloat16)
     assert not out.isnan().any()
     assert err <= 2 * base + 1e-6, (err, base)

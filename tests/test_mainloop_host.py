@@ -48,7 +48,7 @@ def test_config_validation_errors():
     with pytest.raises(ValueError, match="tile_n=100"):
         GemmConfig(tile_n=100)
     with pytest.raises(ValueError, match="cluster"):
-        GemmConfig(cluster_m=2, cluster_n=2)
+        GemmConfig(cluster_m=4, cluster_n=1)
     with pytest.raises(ValueError, match="epi_n=16"):
         GemmConfig(epi_n=16)
     for flag in ("concurrent_epilogues", "staggered_copies"):

@@ -24,7 +24,7 @@ _TILE_M = (128,)
 # of the 32-column epilogue subtile (16-column subtiles measured ~15x slower on the
 # H200 and are not offered).
 _TILE_N = (64, 96, 128, 160, 192)
-_CLUSTERS = ((1, 1), (2, 1), (1, 2))
+_CLUSTERS = ((1, 1), (2, 1), (1, 2), (2, 2))
 #: Largest split-K factor a config may ask for.
 MAX_SPLIT_K = 8
 #: Split-K only when every split keeps at least this many k-tiles (K >= 1024 per split).
@@ -53,7 +53,8 @@ class GemmConfig:
 
     tile_m x tile_n is the output tile one consumer warpgroup owns; tile_k the K depth of
     one pipeline stage; cluster_m x cluster_n CTAs form a cluster (B is multicast to the
-    CTAs that share an N tile, A to those that share an M tile); epi_m x epi_n is the
+    CTAs that share an N tile, A to those that share an M tile; 2x2 multicasts both, and
+    is opt-in: the heuristics never pick it, and it has not yet run on a GPU); epi_m x epi_n is the
     epilogue subtile the visitor sees; group_m is the tile-scheduler swizzle: clusters
     are visited in column-major groups of ``group_m`` cluster-rows for L2 reuse.
     """

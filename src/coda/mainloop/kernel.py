@@ -487,6 +487,13 @@ class PingPongGemm(Producers, EpilogueIO):
             )
             k_blocks = cute.size(tCrA, mode=[2])
 
+            # The CTAs whose multicasts fill this CTA's A/B stages, released after use: in
+            # a 2x2 cluster (rank = m + 2 n) this one, its B peer (other m) and its A peer
+            # (other n); in smaller clusters every CTA (``_release``)
+            ab_peers = None
+            if const_expr(cfg.cluster_m == 2 and cfg.cluster_n == 2):
+                ab_peers = (cta_rank, cta_rank ^ 1, cta_rank ^ 2)
+
             # Epilogue partitions (fixed per warpgroup, reused for every tile).
             coord_copy = self._make_r2s_copy(tiled_mma, cutlass.BFloat16)
             thr_coord = coord_copy.get_slice(wg_tidx)
@@ -557,12 +564,12 @@ class PingPongGemm(Producers, EpilogueIO):
                         tiled_mma, acc, tCrA, tCrB, k_blocks, read.index, zero_init=False
                     )
                     warpgroup.wait_group(1)
-                    self._release(ab_pipe, release, cfg.cluster_m * cfg.cluster_n)
+                    self._release(ab_pipe, release, cfg.cluster_m * cfg.cluster_n, ab_peers)
                     release.advance()
                     read.advance()
                 self._turn_arrive(_Barrier.MMA_TURN, 1 - wg)
                 warpgroup.wait_group(0)
-                self._release(ab_pipe, release, cfg.cluster_m * cfg.cluster_n)
+                self._release(ab_pipe, release, cfg.cluster_m * cfg.cluster_n, ab_peers)
 
                 # ---- epilogue (takes its turn on the store path, unless concurrent)
                 if const_expr(not concurrent):
@@ -652,18 +659,22 @@ class PingPongGemm(Producers, EpilogueIO):
         cute.arch.barrier_arrive(barrier_id=base + wg, number_of_threads=2 * THREADS_PER_WG)
 
     @cute.jit
-    def _release(self, pipe, state, cluster_size: cutlass.Constexpr):
+    def _release(self, pipe, state, cluster_size: cutlass.Constexpr, peers=None):
         """Release ``state``'s stage of a TMA pipeline: one elected lane per consumer warp
-        arrives on the stage's empty barrier of every CTA of the cluster (each CTA's
-        multicast reaches every peer of these clusters: 1x1, 2x1, 1x2), which is the arrive
-        count the pipeline expects. CuTeDSL's ``consumer_release`` picks the signalling
+        arrives on the stage's empty barrier of every CTA whose multicast fills this CTA's
+        stage: every CTA of a 1x1, 2x1 or 1x2 cluster (``cluster_size``), or the ``peers``
+        ranks of a 2x2 one (this CTA, the one sharing its A tile, the one sharing its B
+        tile; not the diagonal one), which is the arrive count the pipeline expects. CuTeDSL's ``consumer_release`` picks the signalling
         lanes from the thread index instead; ptxas re-reads that (S2R, through the MIO
         queue) on every k-tile, and under a heavy epilogue on the other warpgroup that read
         stalled the tensor-core issue (Nsight Compute, swiglu_bwd: the k-loop's hottest
         instruction). ``elect.sync`` needs no thread index."""
         barrier = pipe.sync_object_empty.get_barrier(state.index)
         with cute.arch.elect_one():
-            if const_expr(cluster_size == 1):
+            if const_expr(peers is not None):
+                for i in cutlass.range_constexpr(len(peers)):
+                    cute.arch.mbarrier_arrive(barrier, peers[i])
+            elif const_expr(cluster_size == 1):
                 cute.arch.mbarrier_arrive(barrier)
             else:
                 for rank in cutlass.range_constexpr(cluster_size):
