@@ -664,11 +664,12 @@ class PingPongGemm(Producers, EpilogueIO):
         arrives on the stage's empty barrier of every CTA whose multicast fills this CTA's
         stage: every CTA of a 1x1, 2x1 or 1x2 cluster (``cluster_size``), or the ``peers``
         ranks of a 2x2 one (this CTA, the one sharing its A tile, the one sharing its B
-        tile; not the diagonal one), which is the arrive count the pipeline expects. CuTeDSL's ``consumer_release`` picks the signalling
-        lanes from the thread index instead; ptxas re-reads that (S2R, through the MIO
-        queue) on every k-tile, and under a heavy epilogue on the other warpgroup that read
-        stalled the tensor-core issue (Nsight Compute, swiglu_bwd: the k-loop's hottest
-        instruction). ``elect.sync`` needs no thread index."""
+        tile; not the diagonal one), which is the arrive count the pipeline expects.
+        CuTeDSL's ``consumer_release`` picks the signalling lanes from the thread index
+        instead; ptxas re-reads that (S2R, through the MIO queue) on every k-tile, and under
+        a heavy epilogue on the other warpgroup that read stalled the tensor-core issue
+        (Nsight Compute, swiglu_bwd: the k-loop's hottest instruction). ``elect.sync``
+        needs no thread index."""
         barrier = pipe.sync_object_empty.get_barrier(state.index)
         with cute.arch.elect_one():
             if const_expr(peers is not None):
