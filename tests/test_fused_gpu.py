@@ -163,3 +163,15 @@ STAGGERED_EPILOGUES = {
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_staggered_copies_match_reference(name, shape, layout):
     _check(STAGGERED_EPILOGUES[name], shape, layout, config=STAGGERED)
+
+
+#: a 2x2 cluster (A and B both multicast; opt-in): the epilogue runs per CTA as with 2x1
+CLUSTER_2X2 = GemmConfig(tile_n=128, cluster_m=2, cluster_n=2)
+
+
+@pytest.mark.parametrize(
+    "shape", [(300, 520, 264), (1000, 776, 136)], ids=lambda s: "x".join(map(str, s))
+)
+@pytest.mark.parametrize("name", list(EPILOGUES))
+def test_cluster_2x2_epilogues_match_reference(name, shape):
+    _check(EPILOGUES[name], shape, config=CLUSTER_2X2)
