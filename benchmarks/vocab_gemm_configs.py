@@ -1,7 +1,8 @@
 """coda.gemm under every candidate config beside cuBLAS, for the LM head's backward GEMMs.
 
     python benchmarks/vocab_gemm_configs.py [--H 2048,4096,8192] [--M 8192,16384]
-        [--V 128256] [--rounds 3] [--out benchmarks/results/vocab_gemm_configs_h200.json]
+        [--V 128256] [--rounds 3] [--tiles 128,160,192] [--clusters 2x1,1x2,1x1,2x2]
+        [--swizzles 4,16] [--out benchmarks/results/vocab_gemm_configs_h200.json]
 
 The cross-entropy's backward pair at vocabulary shapes (``benchmarks/cross_entropy.py``'s
 floor) are the GEMMs where coda trails cuBLAS: dh = dlogits @ W (M x H, K = V: B is
@@ -37,12 +38,14 @@ def label(cfg: GemmConfig) -> str:
     return f"128x{cfg.tile_n} c{cfg.cluster_m}x{cfg.cluster_n} g{cfg.group_m}"
 
 
-def candidates(base: GemmConfig) -> list[GemmConfig]:
+def candidates(
+    base: GemmConfig, tiles=TILES, clusters=CLUSTERS, swizzles=SWIZZLES
+) -> list[GemmConfig]:
     out = [base]
-    for tile_n in TILES:
-        for cm, cn in CLUSTERS:
+    for tile_n in tiles:
+        for cm, cn in clusters:
             out.append(GemmConfig(tile_n=tile_n, cluster_m=cm, cluster_n=cn))
-    out += [attrs.evolve(base, group_m=g) for g in SWIZZLES]
+    out += [attrs.evolve(base, group_m=g) for g in swizzles]
     seen, unique = set(), []
     for c in out:
         if c not in seen:
@@ -68,8 +71,16 @@ def main(argv=None) -> None:
     p.add_argument("--M", default="8192,16384")
     p.add_argument("--V", type=int, default=128256)
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--tiles", default=",".join(map(str, TILES)), help="tile widths to try")
+    p.add_argument(
+        "--clusters", default=",".join(f"{m}x{n}" for m, n in CLUSTERS), help="e.g. 2x1,2x2"
+    )
+    p.add_argument("--swizzles", default=",".join(map(str, SWIZZLES)), help="'' for none")
     p.add_argument("--out", default="benchmarks/results/vocab_gemm_configs_h200.json")
     args = p.parse_args(argv)
+    tiles = tuple(int(t) for t in args.tiles.split(",") if t)
+    clusters = tuple(tuple(int(x) for x in c.split("x")) for c in args.clusters.split(",") if c)
+    swizzles = tuple(int(g) for g in args.swizzles.split(",") if g)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     rows = []
     for H in (int(x) for x in args.H.split(",")):
@@ -77,7 +88,7 @@ def main(argv=None) -> None:
             for name, A, B, out, cublas in problems(H, M, args.V):
                 m, k, n = A.shape[0], A.shape[1], B.shape[0]
                 base = choose_config(m, n, k, sms)
-                cfgs = candidates(base)
+                cfgs = candidates(base, tiles, clusters, swizzles)
                 fns = {"cublas": cublas}
                 for c in cfgs:
                     fns[label(c)] = lambda c=c, A=A, B=B, out=out: gemm(A, B, out=out, config=c)

@@ -39,6 +39,16 @@ def test_split_k_only_for_long_k_small_outputs():
         GemmConfig(split_k=0)
 
 
+def test_long_running_problems_take_wide_tiles():
+    # the LM head's backward GEMMs (V = 128256): 128 x 192 from 8.6 TFLOP on, as measured
+    assert choose_config(16384, 4096, 128256).tile_n == 192  # dh, 17 TFLOP
+    assert choose_config(128256, 2048, 16384).tile_n == 192  # dW, 8.6 TFLOP
+    assert choose_config(8192, 2048, 128256).tile_n == 128  # dh, 4.3 TFLOP: fuller last wave
+    # the same tile counts below the power-limited size keep the wave-quantization pick
+    assert choose_config(16384, 4096, 4096).tile_n == 128
+    assert choose_config(4096, 4096, 16384).tile_n == 128
+
+
 def test_schedule_groups_rows():
     # group of 2 cluster-rows, walked column by column
     assert host_tile_order(3, 2, 2) == [(0, 0), (1, 0), (0, 1), (1, 1), (2, 0), (2, 1)]

@@ -165,6 +165,15 @@ def plan_smem(
 #: memory per FLOP); measured on an H200 (plain 128 x 128 vs 128 x 192 GEMMs at M=16384).
 _TILE_EFFICIENCY = {192: 1.0, 128: 0.98}
 
+#: Problems of at least this many FLOPs run long enough to sit at the card's power limit,
+#: where 128-wide tiles (17% more operand bytes per MAC through L2 and shared memory than
+#: 128 x 192) lose clock: on an H200 the LM head's backward GEMMs (K or N = 128256) ran
+#: 2-23% faster with 128 x 192 tiles at 8.6-17 TFLOP, 7-8% slower at 4.3 TFLOP
+#: (``benchmarks/results/vocab_gemm_configs_h200.json``). Above it 128 x 128 tiles are
+#: costed at ``_LONG_RUN_EFFICIENCY_128``.
+LONG_RUN_FLOPS = 6e12
+_LONG_RUN_EFFICIENCY_128 = 0.9
+
 
 def choose_config(
     m: int, n: int, k: int, num_sms: int = DEFAULT_NUM_SMS, split_ok: bool = False
@@ -176,7 +185,8 @@ def choose_config(
     ``num_sms / 2`` clusters, so a problem takes ceil(cluster tiles / clusters) waves of
     tiles costing tile_n / efficiency each. 128 x 192 wins on large problems; 128 x 128
     when 192-wide tiles would leave a last wave mostly empty (e.g. the weight-gradient
-    GEMMs of a Llama block, whose M x N is small and K = tokens long).
+    GEMMs of a Llama block, whose M x N is small and K = tokens long), except on problems
+    of ``LONG_RUN_FLOPS`` or more, which run power-limited and favour 128 x 192 more.
 
     ``split_ok`` (the caller stores into an fp32 output it zeroed or accumulates into):
     split-K is also considered, a unit of work costing its share of the k-tiles plus
@@ -186,6 +196,9 @@ def choose_config(
     tiles_m = -(-m // 128)
     k_tiles = max(1, -(-k // 64))
     cluster_m = 2 if tiles_m >= 2 else 1
+    efficiency = dict(_TILE_EFFICIENCY)
+    if 2.0 * m * n * k >= LONG_RUN_FLOPS:
+        efficiency[128] = _LONG_RUN_EFFICIENCY_128
     clusters = max(1, num_sms // cluster_m)
     max_split = min(MAX_SPLIT_K, k_tiles // MIN_SPLIT_K_TILES) if split_ok else 1
 
@@ -193,7 +206,7 @@ def choose_config(
         tile_n, splits = choice
         units = -(-tiles_m // cluster_m) * -(-n // tile_n) * splits
         per_unit = -(-k_tiles // splits) + (SPLIT_EPILOGUE_K_TILES if splits > 1 else 0)
-        return -(-units // clusters) * per_unit * tile_n / _TILE_EFFICIENCY[tile_n]
+        return -(-units // clusters) * per_unit * tile_n / efficiency[tile_n]
 
     # dict order: 192 first wins ties, then fewer splits
     choices = [(t, s) for s in range(1, max(1, max_split) + 1) for t in _TILE_EFFICIENCY]
