@@ -139,3 +139,21 @@ def test_column_reductions_reduce_scatter_across_lanes(tmp_path):
     assert count_prefix(ops, "SHFL") <= 2 * 8 * 7, ops
     assert count_prefix(ops, "STS") <= 2 * 8, ops
     assert count_prefix(ops, "LDL") == 0 and count_prefix(ops, "STL") == 0
+
+
+def test_a_spilling_tile_is_narrowed_to_the_widest_that_does_not():
+    """``epilogue_config`` walks ``tile_candidates`` from the heuristic's tile down: a
+    proposed 128 x 192 tile that spills (the loss's statistics + stored logits) becomes
+    128 x 128, without local memory."""
+    from coda.fusions.ce_epilogues import stats_store_epilogue
+    from coda.runtime.epilogue_kernels import tile_candidates
+
+    bf16 = torch.bfloat16
+    stats = FusedVisitor(stats_store_epilogue(bf16, None, False, None, False))
+    wide = GemmConfig(tile_n=192, cluster_m=2)
+    assert [c.tile_n for c in tile_candidates(wide)] == [192, 128, 96, 64]
+    spills = [
+        gemm_kernels.local_memory_bytes(gemm_kernels.kernel_key(c, bf16, stats, 132, "k", "k"))
+        for c in tile_candidates(wide)[:2]
+    ]
+    assert spills[0] > 0 and spills[1] == 0

@@ -175,3 +175,17 @@ CLUSTER_2X2 = GemmConfig(tile_n=128, cluster_m=2, cluster_n=2)
 @pytest.mark.parametrize("name", list(EPILOGUES))
 def test_cluster_2x2_epilogues_match_reference(name, shape):
     _check(EPILOGUES[name], shape, config=CLUSTER_2X2)
+
+
+#: the tile long-running problems propose (``choose_epilogue_config``); the catalogue runs
+#: it whether or not it spills (a spilling one is narrowed at run time, but must be right)
+WIDE = GemmConfig(tile_n=192, cluster_m=2)
+
+
+@pytest.mark.parametrize(
+    "shape", [(300, 520, 264), (1000, 776, 136)], ids=lambda s: "x".join(map(str, s))
+)
+@pytest.mark.parametrize("name", list(EPILOGUES))
+@pytest.mark.parametrize("layout", ["fwd", "wgrad"])
+def test_wide_tile_epilogues_match_reference(name, shape, layout):
+    _check(EPILOGUES[name], shape, layout, config=WIDE)

@@ -49,6 +49,17 @@ def test_long_running_problems_take_wide_tiles():
     assert choose_config(4096, 4096, 16384).tile_n == 128
 
 
+def test_fused_epilogue_plans_are_shared_within_a_size_class():
+    from coda.mainloop.config import choose_epilogue_config, epilogue_size_class
+
+    assert choose_epilogue_config(16384, 44032, 8192).tile_n == 128
+    assert choose_epilogue_config(16384, 128256, 8).concurrent_epilogues  # map pass
+    # a map pass and a GEMM of the same epilogue get different configs, so different plans
+    assert epilogue_size_class(16384, 8192, 8) != epilogue_size_class(16384, 8192, 8192)
+    assert epilogue_size_class(100, 8192, 8192) != epilogue_size_class(16384, 8192, 8192)
+    assert epilogue_size_class(4096, 4096, 4096) == epilogue_size_class(16384, 44032, 8192)
+
+
 def test_schedule_groups_rows():
     # group of 2 cluster-rows, walked column by column
     assert host_tile_order(3, 2, 2) == [(0, 0), (1, 0), (0, 1), (1, 1), (2, 0), (2, 1)]

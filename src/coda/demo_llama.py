@@ -586,7 +586,7 @@ def run_kernels(
     try:
         from coda.mainloop.config import choose_epilogue_config
         from coda.runtime import elf, gemm_kernels
-        from coda.runtime.epilogue_kernels import TILE_N_FALLBACKS
+        from coda.runtime.epilogue_kernels import tile_candidates
         from coda.runtime.fused import FusedVisitor, unsupported
         from coda.runtime.sass import find_nvdisasm
 
@@ -622,8 +622,7 @@ def run_kernels(
         base = choose_epilogue_config(8192, 8192, 8 if case.map_pass else 8192, 132)
         t0 = time.perf_counter()
         try:
-            for tile_n in (base.tile_n, *TILE_N_FALLBACKS):
-                cfg = attrs.evolve(base, tile_n=tile_n)
+            for cfg in tile_candidates(base):
                 key = gemm_kernels.GemmKernelKey(
                     cfg, BF16, FusedVisitor(epi), a_major=case.majors[0], b_major=case.majors[1]
                 )

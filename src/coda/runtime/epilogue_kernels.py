@@ -33,15 +33,21 @@ import torch
 from ..binding import bind
 from ..epilogue import Epilogue, set_runner
 from ..errors import InputError
-from ..mainloop.config import GemmConfig, choose_epilogue_config
+from ..mainloop.config import GemmConfig, choose_epilogue_config, epilogue_size_class
 from . import checks, finalize, gemm_kernels
 from .fused import FusedVisitor, n_multiple, unsupported
 from .operands import cached_problem
 
-#: Output-tile widths tried in order for a fused epilogue: the first whose kernel keeps
-#: everything in registers (no local memory) is used. A narrower tile holds fewer
-#: accumulator registers (tile_n per thread) and leaves more to the epilogue's values.
-TILE_N_FALLBACKS = (96, 64)
+#: Output-tile widths tried, after the heuristic's own and narrower than it, for a fused
+#: epilogue: the first whose kernel keeps everything in registers (no local memory) is
+#: used. A narrower tile holds fewer accumulator registers (tile_n per thread) and leaves
+#: more to the epilogue's values.
+TILE_N_FALLBACKS = (128, 96, 64)
+
+
+def tile_candidates(base: GemmConfig) -> tuple[GemmConfig, ...]:
+    """``base`` and its narrower fallbacks, widest first."""
+    return (base, *(attrs.evolve(base, tile_n=t) for t in TILE_N_FALLBACKS if t < base.tile_n))
 
 
 def epilogue_config(
@@ -56,10 +62,8 @@ def epilogue_config(
     """The config ``epi(A, B, ...)`` runs with when none is given: the heuristic's
     (128 x 128), or a narrower tile when that kernel would spill registers. Compiles (or
     loads from the caches) the candidates it inspects; the answer is cached with them."""
-    base = choose_epilogue_config(m, n, k, num_sms)
     visitor = FusedVisitor(epi)
-    for tile_n in (base.tile_n, *TILE_N_FALLBACKS):
-        cfg = attrs.evolve(base, tile_n=tile_n)
+    for cfg in tile_candidates(choose_epilogue_config(m, n, k, num_sms)):
         key = gemm_kernels.kernel_key(cfg, ab_dtype, visitor, num_sms, *majors)
         if gemm_kernels.local_memory_bytes(key) == 0:
             return cfg
@@ -216,8 +220,7 @@ _plans: dict[tuple, EpiloguePlan] = {}
 def _plan(epi, A, B, majors, config, m, n, k) -> EpiloguePlan:
     device = A.device
     num_sms = checks.hopper_device(device)
-    cluster_m = 2 if m > 128 else 1
-    pkey = (epi, A.dtype, majors, device, config, cluster_m)
+    pkey = (epi, A.dtype, majors, device, config, epilogue_size_class(m, n, k))
     plan = _plans.get(pkey)
     if plan is None:
         reason = unsupported(epi)
