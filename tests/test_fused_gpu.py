@@ -177,8 +177,8 @@ def test_cluster_2x2_epilogues_match_reference(name, shape):
     _check(EPILOGUES[name], shape, config=CLUSTER_2X2)
 
 
-#: the tile long-running problems propose (``choose_epilogue_config``); the catalogue runs
-#: it whether or not it spills (a spilling one is narrowed at run time, but must be right)
+#: 128 x 192 tiles, as a caller may ask for them: the catalogue runs at that width whether
+#: or not it spills (``epilogue_config`` would narrow a spilling one, but it must be right)
 WIDE = GemmConfig(tile_n=192, cluster_m=2)
 
 

@@ -168,9 +168,9 @@ _TILE_EFFICIENCY = {192: 1.0, 128: 0.98}
 #: Problems of at least this many FLOPs run long enough to sit at the card's power limit,
 #: where 128-wide tiles (17% more operand bytes per MAC through L2 and shared memory than
 #: 128 x 192) lose clock: on an H200 the LM head's backward GEMMs (K or N = 128256) ran
-#: 2-23% faster with 128 x 192 tiles at 8.6-17 TFLOP, 7-8% slower at 4.3 TFLOP
-#: (``benchmarks/results/vocab_gemm_configs_h200.json``). Above it 128 x 128 tiles are
-#: costed at ``_LONG_RUN_EFFICIENCY_128``.
+#: 2-23% faster with 128 x 192 tiles at 8.6-17 TFLOP, 3-9% slower at 4.3 TFLOP
+#: (``benchmarks/results/vocab_gemm_configs_h200.json``, ``..._tiles_h200.json``).
+#: Above it 128 x 128 tiles are costed at ``_LONG_RUN_EFFICIENCY_128``.
 LONG_RUN_FLOPS = 6e12
 _LONG_RUN_EFFICIENCY_128 = 0.9
 
@@ -232,8 +232,8 @@ def choose_epilogue_config(m: int, n: int, k: int, num_sms: int = DEFAULT_NUM_SM
     its epilogue behind: both warpgroups run their epilogues at once
     (``concurrent_epilogues``), with 4 store buffers each and a load ring two tiles deep.
     """
-    cluster_m = 2 if -(-m // 128) >= 2 else 1
-    if k <= ONE_K_TILE:
+    cluster_m, one_k_tile = epilogue_size_class(m, n, k)
+    if one_k_tile:
         return GemmConfig(tile_n=128, cluster_m=cluster_m, epi_stages=8, concurrent_epilogues=True)
     return GemmConfig(tile_n=128, cluster_m=cluster_m)
 
