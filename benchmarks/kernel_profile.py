@@ -13,11 +13,15 @@ Profiles, after warm-up, ``--reps`` passes of each of:
   torch.compile of the eager loss), forward + backward, M x H hidden, V x H weight.
 
 Per contender it writes the kernels' summed device time per pass, grouped by kernel
-name (top 25), the pass's wall time and the GPU-busy fraction (busy < wall means the
-host or a sync left the GPU idle). JSON ``{"device", "versions", "command",
-"profiles": {name: {"wall_ms", "gpu_ms", "categories_ms", "kernels": [{"name", "ms",
-"calls"}], "sequence_one_pass"}}}`` and a PNG beside it (GPU time by kernel family per
-profile; ``--replot FILE`` redraws it from a written JSON, on any machine).
+name (top 25), the pass's wall time, the GPU-busy fraction (busy < wall means the
+host or a sync left the GPU idle), the profiled pass's kernel span and the idle time
+inside it (no kernel running: the GPU waiting for launches, a sync or an allocation),
+and the CUDA runtime/driver calls that took the most host time. JSON ``{"device",
+"versions", "command", "profiles": {name: {"wall_ms", "gpu_ms", "span_ms", "idle_ms",
+"runtime_api": [{"name", "ms", "calls"}], "categories_ms", "kernels": [{"name", "ms",
+"calls"}], "sequence_one_pass": [[name, us, grid, registers, idle us before it]]}}}``
+and a PNG beside it (GPU time by kernel family per profile; ``--replot FILE`` redraws
+it from a written JSON, on any machine).
 """
 
 from __future__ import annotations
@@ -65,6 +69,34 @@ def _annotation(ev) -> bool:
     )
 
 
+def _span_and_idle(kern: list, reps: int) -> tuple[float, float]:
+    """Per pass (ms): the span from the first kernel's start to the last one's end, and
+    the time in it when no kernel ran (the GPU waiting for the host: launches, syncs,
+    allocations). Kernels (sorted by start) may overlap; gaps are where none runs."""
+    if not kern:
+        return 0.0, 0.0
+    first = kern[0]["ts"]
+    end = first
+    idle = 0.0
+    for e in kern:
+        if e["ts"] > end:
+            idle += e["ts"] - end
+        end = max(end, e["ts"] + e["dur"])
+    return (end - first) / 1e3 / reps, idle / 1e3 / reps
+
+
+def _runtime_api(events: list, reps: int, top: int = 8) -> list[dict]:
+    """The CUDA runtime / driver calls that took the most host time per pass (a sync or
+    an allocation that stalls the GPU shows here): ``{"name", "ms", "calls"}``."""
+    per: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    for e in events:
+        if e.get("cat") in ("cuda_runtime", "cuda_driver") and "dur" in e:
+            per[e["name"]][0] += e["dur"] / 1e3 / reps
+            per[e["name"]][1] += 1 / reps
+    rows = sorted(per.items(), key=lambda kv: -kv[1][0])[:top]
+    return [{"name": k, "ms": round(v[0], 4), "calls": round(v[1], 2)} for k, v in rows]
+
+
 def profile(fn, reps: int, warmup: int = 3) -> dict:
     for _ in range(warmup):
         fn()
@@ -98,12 +130,18 @@ def profile(fn, reps: int, warmup: int = 3) -> dict:
         (e for e in trace.get("traceEvents", []) if e.get("cat") == "kernel"),
         key=lambda e: e["ts"],
     )
+    span, idle = _span_and_idle(kern, reps)
+    api = _runtime_api(trace.get("traceEvents", []), reps)
     n_one = len(kern) // max(reps, 1)
+    prev_end = None
     for e in kern[:n_one]:
         a = e.get("args", {})
+        gap = 0.0 if prev_end is None else max(0.0, e["ts"] - prev_end)
+        prev_end = e["ts"] + e["dur"] if prev_end is None else max(prev_end, e["ts"] + e["dur"])
         seq.append(
-            [e["name"][:48], round(e["dur"], 1), a.get("grid"), a.get("registers per thread")]
-        )
+            [e["name"][:48], round(e["dur"], 1), a.get("grid"), a.get("registers per thread"),
+             round(gap, 1)]
+        )  # fmt: skip
     kernels = sorted(
         ({"name": k, "ms": round(v[0], 4), "calls": v[1] / reps} for k, v in per.items()),
         key=lambda r: -r["ms"],
@@ -112,6 +150,9 @@ def profile(fn, reps: int, warmup: int = 3) -> dict:
     return {
         "wall_ms": round(wall, 3),
         "gpu_ms": round(gpu, 3),
+        "span_ms": round(span, 3),
+        "idle_ms": round(idle, 3),
+        "runtime_api": api,
         "categories_ms": {k: round(v, 3) for k, v in sorted(cats.items(), key=lambda kv: -kv[1])},
         "kernels": kernels[:30],
         "sequence_one_pass": seq if len(seq) <= 400 else seq[:400],
@@ -251,7 +292,11 @@ def main(argv=None) -> None:
     if args.train:
         train_profiles(args, out)
     for name, prof in out["profiles"].items():
-        print(f"\n== {name}: wall {prof['wall_ms']} ms, GPU {prof['gpu_ms']} ms")
+        print(
+            f"\n== {name}: wall {prof['wall_ms']} ms, GPU {prof['gpu_ms']} ms, span "
+            f"{prof.get('span_ms')} ms, idle {prof.get('idle_ms')} ms"
+        )
+        print("   runtime API:", prof.get("runtime_api"))
         print("  ", prof["categories_ms"])
         for r in prof["kernels"][:18]:
             print(f"  {r['ms']:8.3f} ms  x{r['calls']:<5g} {r['name'][:110]}")
