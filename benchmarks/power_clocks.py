@@ -1,0 +1,192 @@
+"""Time, board power and SM clock of the LM-head loss's forward + backward, per contender.
+
+    python benchmarks/power_clocks.py [--H 2048 8192] [--M 8192 16384] [--V 128256]
+        [--seconds 3] [--rounds 2] [--out benchmarks/results/power_clocks_h200.json]
+
+``--H`` and ``--M`` are paired: the defaults measure (H, M) = (2048, 8192) and
+(8192, 16384).
+
+Long GEMM-bound passes run at the card's power limit, where a kernel's speed is set by
+its energy: what one pass draws decides the clock every kernel of it gets. This measures,
+for each shape and contender (in interleaved rounds, each contender run back to back for
+``--seconds`` while a thread samples ``torch.cuda.power_draw`` and
+``torch.cuda.clock_rate`` every 10 ms):
+
+* coda: ``linear_cross_entropy`` as called by default (gradient-in-forward, its row
+  chunks from ``ce_chunks.grad_rows``);
+* coda_budget_rows: the same with the row chunks of the 512 MiB row-buffer budget alone
+  (``grad_rows`` without ``dw_hidden``: what the default was before chunks grew to the
+  cast's peak);
+* coda_one_chunk: the same with every row in one chunk (no fp32 dW accumulator, no cast,
+  W read twice in all, the logits' whole buffer);
+* compile: ``torch.compile`` of ``F.cross_entropy((h @ W.T).float(), t)``;
+* cublas_floor: its three logits-sized GEMMs alone (``torch.mm``: logits, dh, dW).
+
+JSON rows ``{"H", "M", "V", "contender", "round", "ms", "watts", "sm_mhz", "joules"}``
+(median ms per pass, mean board watts, median SM MHz, watts x ms: energy per pass) and
+a PNG beside it (joules per pass and SM clock per contender).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import threading
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common  # noqa: E402
+
+from coda.fusions import ce_chunks  # noqa: E402
+from coda.fusions.cross_entropy import linear_cross_entropy  # noqa: E402
+
+
+class Sampler(threading.Thread):
+    """Board power (W) and SM clock (MHz) every ``period`` seconds until stopped."""
+
+    def __init__(self, period: float = 0.01):
+        super().__init__(daemon=True)
+        self.period, self.watts, self.mhz = period, [], []
+        self._stop_event = threading.Event()
+
+    def run(self) -> None:
+        while not self._stop_event.is_set():
+            self.watts.append(torch.cuda.power_draw() / 1000.0)
+            self.mhz.append(torch.cuda.clock_rate())
+            time.sleep(self.period)
+
+    def stop(self) -> None:
+        self._stop_event.set()
+        self.join()
+
+
+def measure(fn: Callable[[], object], seconds: float) -> dict:
+    """Back-to-back passes for ``seconds`` (each timed with CUDA events), sampled."""
+    for _ in range(2):
+        fn()
+    torch.cuda.synchronize()
+    sampler = Sampler()
+    sampler.start()
+    times = []
+    start = time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    sampler.stop()
+    ms, watts = statistics.median(times), statistics.mean(sampler.watts)
+    return {
+        "ms": ms,
+        "watts": watts,
+        "sm_mhz": statistics.median(sampler.mhz),
+        "joules": watts * ms / 1e3,
+        "passes": len(times),
+    }
+
+
+def contenders(h, W, t) -> dict[str, Callable[[], object]]:
+    M, V = h.shape[0], W.shape[0]
+
+    def eager(h, W, t):
+        return F.cross_entropy((h @ W.T).float(), t, ignore_index=-100)
+
+    comp = torch.compile(eager)
+    budget_rows = ce_chunks.grad_rows(M, V, h.element_size())
+    hd, Wd = h.detach(), W.detach()
+    logits = torch.empty(M, V, dtype=h.dtype, device=h.device)
+    dh, dW = torch.empty_like(hd), torch.empty_like(Wd)
+
+    def cublas_floor():
+        torch.mm(hd, Wd.t(), out=logits)
+        torch.mm(logits, Wd, out=dh)
+        torch.mm(logits.t(), hd, out=dW)
+
+    def loss_grads(**kw):
+        return lambda: torch.autograd.grad(linear_cross_entropy(h, W, t, **kw), (h, W))
+
+    return {
+        "coda": loss_grads(),
+        "coda_budget_rows": loss_grads(chunk_rows=budget_rows),
+        "coda_one_chunk": loss_grads(chunk_rows=M),
+        "compile": lambda: torch.autograd.grad(comp(h, W, t), (h, W)),
+        "cublas_floor": cublas_floor,
+    }
+
+
+def chart(payload: dict, png: str) -> bool:
+    plt = common.pyplot()
+    if plt is None:
+        return False
+    rows = payload["rows"]
+    shapes = sorted({(r["H"], r["M"]) for r in rows})
+    names = list(dict.fromkeys(r["contender"] for r in rows))
+    fig, axes = plt.subplots(2, len(shapes), figsize=(4.5 * len(shapes), 6), squeeze=False)
+    for j, (H, M) in enumerate(shapes):
+        for i, key in enumerate(("joules", "sm_mhz")):
+            vals = [
+                statistics.median(
+                    r[key] for r in rows if (r["H"], r["M"], r["contender"]) == (H, M, n)
+                )
+                for n in names
+            ]
+            ax = axes[i][j]
+            ax.bar(range(len(names)), vals, color=["C0", "C0", "C0", "C1", "C2"][: len(names)])
+            ax.set_xticks(range(len(names)), names, rotation=30, fontsize=7)
+            ax.set_title(f"H={H}, M={M}", fontsize=9)
+            ax.set_ylabel("J per fwd+bwd pass" if key == "joules" else "median SM MHz")
+            lo = min(vals)
+            ax.set_ylim(lo * 0.9, max(vals) * 1.02)
+    fig.suptitle(f"power_clocks, {payload.get('device', '')}", fontsize=10)
+    common.save_figure(plt, fig, png)
+    return True
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--H", type=int, nargs="+", default=[2048, 8192])
+    p.add_argument("--M", type=int, nargs="+", default=[8192, 16384])
+    p.add_argument("--V", type=int, default=128256)
+    p.add_argument("--seconds", type=float, default=3.0)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--out", default="benchmarks/results/power_clocks_h200.json")
+    common.add_replot_option(p)
+    args = p.parse_args(argv)
+    if common.replotted(args, chart):
+        return
+    rows = []
+    for H, M in zip(args.H, args.M, strict=True):
+        g = torch.Generator(device="cuda").manual_seed(0)
+        bf = torch.bfloat16
+        h = (torch.randn(M, H, device="cuda", generator=g) * 0.5).to(bf).requires_grad_()
+        W = (torch.randn(args.V, H, device="cuda", generator=g) * H**-0.5).to(bf)
+        W.requires_grad_()
+        t = torch.randint(0, args.V, (M,), device="cuda", generator=g)
+        fns = contenders(h, W, t)
+        for rnd in range(args.rounds):
+            for name, fn in fns.items():
+                got = measure(fn, args.seconds)
+                row = {"H": H, "M": M, "V": args.V, "contender": name, "round": rnd, **got}
+                rows.append(row)
+                print(
+                    f"H={H} M={M} {name:17s} r{rnd} {got['ms']:8.2f} ms {got['watts']:6.1f} W "
+                    f"{got['sm_mhz']:6.0f} MHz {got['joules']:6.2f} J",
+                    flush=True,
+                )
+        del h, W, t, fns
+        torch.cuda.empty_cache()
+    payload = {**common.environment(), "rows": rows}
+    common.write_json(args.out, payload)
+    chart(payload, common.png_beside(args.out))
+
+
+if __name__ == "__main__":
+    main()
