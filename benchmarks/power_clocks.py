@@ -14,13 +14,11 @@ for each shape and contender (in interleaved rounds, each contender run back to 
 
 * coda: ``linear_cross_entropy`` as called by default (gradient-in-forward, its row
   chunks from ``ce_chunks.grad_rows``);
-* coda_budget_rows: the same with the row chunks of the 512 MiB row-buffer budget alone
-  (``grad_rows`` without ``dw_hidden``: what the default was before chunks grew to the
-  cast's peak);
 * coda_one_chunk: the same with every row in one chunk (no fp32 dW accumulator, no cast,
   W read twice in all, the logits' whole buffer);
 * compile: ``torch.compile`` of ``F.cross_entropy((h @ W.T).float(), t)``;
-* cublas_floor: its three logits-sized GEMMs alone (``torch.mm``: logits, dh, dW).
+* cublas_floor: its three logits-sized GEMMs alone (``torch.mm``: logits, dh, dW);
+* coda_floor: the same three GEMMs on coda's mainloop (``coda.gemm``).
 
 JSON rows ``{"H", "M", "V", "contender", "round", "ms", "watts", "sm_mhz", "joules"}``
 (median ms per pass, mean board watts, median SM MHz, watts x ms: energy per pass) and
@@ -43,8 +41,8 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
 
-from coda.fusions import ce_chunks  # noqa: E402
 from coda.fusions.cross_entropy import linear_cross_entropy  # noqa: E402
+from coda.matmul import gemm  # noqa: E402
 
 
 class Sampler(threading.Thread):
@@ -100,7 +98,6 @@ def contenders(h, W, t) -> dict[str, Callable[[], object]]:
         return F.cross_entropy((h @ W.T).float(), t, ignore_index=-100)
 
     comp = torch.compile(eager)
-    budget_rows = ce_chunks.grad_rows(M, V, h.element_size())
     hd, Wd = h.detach(), W.detach()
     logits = torch.empty(M, V, dtype=h.dtype, device=h.device)
     dh, dW = torch.empty_like(hd), torch.empty_like(Wd)
@@ -110,15 +107,20 @@ def contenders(h, W, t) -> dict[str, Callable[[], object]]:
         torch.mm(logits, Wd, out=dh)
         torch.mm(logits.t(), hd, out=dW)
 
+    def coda_floor():
+        gemm(hd, Wd, out=logits)
+        gemm(logits, Wd.t(), out=dh)
+        gemm(logits.t(), hd.t(), out=dW)
+
     def loss_grads(**kw):
         return lambda: torch.autograd.grad(linear_cross_entropy(h, W, t, **kw), (h, W))
 
     return {
         "coda": loss_grads(),
-        "coda_budget_rows": loss_grads(chunk_rows=budget_rows),
         "coda_one_chunk": loss_grads(chunk_rows=M),
         "compile": lambda: torch.autograd.grad(comp(h, W, t), (h, W)),
         "cublas_floor": cublas_floor,
+        "coda_floor": coda_floor,
     }
 
 
@@ -139,7 +141,8 @@ def chart(payload: dict, png: str) -> bool:
                 for n in names
             ]
             ax = axes[i][j]
-            ax.bar(range(len(names)), vals, color=["C0", "C0", "C0", "C1", "C2"][: len(names)])
+            colors = ["C0" if n.startswith("coda") else "C1" for n in names]
+            ax.bar(range(len(names)), vals, color=colors)
             ax.set_xticks(range(len(names)), names, rotation=30, fontsize=7)
             ax.set_title(f"H={H}, M={M}", fontsize=9)
             ax.set_ylabel("J per fwd+bwd pass" if key == "joules" else "median SM MHz")

@@ -44,7 +44,6 @@ __all__ = [
     "Chunk",
     "chunks",
     "grad_chunk_size",
-    "grad_in_forward_peak",
     "grad_in_forward_workspace",
     "grad_rows",
     "main_cols",
@@ -132,12 +131,7 @@ def main_cols(V: int) -> int:
 
 
 def grad_rows(
-    M: int,
-    V: int,
-    elem_bytes: int,
-    budget: int | None = None,
-    dw_hidden: int = 0,
-    grad_bytes: int | None = None,
+    M: int, V: int, elem_bytes: int, budget: int | None = None, dw_hidden: int = 0
 ) -> int:
     """Rows per chunk: rows * main_cols(V) * elem_bytes <= budget (one row buffer; default
     ``GRAD_ROWS_BYTES``, read at call time), a multiple of ``ROW_STEP`` (at least one
@@ -148,49 +142,19 @@ def grad_rows(
     (``grad_in_forward_workspace``) is no larger than the budget chunks': less peak
     memory, and dW one GEMM over all tokens, rounded once, with no accumulator pass (e.g.
     M = 8192, V = 128256: one chunk from H = 4096 on, a 2.0 GiB buffer where four chunks
-    take 0.5 GiB + a 2.0 GiB accumulator). Otherwise the chunks grow beyond the budget
-    as far as they raise no peak (``grad_in_forward_peak``, the returned gradients
-    included): the cast at the end holds the accumulator and dW together, so a row buffer
-    up to about dW's size (rows <= H) is free. Fewer chunks re-read W less and add into
-    the accumulator fewer times: less DRAM traffic, which at the card's power limit is
-    clock (``benchmarks/power_clocks.py``; e.g. M = 16384, V = 128256, H = 8192: 3
-    chunks of 5504 rows instead of 8 of 2048, the same peak). ``grad_bytes``: bytes per
-    element of h, W and their gradients when the row buffer's ``elem_bytes`` differ (an
-    fp32 stored acc); default ``elem_bytes``."""
+    take 0.5 GiB + a 2.0 GiB accumulator)."""
     budget = GRAD_ROWS_BYTES if budget is None else budget
     per_row = max(main_cols(V), 1) * elem_bytes
     rows = max(ROW_STEP, budget // per_row // ROW_STEP * ROW_STEP)
-    grad_bytes = elem_bytes if grad_bytes is None else grad_bytes
     whole = round_up(max(M, 1), ROW_STEP)
     if rows >= whole:
         return whole
-    if not dw_hidden:
-        return rows
     ws = grad_in_forward_workspace
-    if ws(M, V, dw_hidden, elem_bytes, whole) <= ws(M, V, dw_hidden, elem_bytes, rows):
+    if dw_hidden and ws(M, V, dw_hidden, elem_bytes, whole) <= ws(
+        M, V, dw_hidden, elem_bytes, rows
+    ):
         return whole
-    return _grown_rows(M, V, dw_hidden, grad_bytes, rows, elem_bytes)
-
-
-def _grown_rows(M: int, V: int, H: int, elem_bytes: int, rows: int, acc_bytes: int) -> int:
-    """Rows for the fewest chunks (still several) whose peak is no larger than ``rows``'s,
-    balanced (the most rows allowed, by bisection: the peak grows with the rows; then
-    the M rows split evenly into as many chunks as that takes, rounded up to a step)."""
-
-    def peak(r: int) -> int:
-        return grad_in_forward_peak(M, V, H, elem_bytes, r, acc_bytes)
-
-    limit = peak(rows)
-    lo, hi = rows // ROW_STEP, (M - 1) // ROW_STEP  # in steps; hi * ROW_STEP < M
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if peak(mid * ROW_STEP) <= limit:
-            lo = mid
-        else:
-            hi = mid - 1
-    most = max(rows, lo * ROW_STEP)
-    count = -(-M // most)
-    return round_up(-(-M // count), ROW_STEP)
+    return rows
 
 
 def row_chunks(M: int, rows: int) -> tuple[tuple[int, int], ...]:
@@ -211,29 +175,6 @@ def grad_in_forward_workspace(
     with more than one row chunk, per-chunk partials at the narrowest tile, the tail's
     fp32 temporaries, 8 fp32 vectors of M) and the backward's (one copy of dh and dW: the
     saved gradients times the upstream gradient)."""
-    return max(_phases(M, V, H, elem_bytes, rows, acc_bytes))
-
-
-def grad_in_forward_peak(
-    M: int, V: int, H: int, elem_bytes: int, rows: int, acc_bytes: int | None = None
-) -> int:
-    """Upper bound (bytes) of the path's peak memory above its inputs, the dh and dW it
-    returns included: the forward's workspace with dh (allocated first) and, with one
-    chunk, dW (written directly); with several chunks the cast at the end, when the fp32
-    accumulator, dW and dh are alive (the row buffer freed); the backward's copy plus the
-    gradients it returns."""
-    forward, backward = _phases(M, V, H, elem_bytes, rows, acc_bytes)
-    dh, dW = M * H * elem_bytes, V * H * elem_bytes
-    several = len(row_chunks(M, rows)) > 1
-    chunks = forward + dh + (0 if several else dW)
-    cast = 4 * V * H + dW + dh if several else 0
-    return max(chunks, cast, backward + dh + dW)
-
-
-def _phases(
-    M: int, V: int, H: int, elem_bytes: int, rows: int, acc_bytes: int | None = None
-) -> tuple[int, int]:
-    """(forward, backward) terms of ``grad_in_forward_workspace``."""
     acc_bytes = elem_bytes if acc_bytes is None else acc_bytes
     m, n = min(rows, M), main_cols(V)
     tiles_n, tiles_m = -(-n // MIN_TILE), -(-m // MIN_TILE)
@@ -244,4 +185,4 @@ def _phases(
     forward += 2 * 4 * m * H if V % TMA_COLS else 0
     forward += 8 * 4 * M + 4 * V
     backward = (M + V) * H * elem_bytes
-    return forward, backward
+    return max(forward, backward)

@@ -451,9 +451,8 @@ def lce_fused_loss(
         need_dh, need_dW, bias is not None and need_dbias, rstd is not None and need_drstd,
     )  # fmt: skip
     rows = chunk_rows or ce_chunks.grad_rows(
-        M, V, acc_dtype.itemsize, dw_hidden=W.shape[1] if need_dW else 0,
-        grad_bytes=h.element_size(),
-    )  # fmt: skip
+        M, V, acc_dtype.itemsize, dw_hidden=W.shape[1] if need_dW else 0
+    )
     denom = denom.to(device=h.device, dtype=F32)
     got = _Walk(h, W, target, bias, rstd, denom, spec, rows).run()
     empty = _outputs_like(h, W, bias, rstd, False, False, False, False)
