@@ -22,7 +22,9 @@ for each shape and contender (in interleaved rounds, each contender run back to 
 
 JSON rows ``{"H", "M", "V", "contender", "round", "ms", "watts", "sm_mhz", "joules"}``
 (median ms per pass, mean board watts, median SM MHz, watts x ms: energy per pass) and
-a PNG beside it (joules per pass and SM clock per contender).
+a PNG beside it (time per pass and SM clock per contender, medians over rounds). The
+first round's first contender may start below the power limit (the card ramping up from
+idle): compare rounds at the same watts.
 """
 
 from __future__ import annotations
@@ -133,7 +135,7 @@ def chart(payload: dict, png: str) -> bool:
     names = list(dict.fromkeys(r["contender"] for r in rows))
     fig, axes = plt.subplots(2, len(shapes), figsize=(4.5 * len(shapes), 6), squeeze=False)
     for j, (H, M) in enumerate(shapes):
-        for i, key in enumerate(("joules", "sm_mhz")):
+        for i, key in enumerate(("ms", "sm_mhz")):
             vals = [
                 statistics.median(
                     r[key] for r in rows if (r["H"], r["M"], r["contender"]) == (H, M, n)
@@ -145,7 +147,7 @@ def chart(payload: dict, png: str) -> bool:
             ax.bar(range(len(names)), vals, color=colors)
             ax.set_xticks(range(len(names)), names, rotation=30, fontsize=7)
             ax.set_title(f"H={H}, M={M}", fontsize=9)
-            ax.set_ylabel("J per fwd+bwd pass" if key == "joules" else "median SM MHz")
+            ax.set_ylabel("ms per fwd+bwd pass" if key == "ms" else "median SM MHz")
             lo = min(vals)
             ax.set_ylim(lo * 0.9, max(vals) * 1.02)
     fig.suptitle(f"power_clocks, {payload.get('device', '')}", fontsize=10)
