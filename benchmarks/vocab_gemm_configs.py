@@ -2,13 +2,15 @@
 
     python benchmarks/vocab_gemm_configs.py [--H 2048,4096,8192] [--M 8192,16384]
         [--V 128256] [--rounds 3] [--tiles 128,160,192] [--clusters 2x1,1x2,1x1,2x2]
-        [--swizzles 4,16] [--out benchmarks/results/vocab_gemm_configs_h200.json]
+        [--swizzles 4,16] [--tile-m 128,256]
+        [--out benchmarks/results/vocab_gemm_configs_h200.json]
 
 The cross-entropy's backward pair at vocabulary shapes (``benchmarks/cross_entropy.py``'s
 floor) are the GEMMs where coda trails cuBLAS: dh = dlogits @ W (M x H, K = V: B is
 N-major) and dW = dlogits.T @ h (V x H, K = M: A M-major, B N-major). For each (H, M)
 this times the config ``choose_config`` picks (``heuristic``), every tile width x
-cluster shape of the mainloop, and two tile-scheduler swizzles, beside ``torch.mm`` on
+cluster shape of the mainloop (``--tile-m 128,256`` adds the cooperative 256-row tiles
+of each), and two tile-scheduler swizzles, beside ``torch.mm`` on
 the same views; interleaved rounds, medians (benchmarks/common.py). Rows:
 ``{"gemm", "H", "M", "V", "M_", "N_", "K_", "config", "coda_ms", "cublas_ms",
 "heuristic"}`` (M_, N_, K_: the GEMM's own problem).
@@ -35,16 +37,17 @@ SWIZZLES = (4, 16)
 
 
 def label(cfg: GemmConfig) -> str:
-    return f"128x{cfg.tile_n} c{cfg.cluster_m}x{cfg.cluster_n} g{cfg.group_m}"
+    return f"{cfg.tile_m}x{cfg.tile_n} c{cfg.cluster_m}x{cfg.cluster_n} g{cfg.group_m}"
 
 
 def candidates(
-    base: GemmConfig, tiles=TILES, clusters=CLUSTERS, swizzles=SWIZZLES
+    base: GemmConfig, tiles=TILES, clusters=CLUSTERS, swizzles=SWIZZLES, tile_ms=(128,)
 ) -> list[GemmConfig]:
     out = [base]
-    for tile_n in tiles:
-        for cm, cn in clusters:
-            out.append(GemmConfig(tile_n=tile_n, cluster_m=cm, cluster_n=cn))
+    for tile_m in tile_ms:
+        for tile_n in tiles:
+            for cm, cn in clusters:
+                out.append(GemmConfig(tile_m=tile_m, tile_n=tile_n, cluster_m=cm, cluster_n=cn))
     out += [attrs.evolve(base, group_m=g) for g in swizzles]
     seen, unique = set(), []
     for c in out:
@@ -76,11 +79,13 @@ def main(argv=None) -> None:
         "--clusters", default=",".join(f"{m}x{n}" for m, n in CLUSTERS), help="e.g. 2x1,2x2"
     )
     p.add_argument("--swizzles", default=",".join(map(str, SWIZZLES)), help="'' for none")
+    p.add_argument("--tile-m", default="128", help="128 (PingPong), 256 (cooperative)")
     p.add_argument("--out", default="benchmarks/results/vocab_gemm_configs_h200.json")
     args = p.parse_args(argv)
     tiles = tuple(int(t) for t in args.tiles.split(",") if t)
     clusters = tuple(tuple(int(x) for x in c.split("x")) for c in args.clusters.split(",") if c)
     swizzles = tuple(int(g) for g in args.swizzles.split(",") if g)
+    tile_ms = tuple(int(t) for t in args.tile_m.split(",") if t)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     rows = []
     for H in (int(x) for x in args.H.split(",")):
@@ -88,7 +93,7 @@ def main(argv=None) -> None:
             for name, A, B, out, cublas in problems(H, M, args.V):
                 m, k, n = A.shape[0], A.shape[1], B.shape[0]
                 base = choose_config(m, n, k, sms)
-                cfgs = candidates(base, tiles, clusters, swizzles)
+                cfgs = candidates(base, tiles, clusters, swizzles, tile_ms)
                 fns = {"cublas": cublas}
                 for c in cfgs:
                     fns[label(c)] = lambda c=c, A=A, B=B, out=out: gemm(A, B, out=out, config=c)

@@ -49,6 +49,19 @@ CASES = [
         torch.bfloat16,
         "HGMMA.64x128x16.F32.BF16",
     ),
+    # the cooperative schedule: 256-row tiles, each warpgroup on its 128-row half
+    (
+        GemmConfig(tile_m=256, tile_n=128, cluster_m=2),
+        torch.bfloat16,
+        torch.bfloat16,
+        "HGMMA.64x128x16.F32.BF16",
+    ),
+    (
+        GemmConfig(tile_m=256, tile_n=192, cluster_m=2),
+        torch.bfloat16,
+        torch.float32,
+        "HGMMA.64x192x16.F32.BF16",
+    ),
 ]
 
 
@@ -138,6 +151,32 @@ def test_split_k_refuses_visitors_that_do_not_only_accumulate():
         PingPongGemm(
             GemmConfig(split_k=2), to_cutlass(torch.bfloat16), AccStore(torch.float32, False)
         )
+
+
+def test_cooperative_tiles_refuse_visitors_that_load_or_reduce():
+    """256-row (cooperative) tiles run plain GEMMs and store-only epilogues; an epilogue
+    with M x N loads or reductions is refused before compiling."""
+    from coda.mainloop.dtypes import to_cutlass
+    from coda.mainloop.kernel import PingPongGemm
+    from coda.runtime.fused import FusedVisitor
+    from coda.testing.catalog import EPILOGUES
+
+    cfg = GemmConfig(tile_m=256, tile_n=128)
+    for name in ("rmsnorm_fwd", "residual_store", "lse_target"):
+        with pytest.raises(ValueError, match="tile_m=256"):
+            PingPongGemm(cfg, to_cutlass(torch.bfloat16), FusedVisitor(EPILOGUES[name]))
+    kernel = PingPongGemm(cfg, to_cutlass(torch.bfloat16), AccStore(torch.float32, True))
+    assert kernel.cooperative and kernel.concurrent and kernel.config.tile_m == 128
+    assert kernel.ab_stages >= 4  # 256 x 128 x 64 A/B stages beside fp32 store buffers
+
+
+def test_cooperative_config_validation():
+    with pytest.raises(ValueError, match="cooperative"):
+        GemmConfig(tile_m=256, split_k=2)
+    with pytest.raises(ValueError, match="tile_m"):
+        GemmConfig(tile_m=192)
+    assert GemmConfig(tile_m=256).warpgroup_config.tile_m == 128
+    assert GemmConfig().warpgroup_config == GemmConfig()
 
 
 def _kloop(sass: str) -> list[str]:

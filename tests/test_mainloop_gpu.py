@@ -122,6 +122,49 @@ def test_gemm_cluster_2x2_every_layout(layout, shape):
     assert err <= 2 * base + 1e-6, (err, base)
 
 
+COOPERATIVE = [
+    GemmConfig(tile_m=256, tile_n=128, cluster_m=2),
+    GemmConfig(tile_m=256, tile_n=192, cluster_m=2),
+    GemmConfig(tile_m=256, tile_n=128, cluster_m=1),
+    GemmConfig(tile_m=256, tile_n=128, cluster_m=1, cluster_n=2),
+]
+
+
+@pytest.mark.parametrize("config", COOPERATIVE, ids=str)
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("shape", [(1111, 1320, 1048), (129, 136, 72), (4096, 2048, 1024)])
+def test_gemm_cooperative_every_layout(config, layout, shape):
+    """The cooperative schedule (256-row tiles, both warpgroups on each): every operand
+    layout, ragged M / N / K (a 256-row tile whose second half is past M), one tile row
+    and many, into NaN-poisoned outputs."""
+    m, n, k = shape
+    g = torch.Generator(device="cuda").manual_seed(7)
+    a = torch.randn(m, k, device="cuda", generator=g).to(torch.bfloat16)
+    b = torch.randn(n, k, device="cuda", generator=g).to(torch.bfloat16)
+    a_v, b_v = operands(a, b, layout)
+    out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+    gemm(a_v, b_v, out=out, config=config)
+    err, base = _errors(a, b, out, torch.bfloat16)
+    assert not out.isnan().any()
+    assert err <= 2 * base + 1e-6, (err, base)
+
+
+@pytest.mark.parametrize("layout", ["fwd", "wgrad"])
+@pytest.mark.parametrize("tile_n", [128, 192])
+def test_gemm_cooperative_accumulates(layout, tile_n):
+    """``out += A @ B^T`` (fp32 TMA reduce-add) with cooperative tiles."""
+    m, n, k = 1000, 1320, 520
+    g = torch.Generator(device="cuda").manual_seed(8)
+    a = torch.randn(m, k, device="cuda", generator=g).to(torch.bfloat16)
+    b = torch.randn(n, k, device="cuda", generator=g).to(torch.bfloat16)
+    a_v, b_v = operands(a, b, layout)
+    base = torch.randn(m, n, device="cuda", generator=g)
+    out = base.clone()
+    gemm(a_v, b_v, out=out, accumulate=True, config=GemmConfig(tile_m=256, tile_n=tile_n))
+    ref = base.double() + a.double() @ b.double().T
+    assert (out.double() - ref).abs().max().item() < 1e-3 * ref.abs().max().item()
+
+
 def test_gemm_strided_views():
     """Row strides larger than the width (a column slice of a wider buffer) are supported."""
     g = torch.Generator(device="cuda").manual_seed(4)

@@ -17,7 +17,9 @@ SMEM_RESERVED = 2048
 #: H100/H200 SXM multiprocessor count; used when compiling without a GPU.
 DEFAULT_NUM_SMS = 132
 
-_TILE_M = (128,)
+#: 256: the cooperative schedule (``GemmConfig.cooperative``): both consumer warpgroups
+#: work on one 256-row tile, 128 rows each, for plain GEMMs and store-only epilogues.
+_TILE_M = (128, 256)
 # PingPong gives each consumer warpgroup a whole tile, so the fp32 accumulator of a
 # 128 x tile_n tile lives in one warpgroup's registers: tile_n <= 192 keeps it below
 # the 232-register setmaxnreg budget with room for the epilogue. tile_n is a multiple
@@ -51,12 +53,18 @@ def _is_bool(instance, attribute, value):
 class GemmConfig:
     """One compile-time configuration of the PingPong GEMM.
 
-    tile_m x tile_n is the output tile one consumer warpgroup owns; tile_k the K depth of
-    one pipeline stage; cluster_m x cluster_n CTAs form a cluster (B is multicast to the
-    CTAs that share an N tile, A to those that share an M tile; 2x2 multicasts both, and
-    is opt-in: the heuristics never pick it, and it has not yet run on a GPU); epi_m x epi_n is the
-    epilogue subtile the visitor sees; group_m is the tile-scheduler swizzle: clusters
-    are visited in column-major groups of ``group_m`` cluster-rows for L2 reuse.
+    tile_m x tile_n is the output tile one consumer warpgroup owns (PingPong: the two
+    warpgroups take turns on the tensor cores, one tile each); ``tile_m=256`` is the
+    cooperative schedule instead: one CTA tile of 256 rows, both warpgroups on it at
+    once, 128 rows each (one B tile per 256 rows instead of per 128: fewer operand bytes
+    per FLOP, which at the power limit is clock), for plain GEMMs and store-only
+    epilogues (no M x N loads, no reductions; their epilogue is not hidden behind the
+    other warpgroup's mainloop). tile_k is the K depth of one pipeline stage;
+    cluster_m x cluster_n CTAs form a cluster (B is multicast to the CTAs that share an
+    N tile, A to those that share an M tile; 2x2 multicasts both, and is opt-in: the
+    heuristics never pick it); epi_m x epi_n is the epilogue subtile the visitor sees;
+    group_m is the tile-scheduler swizzle: clusters are visited in column-major groups
+    of ``group_m`` cluster-rows for L2 reuse.
     """
 
     tile_m: int = attrs.field(default=128, validator=_check_in(_TILE_M))
@@ -105,6 +113,22 @@ class GemmConfig:
             raise ValueError("concurrent_epilogues needs epi_stages >= 2 (one per warpgroup)")
         if not 1 <= self.split_k <= MAX_SPLIT_K:
             raise ValueError(f"split_k must be in [1, {MAX_SPLIT_K}]; got {self.split_k}")
+        if self.cooperative and self.split_k > 1:
+            raise ValueError("tile_m=256 (cooperative) does not split K")
+
+    @property
+    def cooperative(self) -> bool:
+        """Both consumer warpgroups on one 256-row tile (see the class doc)."""
+        return self.tile_m == 256
+
+    @property
+    def warpgroup_config(self) -> GemmConfig:
+        """The config of the 128-row tile one consumer warpgroup computes and stores:
+        this one, or for a cooperative tile its half (with concurrent epilogues: the
+        warpgroups store their halves at once)."""
+        if not self.cooperative:
+            return self
+        return attrs.evolve(self, tile_m=128, concurrent_epilogues=True)
 
     @property
     def tile_shape_mnk(self) -> tuple[int, int, int]:

@@ -103,7 +103,11 @@ class PingPongGemm(Producers, EpilogueIO):
         visitor=None,
         num_sms: int = DEFAULT_NUM_SMS,
     ):
-        self.config = config
+        # ``cta_config``: the CTA's tile (A loads, the schedule); ``config``: the tile one
+        # consumer warpgroup computes and stores (the same but for a cooperative tile)
+        self.cta_config = config
+        self.cooperative = config.cooperative
+        self.config = config.warpgroup_config
         self.ab_dtype = ab_dtype
         self.acc_dtype = Float32
         self.visitor = visitor if visitor is not None else AccStore()
@@ -134,12 +138,21 @@ class PingPongGemm(Producers, EpilogueIO):
                 f"no M x N loads and no tile reductions"
             )
         self.scratch_floats = self.visitor.smem_bytes(config) // 4
+        if self.cooperative and (
+            self.load_dtypes or self.scratch_floats or getattr(self.visitor, "extras_specs", ())
+        ):
+            raise ValueError(
+                "tile_m=256 (cooperative) runs plain GEMMs and store-only epilogues: this "
+                "visitor loads M x N operands, reduces or takes extra tensors; use tile_m=128"
+            )
         # concurrent epilogues (when they fit): each consumer warpgroup has its own scratch
-        fit = self._fit_smem(config, concurrent=True) if config.concurrent_epilogues else None
+        fit = None
+        if self.config.concurrent_epilogues:
+            fit = self._fit_smem(config, concurrent=True)
         self.concurrent = fit is not None
         self.scratch_copies = 2 if self.concurrent else 1
         if fit is None:
-            fit = self._fit_smem(config, concurrent=False)
+            fit = None if self.cooperative else self._fit_smem(config, concurrent=False)
             if fit is None:
                 raise ValueError(
                     f"the epilogue's {len(self.visitor.store_dtypes)} stored and "
@@ -171,7 +184,11 @@ class PingPongGemm(Producers, EpilogueIO):
             int(sub * w) * _nbytes(d)
             for d, w in zip(self.visitor.load_dtypes, self.load_widths, strict=True)
         )
-        if concurrent:
+        if config.cooperative:
+            # a long mainloop per tile: A/B stages first, then 2 store buffers per warpgroup
+            candidates = [(4, 0), (2, 0)]
+            min_abs = (4, 3, 2)
+        elif concurrent:
             ring = 2 * n_sub
             candidates = [
                 (e, ring) for e in (config.epi_stages - config.epi_stages % 2, 4, 2) if e >= 2
@@ -203,7 +220,8 @@ class PingPongGemm(Producers, EpilogueIO):
     @cute.jit
     def __call__(self, mA: cute.Tensor, mB: cute.Tensor, stores, loads, extras, stream):
         cfg = self.config
-        tile_mnk = cfg.tile_shape_mnk
+        cta = self.cta_config
+        tile_mnk = cta.tile_shape_mnk
         a_layout = LayoutEnum.from_tensor(mA)
         b_layout = LayoutEnum.from_tensor(mB)
 
@@ -246,7 +264,7 @@ class PingPongGemm(Producers, EpilogueIO):
             a_op,
             mA,
             cute.slice_(a_smem_staged, (None, None, 0)),
-            (cfg.tile_m, cfg.tile_k),
+            (cta.tile_m, cfg.tile_k),
             num_multicast=self.num_mcast_a,
         )
         tma_b, tB = cpasync.make_tiled_tma_atom(
@@ -283,7 +301,7 @@ class PingPongGemm(Producers, EpilogueIO):
 
         M = cute.size(mA, mode=[0])
         N = cute.size(mB, mode=[0])
-        tiles_m = cute.ceil_div(M, cfg.tile_m)
+        tiles_m = cute.ceil_div(M, cta.tile_m)
         tiles_n = cute.ceil_div(N, cfg.tile_n)
         clusters_m = cute.ceil_div(tiles_m, cfg.cluster_m)
         clusters_n = cute.ceil_div(tiles_n, cfg.cluster_n)
@@ -356,7 +374,7 @@ class PingPongGemm(Producers, EpilogueIO):
         extras,
     ):
         cfg = self.config
-        tile_mnk = cfg.tile_shape_mnk
+        tile_mnk = self.cta_config.tile_shape_mnk
         n_stores = len(self.store_dtypes)
         n_loads = len(self.load_dtypes)
         sub_m, sub_n = cfg.subtiles_per_tile
@@ -399,9 +417,9 @@ class PingPongGemm(Producers, EpilogueIO):
         tx_bytes = cute.size_in_bytes(self.ab_dtype, a_stage_layout) + cute.size_in_bytes(
             self.ab_dtype, b_stage_layout
         )
-        # One consumer warpgroup (4 warps) reads each stage; each of its warps releases
-        # the stage to every CTA that multicast into it.
-        mcast_peers = self.num_mcast_a + self.num_mcast_b - 1
+        # One consumer warpgroup (4 warps; both with a cooperative tile) reads each stage;
+        # each of its warps releases the stage to every CTA that multicast into it.
+        mcast_peers = (self.num_mcast_a + self.num_mcast_b - 1) * (2 if self.cooperative else 1)
         ab_pipe = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.ab_barriers.data_ptr(),
             num_stages=self.ab_stages,
@@ -481,6 +499,10 @@ class PingPongGemm(Producers, EpilogueIO):
 
             thr_mma = tiled_mma.get_slice(wg_tidx)
             tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
+            if const_expr(self.cooperative):
+                # (MMA, 4 row blocks of 64, k, stage): this warpgroup's rows are blocks
+                # 2 wg and 2 wg + 1 of the 256-row stage
+                tCrA = cute.logical_divide(tCrA, (None, 2))[(None, (None, wg), None, None)]
             tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
             acc = cute.make_rmem_tensor(
                 thr_mma.partition_shape_C((cfg.tile_m, cfg.tile_n)), self.acc_dtype
@@ -537,23 +559,29 @@ class PingPongGemm(Producers, EpilogueIO):
             lread = pipeline.make_pipeline_state(
                 pipeline.PipelineUserType.Consumer, self.load_stages
             )
-            if wg == 0:
-                # warpgroup 0 goes first: it signals its own turn barriers once.
-                self._turn_arrive(_Barrier.MMA_TURN, 0)
-                if const_expr(not concurrent):
-                    self._turn_arrive(_Barrier.EPI_TURN, 0)
-            # warpgroup 1 starts on the second tile: skip warpgroup 0's stages.
-            if wg == 1:
-                read.advance(k_tiles)
-                if const_expr(n_loads > 0):
-                    lread.advance(n_sub)
+            cooperative = self.cooperative
+            if const_expr(not cooperative):
+                if wg == 0:
+                    # warpgroup 0 goes first: it signals its own turn barriers once.
+                    self._turn_arrive(_Barrier.MMA_TURN, 0)
+                    if const_expr(not concurrent):
+                        self._turn_arrive(_Barrier.EPI_TURN, 0)
+                # warpgroup 1 starts on the second tile: skip warpgroup 0's stages.
+                if wg == 1:
+                    read.advance(k_tiles)
+                    if const_expr(n_loads > 0):
+                        lread.advance(n_sub)
 
-            t = Int32(bidz) + wg * num_clusters
+            # PingPong: the warpgroups take alternate tiles; cooperative: both take each
+            t = Int32(bidz) if const_expr(cooperative) else Int32(bidz) + wg * num_clusters
             while t < sched.num_work:
                 tm, tn = sched.tile_coord(t, cta_mn)
+                if const_expr(cooperative):
+                    tm = 2 * tm + wg  # this warpgroup's 128-row half of the CTA tile
 
-                # ---- mainloop (takes its turn on the tensor cores)
-                self._turn_wait(_Barrier.MMA_TURN, wg)
+                # ---- mainloop (takes its turn on the tensor cores, unless cooperative)
+                if const_expr(not cooperative):
+                    self._turn_wait(_Barrier.MMA_TURN, wg)
                 release = read.clone()
                 ab_pipe.consumer_wait(read)
                 self._mma_ktile(tiled_mma, acc, tCrA, tCrB, k_blocks, read.index, zero_init=True)
@@ -567,7 +595,8 @@ class PingPongGemm(Producers, EpilogueIO):
                     self._release(ab_pipe, release, cfg.cluster_m * cfg.cluster_n, ab_peers)
                     release.advance()
                     read.advance()
-                self._turn_arrive(_Barrier.MMA_TURN, 1 - wg)
+                if const_expr(not cooperative):
+                    self._turn_arrive(_Barrier.MMA_TURN, 1 - wg)
                 warpgroup.wait_group(0)
                 self._release(ab_pipe, release, cfg.cluster_m * cfg.cluster_n, ab_peers)
 
@@ -642,10 +671,13 @@ class PingPongGemm(Producers, EpilogueIO):
                             store_pipe.producer_tail()
                     self._turn_arrive(_Barrier.EPI_TURN, 1 - wg)
 
-                read.advance(k_tiles)  # skip the other warpgroup's tile
-                if const_expr(n_loads > 0):
-                    lread.advance(n_sub)
-                t += 2 * num_clusters
+                if const_expr(cooperative):
+                    t += num_clusters
+                else:
+                    read.advance(k_tiles)  # skip the other warpgroup's tile
+                    if const_expr(n_loads > 0):
+                        lread.advance(n_sub)
+                    t += 2 * num_clusters
             if const_expr(concurrent and n_stores > 0):
                 # the shared-memory buffers must outlive the stores that read them
                 if is_store_warp:
