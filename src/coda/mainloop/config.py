@@ -197,6 +197,13 @@ _TILE_EFFICIENCY = {192: 1.0, 128: 0.98}
 #: Above it 128 x 128 tiles are costed at ``_LONG_RUN_EFFICIENCY_128``.
 LONG_RUN_FLOPS = 6e12
 _LONG_RUN_EFFICIENCY_128 = 0.9
+#: Relative throughput of cooperative 256-row tiles on long-running problems (one B tile
+#: per 256 rows: fewer operand bytes per FLOP still). Fitted on an H200
+#: (``benchmarks/results/vocab_gemm_configs_coop_h200.json``: the LM head's dh / dW
+#: GEMMs of 8.6-34 TFLOP, 256 x 192 up to 16% faster than 128 x 192, 256 x 128 best
+#: where 192-wide tiles leave a last wave a third empty); not offered below
+#: ``LONG_RUN_FLOPS``, where they measured even (4.3 TFLOP).
+_LONG_RUN_EFFICIENCY_COOPERATIVE = {192: 1.1, 128: 1.02}
 
 
 def choose_config(
@@ -212,6 +219,10 @@ def choose_config(
     GEMMs of a Llama block, whose M x N is small and K = tokens long), except on problems
     of ``LONG_RUN_FLOPS`` or more, which run power-limited and favour 128 x 192 more.
 
+    From ``LONG_RUN_FLOPS`` on, cooperative 256-row tiles are candidates too (a unit of
+    work is then a 256-row tile, costing twice a 128-row one's k-tiles, at
+    ``_LONG_RUN_EFFICIENCY_COOPERATIVE``).
+
     ``split_ok`` (the caller stores into an fp32 output it zeroed or accumulates into):
     split-K is also considered, a unit of work costing its share of the k-tiles plus
     ``SPLIT_EPILOGUE_K_TILES`` for its reduce-add store, with every split keeping at
@@ -226,16 +237,22 @@ def choose_config(
     clusters = max(1, num_sms // cluster_m)
     max_split = min(MAX_SPLIT_K, k_tiles // MIN_SPLIT_K_TILES) if split_ok else 1
 
-    def cost(choice: tuple[int, int]) -> float:
-        tile_n, splits = choice
-        units = -(-tiles_m // cluster_m) * -(-n // tile_n) * splits
-        per_unit = -(-k_tiles // splits) + (SPLIT_EPILOGUE_K_TILES if splits > 1 else 0)
-        return -(-units // clusters) * per_unit * tile_n / efficiency[tile_n]
+    long_run = 2.0 * m * n * k >= LONG_RUN_FLOPS
 
-    # dict order: 192 first wins ties, then fewer splits
-    choices = [(t, s) for s in range(1, max(1, max_split) + 1) for t in _TILE_EFFICIENCY]
-    tile_n, splits = min(choices, key=cost)
-    return GemmConfig(tile_n=tile_n, cluster_m=cluster_m, split_k=splits)
+    def cost(choice: tuple[int, int, int]) -> float:
+        tile_m, tile_n, splits = choice
+        rows = -(-m // tile_m)
+        units = -(-rows // cluster_m) * -(-n // tile_n) * splits
+        per_unit = -(-k_tiles // splits) + (SPLIT_EPILOGUE_K_TILES if splits > 1 else 0)
+        eff = efficiency[tile_n] if tile_m == 128 else _LONG_RUN_EFFICIENCY_COOPERATIVE[tile_n]
+        return -(-units // clusters) * per_unit * tile_n * (tile_m // 128) / eff
+
+    # list order breaks ties: PingPong 192 first, then fewer splits, then cooperative
+    choices = [(128, t, s) for s in range(1, max(1, max_split) + 1) for t in _TILE_EFFICIENCY]
+    if long_run and tiles_m >= 2:
+        choices += [(256, t, 1) for t in _LONG_RUN_EFFICIENCY_COOPERATIVE]
+    tile_m, tile_n, splits = min(choices, key=cost)
+    return GemmConfig(tile_m=tile_m, tile_n=tile_n, cluster_m=cluster_m, split_k=splits)
 
 
 #: K up to which a fused GEMM is one k-tile: its epilogue is nearly the whole kernel
