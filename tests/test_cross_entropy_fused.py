@@ -238,6 +238,37 @@ def test_many_row_chunks_round_dW_once(V, fold, monkeypatch):
     assert ((running.float() - one.float()).abs() > ulp).any()
 
 
+def test_backward_scales_in_place_unless_the_graph_is_kept(monkeypatch):
+    """A plain ``backward()`` scales the saved gradients in place and returns them (no new
+    dh / dW allocated); a retained graph (a second backward will read them) and
+    ``create_graph`` through the upstream gradient get new tensors. The values are the
+    same either way (test_saved_gradients_scale_with_the_upstream_gradient)."""
+    seen = []
+    real = ce_fused._scaled
+
+    def spy(tensors, g, in_place=False):
+        seen.append(in_place)
+        out = real(tensors, g, in_place)
+        for t, o in zip(tensors, out, strict=True):
+            if t is not None:
+                assert (o.data_ptr() == t.data_ptr()) == in_place
+        return out
+
+    monkeypatch.setattr(ce_fused, "_scaled", spy)
+    (h, W, _, _), target = _inputs()
+    loss = linear_cross_entropy(h, W, target, chunk_rows=7)
+    (2 * loss).backward(retain_graph=True)
+    first = h.grad.clone()
+    (2 * loss).backward()
+    assert seen == [False, True]
+    torch.testing.assert_close(h.grad, 2 * first)
+    g = torch.tensor(3.0, requires_grad=True)
+    loss = linear_cross_entropy(h, W, target, chunk_rows=7)
+    (dh,) = torch.autograd.grad(loss * g, h, create_graph=True)
+    assert seen == [False, True, False]
+    assert dh.requires_grad
+
+
 def test_scaled_gradients_are_new_tensors_in_their_dtypes():
     """The backward's scaling (``torch._foreach_mul`` per dtype): each result is a new
     tensor of its input's dtype (inputs untouched, None kept) equal to t * g, with g in

@@ -479,9 +479,10 @@ def _fused_setup(ctx, inputs, output) -> None:
     ctx.set_materialize_grads(False)
 
 
-def _scaled(tensors: list, g: torch.Tensor) -> list:
-    """Each tensor (None kept) times the 0-dim ``g``, out of place, in its own dtype: one
-    ``torch._foreach_mul`` per dtype with ``g`` cast to that dtype. The foreach kernel
+def _scaled(tensors: list, g: torch.Tensor, in_place: bool = False) -> list:
+    """Each tensor (None kept) times the 0-dim ``g``, in its own dtype: one
+    ``torch._foreach_mul`` per dtype with ``g`` cast to that dtype, out of place, or with
+    ``in_place`` (``_foreach_mul_``) into the tensors themselves. The foreach kernel
     reads the scalar from device memory in a vectorized multi-tensor launch (its fast path
     wants the scalar in the list's dtype); ``t * g`` would instead broadcast the 0-dim
     CUDA tensor through TensorIterator's unvectorized dynamic-cast kernel, which rounded g
@@ -495,18 +496,44 @@ def _scaled(tensors: list, g: torch.Tensor) -> list:
         if t is not None:
             groups.setdefault(t.dtype, []).append(i)
     for dtype, idx in groups.items():
-        scaled = torch._foreach_mul([tensors[i] for i in idx], g.to(dtype))
-        for i, t in zip(idx, scaled, strict=True):
+        group = [tensors[i] for i in idx]
+        if in_place:
+            torch._foreach_mul_(group, g.to(dtype))
+            continue
+        for i, t in zip(idx, torch._foreach_mul(group, g.to(dtype)), strict=True):
             out[i] = t
     return out
 
 
+def _scale_in_place(g: torch.Tensor, saved: list) -> bool:
+    """Whether the backward may scale the saved gradients in place and return them: this
+    backward frees them when it ends (the graph is not retained, so no second backward
+    reads them), nothing differentiates through the scaling, and nothing traces it (no
+    compiler, and plain tensors: no fake or functional ones of a tracer).
+    Then no new dh / dW is allocated (at V = 128256, H = 8192 a 2 GiB dW: with the
+    caching allocator fragmented by other large allocations, each such block can cost a
+    cudaMalloc). The op's gradient outputs ARE the saved tensors: a caller of
+    ``coda::lce_fused_loss`` itself who keeps them sees them scaled after the backward."""
+    keep_graph = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
+    if keep_graph is None or torch.compiler.is_compiling():
+        return False
+    if any(type(t) is not torch.Tensor for t in [g, *saved] if t is not None):
+        return False
+    if g.requires_grad and torch.is_grad_enabled():
+        return False
+    try:
+        return not keep_graph()
+    except RuntimeError:  # not inside a backward
+        return False
+
+
 def _fused_backward(ctx, g_loss, *unused):
-    """The saved gradients times the loss's upstream gradient (no GEMM)."""
+    """The saved gradients times the loss's upstream gradient (no GEMM), in place when
+    ``_scale_in_place`` allows."""
     if g_loss is None:
         return (None,) * 16
     saved = [t if need else None for t, need in zip(ctx.saved_tensors, ctx.need, strict=True)]
-    dh, dW, dbias, drstd = _scaled(saved, g_loss)
+    dh, dW, dbias, drstd = _scaled(saved, g_loss, in_place=_scale_in_place(g_loss, saved))
     return (dh, dW, None, dbias, drstd) + (None,) * 11
 
 
