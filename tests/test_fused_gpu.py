@@ -189,3 +189,15 @@ WIDE = GemmConfig(tile_n=192, cluster_m=2)
 @pytest.mark.parametrize("layout", ["fwd", "wgrad"])
 def test_wide_tile_epilogues_match_reference(name, shape, layout):
     _check(EPILOGUES[name], shape, layout, config=WIDE)
+
+
+@pytest.mark.parametrize(
+    "shape", [(300, 520, 264), (1000, 776, 136), (4096, 1024, 512)],
+    ids=lambda s: "x".join(map(str, s)),
+)  # fmt: skip
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_store_only_epilogue_on_cooperative_tiles(shape, layout):
+    """A store-only catalogue epilogue (SwiGLU forward: width-2 acc -> width-1/2 store) with
+    an explicit cooperative config: both warpgroups store their 128-row halves of each
+    256-row tile at once (the others, with loads or reductions, are refused)."""
+    _check(EPILOGUES["swiglu_fwd"], shape, layout, config=GemmConfig(tile_m=256, tile_n=128))
