@@ -419,12 +419,15 @@ class PingPongGemm(Producers, EpilogueIO):
         )
         # One consumer warpgroup (4 warps; both with a cooperative tile) reads each stage;
         # each of its warps releases the stage to every CTA that multicast into it.
-        mcast_peers = (self.num_mcast_a + self.num_mcast_b - 1) * (2 if self.cooperative else 1)
+        mcast_peers = self.num_mcast_a + self.num_mcast_b - 1
+        consumer_warps = 4 * (2 if self.cooperative else 1)
         ab_pipe = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.ab_barriers.data_ptr(),
             num_stages=self.ab_stages,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 4 * mcast_peers),
+            consumer_group=pipeline.CooperativeGroup(
+                pipeline.Agent.Thread, consumer_warps * mcast_peers
+            ),
             tx_count=tx_bytes,
             cta_layout_vmnk=cute.make_layout((1, *cta_layout_mnk.shape)),
             defer_sync=True,
