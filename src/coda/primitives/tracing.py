@@ -611,16 +611,21 @@ def finalize_col_reduce(p, out, col, n, op: cutlass.Constexpr[str], post):
         out[col] = Float32(total)
 
 
+def merge_max_sum(m, s, m2, s2):
+    """Two running (max, sum of exp(x - max)) pairs merged into one (a -inf max: no
+    element yet)."""
+    top = fr.combine("max", m, m2)
+    base = finite_or_zero(top)
+    return top, s * cute.math.exp(m - base) + s2 * cute.math.exp(m2 - base)
+
+
 def warp_merge_max_sum(m, s):
     """Merge every lane's running (max, sum of exp(x - max)) across the warp; every lane
     gets the merged pair."""
     for off in (1, 2, 4, 8, 16):
         om = cute.arch.shuffle_sync_bfly(m, offset=off)
         os_ = cute.arch.shuffle_sync_bfly(s, offset=off)
-        top = fr.combine("max", m, om)
-        base = finite_or_zero(top)
-        s = s * cute.math.exp(m - base) + os_ * cute.math.exp(om - base)
-        m = top
+        m, s = merge_max_sum(m, s, om, os_)
     return m, s
 
 
@@ -633,6 +638,8 @@ def finalize_logsumexp(pmax, psum, out, row, lane):
         m = Float32(-float("inf"))
         s = Float32(0.0)
         for t in cutlass.range(lane, cute.size(pmax, mode=[1]), 32, unroll=FOLD_UNROLL):
+            # merge_max_sum, written out: the loop carries m and s as plain names (the
+            # form run on the H200; a tuple assignment in this dynamic loop has not been)
             pm = Float32(pmax[row, t])
             ps = Float32(psum[row, t])
             top = fr.combine("max", m, pm)
