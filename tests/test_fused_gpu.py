@@ -18,6 +18,7 @@ if not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 
 from coda import Epilogue  # noqa: E402
 from coda.mainloop.config import GemmConfig  # noqa: E402
 from coda.primitives import Elementwise, TileLoad, TileReduce, TileStore, VecLoad, ops  # noqa: E402
+from coda.runtime import finalize  # noqa: E402
 from coda.runtime.fused import n_multiple  # noqa: E402
 from coda.testing import fns  # noqa: E402
 from coda.testing.catalog import EPILOGUES  # noqa: E402
@@ -128,6 +129,54 @@ CORNERS = {
 @pytest.mark.parametrize("name", list(CORNERS))
 def test_width_corners_match_reference(name, shape):
     _check(CORNERS[name], shape)
+
+
+#: the catalogue epilogues whose results are finalized on the GPU
+REDUCING = [n for n in EPILOGUES if finalize.uses_kernel(EPILOGUES[n])]
+
+
+@pytest.mark.parametrize("shape", [(1000, 776, 136), (4096, 1024, 512), (7, 8, 8)])
+@pytest.mark.parametrize("name", REDUCING)
+def test_finalize_kernel_path_matches_reference(name, shape, monkeypatch):
+    """With the GEMM kernel's own finalize turned off (thresholds at 0), the finalize
+    kernel runs after the GEMM and gives the same results."""
+    monkeypatch.setattr(finalize, "ROWS_IN_GEMM_MAX_N", 0)
+    monkeypatch.setattr(finalize, "COLS_IN_GEMM_MAX_M", 0)
+    _check(EPILOGUES[name], shape)
+
+
+def _inputs(epi, m, n, k, seed):
+    A, B, tensors = make_inputs(epi, m, n, k, bf16, seed=seed)
+    return A.cuda(), B.cuda(), {key: v.cuda() for key, v in tensors.items()}
+
+
+def _assert_matches(epi, A, B, tensors, got, tile=(128, 128)):
+    truth = epi.reference(A, B, tile=tile, acc=A.double() @ B.double().T, **tensors)
+    eager = epi.reference(A, B, tile=tile, acc=(A @ B.T).float(), **tensors)
+    for name, t in truth.items():
+        c = compare(got[name], t, name=name, baseline=eager[name], atol=1e-3, floor=1.0)
+        assert c.passed, (name, c)
+
+
+@pytest.mark.parametrize("name", REDUCING)
+def test_in_kernel_finalize_counters_reset_across_calls_and_streams(name):
+    """The arrival counters live in one buffer per stream and every launch leaves them
+    at zero: back-to-back calls on one stream, then on two streams at once (no sync in
+    between), all finalize right."""
+    epi = EPILOGUES[name]
+    m, k = 1000, 136
+    n = -(-776 // n_multiple(epi)) * n_multiple(epi)
+    assert finalize.in_gemm(epi, CONFIG, m, n)
+    runs = [_inputs(epi, m, n, k, seed) for seed in range(4)]
+    outs = [epi(A, B, config=CONFIG, **t) for A, B, t in runs[:2]]  # same stream
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    outs.append(epi(*runs[2][:2], config=CONFIG, **runs[2][2]))
+    with torch.cuda.stream(side):
+        outs.append(epi(*runs[3][:2], config=CONFIG, **runs[3][2]))
+    torch.cuda.synchronize()
+    for (A, B, t), got in zip(runs, outs, strict=True):
+        _assert_matches(epi, A, B, t, got)
 
 
 def test_results_never_alias_each_other():

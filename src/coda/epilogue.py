@@ -119,9 +119,11 @@ class Epilogue:
         **tensors: torch.Tensor | float,
     ) -> dict[str, torch.Tensor]:
         """Run fused after the GEMM on a Hopper GPU: acc = A @ B^T, then every primitive in
-        the kernel's epilogue. Returns the same dict as ``reference`` (finalized results;
-        the per-tile partials of the kernel's tiling too). Input errors (names, shapes,
-        dtypes, strides, devices) are raised before anything is launched; compositions
+        the kernel's epilogue. Returns the finalized results and M x N outputs of
+        ``reference``; the per-tile partials of reductions are the kernel's scratch (in a
+        per-stream workspace), returned only when passed in ``outputs``. Input errors
+        (names, shapes, dtypes, strides, devices) are raised before anything is
+        launched; compositions
         that cannot be fused yet raise ``NotImplementedError`` (see
         ``coda.runtime.fused.unsupported``). Tensor *values* (e.g. targets in range) are
         checked only with ``check_contents=True``: reading them synchronizes with the GPU.

@@ -673,6 +673,10 @@ class PingPongGemm(Producers, EpilogueIO):
                         if is_store_warp:
                             store_pipe.producer_tail()
                     self._turn_arrive(_Barrier.EPI_TURN, 1 - wg)
+                if const_expr(hasattr(self.visitor, "after_tile")):
+                    # work off the store path (e.g. finalizing results), while the other
+                    # warpgroup runs its epilogue
+                    self.visitor.after_tile(tctx, vstate)
 
                 if const_expr(cooperative):
                     t += num_clusters

@@ -20,7 +20,10 @@ time by the kernel's epilogue driver:
 * ``visit(ctx, acc, loaded, state) -> stores`` per subtile: ``acc`` is the fp32
   accumulator fragment (a ``TensorSSA``), ``loaded`` one fp32 fragment per
   ``load_dtypes`` entry; it returns one fp32 fragment per ``store_dtypes`` entry;
-* ``end_tile(tctx, state)`` after the last subtile.
+* ``end_tile(tctx, state)`` after the last subtile;
+* optional ``after_tile(tctx, state)``, once the warpgroup has handed the epilogue's
+  shared memory and store path to the other warpgroup: work that needs neither (e.g.
+  finalizing results from global partials) overlaps the other's epilogue there.
 
 Extra global tensors and scalars (vectors, partial outputs, runtime floats) travel in the
 kernel's ``extras`` tuple and reach the hooks as ``ctx.extras``; the visitor reads and

@@ -157,17 +157,22 @@ class Primitive(abc.ABC):
         """Trace-time twin of ``end_tile`` (write what is left of the per-tile state)."""
         return None
 
-    #: True when ``trace_finalize`` emits this primitive's ``finalize`` into the
-    #: epilogue's finalize kernel (one small GPU launch after the GEMM for all of them);
+    #: True when ``trace_finalize`` emits this primitive's ``finalize`` on the GPU: in the
+    #: GEMM kernel itself (the last tile of a row or column of tiles finalizes it) or in
+    #: the epilogue's finalize kernel (one small launch after the GEMM for all of them);
     #: primitives without it are finalized by their torch ``finalize`` instead.
     traces_finalize: ClassVar[bool] = False
 
     def trace_finalize(self, fin: Any) -> None:
         """Trace-time twin of ``finalize`` for one result element: read this primitive's
-        partials and write its result at ``fin.row`` (a warp per row: ``fin.lane`` is the
-        thread's lane) or, for column results, at ``fin.col`` (a thread per column);
-        ``fin`` is a ``coda.primitives.tracing.TraceFinalize``. Only called when
-        ``traces_finalize`` is True."""
+        partials and write its result at ``fin.row`` or, for column results, at
+        ``fin.col`` (a thread per column). A row is finalized by ``fin.lanes`` threads
+        (32 in the finalize kernel, 1 in the GEMM kernel): stride over the row's tiles
+        from ``fin.lane`` by ``fin.lanes`` and combine with
+        ``tracing.lanes_allreduce``; guard on ``fin.row < M`` and ``fin.col < N * width``
+        (the other kind of result gets an index out of range). ``fin`` is a
+        ``coda.primitives.tracing.TraceFinalize``. Only called when ``traces_finalize``
+        is True."""
         raise NotImplementedError(f"{type(self).__name__} has no trace_finalize")
 
 

@@ -150,7 +150,7 @@ class LogSumExp(StateTransition):
         from coda.primitives import tracing
 
         pmax, psum = (fin.tensor(n) for n in self.partial_names)
-        tracing.finalize_logsumexp(pmax, psum, fin.tensor(self.name), fin.row, fin.lane)
+        tracing.finalize_logsumexp(pmax, psum, fin.tensor(self.name), fin.row, fin.lane, fin.lanes)
 
     def trace_begin_tile(self, tile: Any) -> dict:
         return {}
@@ -255,7 +255,9 @@ class TargetSelect(StateTransition):
         from coda.primitives import tracing
 
         p = fin.tensor(self.partial_names[0])
-        tracing.finalize_row_reduce(p, fin.tensor(self.name), fin.row, fin.lane, None, "sum", None)
+        tracing.finalize_row_reduce(
+            p, fin.tensor(self.name), fin.row, fin.lane, None, "sum", None, fin.lanes
+        )
 
     def trace_begin_tile(self, tile: Any) -> dict:
         return {}

@@ -174,7 +174,7 @@ class TileReduce(Primitive):
         op = "max" if self.op == "max" else "sum"
         if self.per == "row":  # ``post`` divides by the reduced extent: N * width ...
             n = tracing.Float32(fin.cols(fin.specs[self.of].width))
-            tracing.finalize_row_reduce(p, out, fin.row, fin.lane, n, op, self.post)
+            tracing.finalize_row_reduce(p, out, fin.row, fin.lane, n, op, self.post, fin.lanes)
         else:  # ... or M
             tracing.finalize_col_reduce(p, out, fin.col, tracing.Float32(fin.m), op, self.post)
 

@@ -543,11 +543,13 @@ FOLD_UNROLL = 8
 
 @attrs.define
 class TraceFinalize:
-    """What a primitive's ``trace_finalize`` sees: ``row`` and ``lane``, this warp's row
-    and this thread's lane in it (for row results), ``col``, this thread's column (for
-    column results), ``tensor(name)`` for its partials and result tensors, the problem's
-    ``m`` and ``n`` (Int32), ``cols(width)`` = N * width and the epilogue's value
-    ``specs``."""
+    """What a primitive's ``trace_finalize`` sees: ``row``, ``lane`` and ``lanes`` (for row
+    results: the row, and this thread's place among the ``lanes`` threads that share it:
+    a warp of 32 in the finalize kernel, one thread in the GEMM kernel's own finalize),
+    ``col``, this thread's column (for column results), ``tensor(name)`` for its partials
+    and result tensors, the problem's ``m`` and ``n`` (Int32), ``cols(width)`` = N * width
+    and the epilogue's value ``specs``. A row or column out of range (``row >= M``,
+    ``col >= N * width``) has nothing to finalize: guard on it."""
 
     row: Any
     lane: Any
@@ -556,6 +558,7 @@ class TraceFinalize:
     m: Any
     n: Any
     specs: Any
+    lanes: int = 32
 
     def tensor(self, name: str):
         return self.tensors[name]
@@ -571,30 +574,38 @@ def warp_allreduce(op: str, v):
     return v
 
 
+def lanes_allreduce(op: str, v, lanes: int):
+    """Reduce over the ``lanes`` threads of a row (32: a warp; 1: nothing to do)."""
+    return warp_allreduce(op, v) if lanes == 32 else v
+
+
 @cute.jit
-def fold_row(p, row, lane, op: cutlass.Constexpr[str]):
-    """Combine ``p[row, :]`` (a (rows, tiles) tensor) over every tile, across the warp:
-    every lane returns the result."""
+def fold_row(p, row, lane, op: cutlass.Constexpr[str], lanes: cutlass.Constexpr[int] = 32):
+    """Combine ``p[row, :]`` (a (rows, tiles) tensor) over every tile, across the row's
+    ``lanes`` threads (each strides over the tiles from its ``lane``): every one of them
+    returns the result."""
     acc = fr.identity(op)
-    for t in cutlass.range(lane, cute.size(p, mode=[1]), 32, unroll=FOLD_UNROLL):
+    for t in cutlass.range(lane, cute.size(p, mode=[1]), lanes, unroll=FOLD_UNROLL):
         acc = fr.combine(op, acc, Float32(p[row, t]))
-    return warp_allreduce(op, acc)
+    return lanes_allreduce(op, acc, lanes)
 
 
 @cute.jit
 def fold_col(p, col, op: cutlass.Constexpr[str]):
     """Combine ``p[:, col]`` (a (tiles, cols) tensor) over every tile, in this thread."""
     acc = fr.identity(op)
-    for t in cutlass.range(cute.size(p, mode=[0]), unroll=4):
+    for t in cutlass.range(cute.size(p, mode=[0]), unroll=FOLD_UNROLL):
         acc = fr.combine(op, acc, Float32(p[t, col]))
     return acc
 
 
 @cute.jit
-def finalize_row_reduce(p, out, row, lane, n, op: cutlass.Constexpr[str], post):
-    """``out[row] = post(combined partials of the row, n)``: one warp per row."""
+def finalize_row_reduce(
+    p, out, row, lane, n, op: cutlass.Constexpr[str], post, lanes: cutlass.Constexpr[int] = 32
+):
+    """``out[row] = post(combined partials of the row, n)``: ``lanes`` threads per row."""
     if row < cute.size(p, mode=[0]):
-        total = fold_row(p, row, lane, op)
+        total = fold_row(p, row, lane, op, lanes)
         if cutlass.const_expr(post is not None):
             total = post(total, n)
         if lane == 0:
@@ -630,14 +641,14 @@ def warp_merge_max_sum(m, s):
 
 
 @cute.jit
-def finalize_logsumexp(pmax, psum, out, row, lane):
+def finalize_logsumexp(pmax, psum, out, row, lane, lanes: cutlass.Constexpr[int] = 32):
     """``out[row]`` = log-sum-exp of the row from its per-tile (max, sum of exp(x - max)),
-    one warp per row, in ONE pass over the partials: each lane keeps its own running
-    (max, sum) (``merge_max_sum``), then the warp merges the 32 pairs."""
+    ``lanes`` threads per row, in ONE pass over the partials: each thread keeps its own
+    running (max, sum) (``merge_max_sum``), then the row's threads merge their pairs."""
     if row < cute.size(pmax, mode=[0]):
         m = Float32(-float("inf"))
         s = Float32(0.0)
-        for t in cutlass.range(lane, cute.size(pmax, mode=[1]), 32, unroll=FOLD_UNROLL):
+        for t in cutlass.range(lane, cute.size(pmax, mode=[1]), lanes, unroll=FOLD_UNROLL):
             # merge_max_sum, written out: the loop carries m and s as plain names (the
             # form run on the H200; a tuple assignment in this dynamic loop has not been)
             pm = Float32(pmax[row, t])
@@ -646,6 +657,63 @@ def finalize_logsumexp(pmax, psum, out, row, lane):
             base = finite_or_zero(top)
             s = s * cute.math.exp(m - base) + ps * cute.math.exp(pm - base)
             m = top
-        m, s = warp_merge_max_sum(m, s)
+        if cutlass.const_expr(lanes == 32):
+            m, s = warp_merge_max_sum(m, s)
         if lane == 0:
             out[row] = finite_or_zero(m) + cute.math.log(s)
+
+
+# ---- finalize inside the GEMM kernel ---------------------------------------------------
+# The last tile to finish a row of tiles (or a column of tiles) finalizes those rows (or
+# columns) itself, so a reducing epilogue needs no second launch. Each row (column) of
+# tiles has an int32 arrival counter in global memory; a tile's warpgroup arrives once,
+# after all its partials are written, and the arrival that completes the count resets the
+# counter to 0 (so the buffer is ready for the next launch on the same stream) and
+# finalizes. The ordering is the usual one of a grid-wide arrival: every thread's partial
+# stores precede a barrier of the warpgroup; one thread then fences (acquire-release, GPU
+# scope) and adds 1; the thread that completes the count fences again before its
+# warpgroup reads the other tiles' partials.
+
+#: An index past every row and column: the finalize guard of the other kind of result.
+OUT_OF_RANGE = 1 << 30
+
+
+@cute.jit
+def arrive_last(counters, index, expected, flag, barrier):
+    """True (in every thread of the warpgroup) when this tile is the last of the
+    ``expected`` tiles to arrive at ``counters[index]``. ``flag``: a one-float slot of
+    the warpgroup's shared scratch that carries the answer to its 128 threads."""
+    barrier.arrive_and_wait()
+    if cute.arch.thread_idx()[0] % 128 == 0:
+        cute.arch.fence_acq_rel_gpu()
+        old = cute.arch.atomic_add(
+            ptr=(counters.iterator + index).llvm_ptr, val=Int32(1), sem="relaxed", scope="gpu"
+        )
+        flag[0] = Float32(0.0)
+        if old == expected - 1:
+            counters[index] = Int32(0)
+            cute.arch.fence_acq_rel_gpu()
+            flag[0] = Float32(1.0)
+    barrier.arrive_and_wait()
+    return flag[0] != Float32(0.0)
+
+
+def thread_in_warpgroup():
+    """This thread's index in its warpgroup (0..127)."""
+    return cute.arch.thread_idx()[0] % 128
+
+
+@cute.jit
+def when(flag, body, arg):
+    """``body(arg)`` traced under the dynamic condition ``flag``."""
+    if flag:
+        body(arg)
+
+
+@cute.jit
+def below_or(index, limit, other):
+    """``index`` if it is below ``limit``, else ``other``."""
+    out = other
+    if index < limit:
+        out = index
+    return out

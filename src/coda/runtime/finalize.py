@@ -4,12 +4,20 @@ Sits in ``coda.runtime`` under :mod:`coda.runtime.epilogue_kernels`. Reductions 
 running states (``TileReduce``, ``LogSumExp``, ``TargetSelect``) leave per-tile partials
 (M x tiles or tiles x N*w); each primitive combines them (and applies its ``post``).
 
-Every primitive with ``traces_finalize`` is finalized on the GPU by ONE small kernel per
-epilogue (:mod:`coda.runtime.finalize_kernel`, compiled once per epilogue value and kept
-in the same memory and disk caches as the GEMM kernels), launched right after the GEMM
-on the same stream: one launch instead of a chain of tiny eager ops, no allocation, CUDA
-graph friendly. A user primitive without ``trace_finalize`` is finalized by its torch
-``finalize`` (correct, just slower). :func:`plan` prepares this once per launch plan.
+Every primitive with ``traces_finalize`` is finalized on the GPU, in one of two places:
+
+* in the GEMM kernel itself (:func:`in_gemm`: the rows or columns of tiles are short
+  enough that the last tile of each finalizes them in the shadow of the other
+  warpgroup's mainloop; :class:`coda.runtime.fused.FusedVisitor` with
+  ``finalize_in_kernel``): nothing is launched after the GEMM;
+* else by ONE small kernel per epilogue (:mod:`coda.runtime.finalize_kernel`, compiled
+  once per epilogue value and kept in the same memory and disk caches as the GEMM
+  kernels), launched right after the GEMM on the same stream (an LM head's rows have
+  ~1000 tiles: a grid of warps reads them faster than one tile's threads would).
+
+Either way: no allocation the caller did not ask for, CUDA graph friendly. A user
+primitive without ``trace_finalize`` is finalized by its torch ``finalize`` (correct,
+just slower). :func:`plan` prepares this once per launch plan.
 """
 
 from __future__ import annotations
@@ -23,6 +31,30 @@ from ..epilogue import Epilogue
 from ..geometry import Problem
 from ..primitives.base import Primitive
 from . import gemm_kernels
+from .fused import in_kernel_axes
+
+#: The GEMM kernel finalizes row results itself while a row has at most this many
+#: columns (64 tiles of 128: a thread per row reads its row's partials, 8 loads in
+#: flight, in well under one tile's mainloop) ...
+ROWS_IN_GEMM_MAX_N = 8192
+#: ... and column results while a column has at most this many rows (a column of tiles
+#: completes at the end of the schedule, so its finalize adds to the kernel's tail).
+COLS_IN_GEMM_MAX_M = 4096
+
+
+def in_gemm(epi: Epilogue, config: Any, m: int, n: int) -> bool:
+    """True when the GEMM kernel finalizes ``epi``'s GPU-finalized results itself at
+    (M, N) with ``config`` (PingPong 128-row tiles, no split-K)."""
+    axes = in_kernel_axes(epi)
+    if axes is None or config.tile_m != 128 or config.split_k != 1:
+        return False
+    rows, cols = axes
+    return (not rows or n <= ROWS_IN_GEMM_MAX_N) and (not cols or m <= COLS_IN_GEMM_MAX_M)
+
+
+def size_class(m: int, n: int) -> tuple[bool, bool]:
+    """What of (M, N) :func:`in_gemm` depends on (part of a launch plan's key)."""
+    return n <= ROWS_IN_GEMM_MAX_N, m <= COLS_IN_GEMM_MAX_M
 
 
 def _finalizing(epi: Epilogue) -> tuple[Primitive, ...]:
@@ -90,9 +122,11 @@ class FinalizePlan:
     results by name), then run the torch ``finalize`` of primitives without a traced one.
     """
 
-    def __init__(self, epi: Epilogue):
+    def __init__(self, epi: Epilogue, in_kernel: bool = False):
         key = FinalizeKey(epi)
         traced = key.traced()
+        #: the GEMM kernel finalizes ``traced`` itself: nothing to launch here
+        self.in_kernel = in_kernel and bool(traced)
         self.eager = tuple(p for p in _finalizing(epi) if not p.traces_finalize)
         self.values = epi.values
         self.names = key.tensor_names()
@@ -103,7 +137,7 @@ class FinalizePlan:
             if s.direction == "out" and not s.is_partials
         )
         self.launch = None
-        if traced:
+        if traced and not self.in_kernel:
             fn = gemm_kernels.get_compiled("finalize", key, FinalizeKey.compile)
             self.launch = getattr(fn, "_tvm_ffi_function", None) or fn
         self._rows, self._widths = _extent_widths(epi, traced)
@@ -127,9 +161,10 @@ class FinalizePlan:
                     out[name] = t
 
 
-def plan(epi: Epilogue) -> FinalizePlan | None:
-    """The :class:`FinalizePlan` of ``epi``, or None when nothing needs finalizing."""
-    return FinalizePlan(epi) if _finalizing(epi) else None
+def plan(epi: Epilogue, in_kernel: bool = False) -> FinalizePlan | None:
+    """The :class:`FinalizePlan` of ``epi`` (``in_kernel``: the GEMM kernel finalizes what
+    it can), or None when nothing needs finalizing."""
+    return FinalizePlan(epi, in_kernel) if _finalizing(epi) else None
 
 
 def compile_artifacts(epi: Epilogue, dump_dir: str) -> tuple[str, bytes]:
@@ -145,4 +180,12 @@ def uses_kernel(epi: Epilogue) -> bool:
     return bool(FinalizeKey(epi).traced())
 
 
-__all__: list[Any] = ["FinalizeKey", "FinalizePlan", "compile_artifacts", "plan", "uses_kernel"]
+__all__: list[Any] = [
+    "FinalizeKey",
+    "FinalizePlan",
+    "compile_artifacts",
+    "in_gemm",
+    "plan",
+    "size_class",
+    "uses_kernel",
+]

@@ -8,7 +8,13 @@ visitor protocol by calling every primitive's trace hooks in order, on each subt
   loads (``store_dtypes`` / ``load_dtypes``, in primitive order);
 * every other bound tensor (row/col vectors, targets, per-tile partial outputs) and
   every runtime scalar travels in the kernel's ``extras`` tuple, in ``extras_specs``
-  order, and a primitive reaches its own with ``ctx.extra(name)``.
+  order, and a primitive reaches its own with ``ctx.extra(name)``;
+* with ``finalize_in_kernel``, the results of the primitives that trace their finalize
+  are kernel outputs too (in ``extras``, after the partials), followed by an int32
+  arrival-counter tensor (:func:`counter_slots`): the last tile of each row of tiles
+  finalizes those rows, the last of each column of tiles those columns, in the GEMM
+  kernel itself (``after_tile``, once the warpgroup has handed the epilogue to the
+  other), so no finalize launch follows.
 
 :func:`unsupported` says, before anything is compiled, why an epilogue cannot be fused
 yet (the reference and simulator still run it).
@@ -49,17 +55,77 @@ def n_multiple(epi: Epilogue) -> int:
     return need
 
 
-def _extra_specs(epi: Epilogue) -> tuple[TensorSpec, ...]:
+def _extra_specs(epi: Epilogue, finalized: tuple[Primitive, ...]) -> tuple[TensorSpec, ...]:
     ins = tuple(s for s in epi.inputs if s.role != "tile")
     outs = tuple(s for s in epi.outputs if s.is_partials)
-    return ins + outs
+    results = tuple(
+        s
+        for p in finalized
+        for s in p.tensors(epi.values)
+        if s.direction == "out" and not s.is_partials
+    )
+    return ins + outs + results
+
+
+def traced_finalizers(epi: Epilogue) -> tuple[Primitive, ...]:
+    """The primitives whose finalize runs on the GPU (``traces_finalize``)."""
+    return tuple(
+        p
+        for p in epi.primitives
+        if type(p).finalize is not Primitive.finalize and p.traces_finalize
+    )
+
+
+def _partials_axis(p: Primitive, epi: Epilogue) -> tuple[str, Fraction] | None:
+    """("row", 1) or ("col", width) when every partials tensor of ``p`` is of that one
+    kind (and width), else None."""
+    kinds = {
+        (s.role[len("partials_") :], s.width if s.role == "partials_col" else Fraction(1))
+        for s in p.tensors(epi.values)
+        if s.direction == "out" and s.is_partials
+    }
+    return next(iter(kinds)) if len(kinds) == 1 else None
+
+
+def in_kernel_axes(epi: Epilogue) -> tuple[bool, bool] | None:
+    """(finalizes rows, finalizes columns) when every GPU-finalized primitive of ``epi``
+    can be finalized inside the GEMM kernel, else None (the finalize kernel does it)."""
+    rows = cols = False
+    for p in traced_finalizers(epi):
+        axis = _partials_axis(p, epi)
+        if axis is None:
+            return None
+        rows |= axis[0] == "row"
+        cols |= axis[0] == "col"
+    return (rows, cols) if rows or cols else None
+
+
+def padded_tiles(extent, tile: int, cluster: int):
+    """Tiles along one dimension as the scheduler enumerates them (whole clusters; the
+    tiles past the edge arrive too). Works on Python ints and DSL Int32."""
+    tiles = (extent + tile - 1) // tile
+    return (tiles + cluster - 1) // cluster * cluster
+
+
+def counter_slots(config: Any, m: int, n: int) -> int:
+    """Length of the arrival-counter tensor: one per row of tiles, then one per column."""
+    return padded_tiles(m, config.tile_m, config.cluster_m) + padded_tiles(
+        n, config.tile_n, config.cluster_n
+    )
 
 
 @attrs.frozen(cache_hash=True)
 class FusedVisitor:
-    """Mainloop visitor running ``epilogue`` (a frozen value: part of the cache key)."""
+    """Mainloop visitor running ``epilogue`` (a frozen value: part of the cache key);
+    ``finalize_in_kernel``: the GEMM kernel finalizes the results itself (module doc)."""
 
     epilogue: Epilogue
+    finalize_in_kernel: bool = False
+
+    @property
+    def finalized(self) -> tuple[Primitive, ...]:
+        """The primitives this kernel finalizes (none without ``finalize_in_kernel``)."""
+        return traced_finalizers(self.epilogue) if self.finalize_in_kernel else ()
 
     @property
     def stores(self) -> tuple[TileStore, ...]:
@@ -87,16 +153,20 @@ class FusedVisitor:
 
     @property
     def extras_specs(self) -> tuple[TensorSpec, ...]:
-        return _extra_specs(self.epilogue)
+        return _extra_specs(self.epilogue, self.finalized)
 
-    def _scratch(self, config: Any) -> tuple[dict[Primitive, int], int]:
-        """(each primitive's first float in the shared scratch, the floats in all)."""
+    def _scratch(self, config: Any) -> tuple[dict[Any, int], int]:
+        """(each primitive's first float in the shared scratch, the floats in all); with
+        ``finalize_in_kernel`` the arrival flag's slot (key ``"arrival"``) comes last."""
         out, at = {}, 0
         for p in self.epilogue.primitives:
             n = p.smem_floats(self.epilogue.values, config.tile_n)
             if n:
                 out[p] = at
                 at += n
+        if self.finalize_in_kernel:
+            out["arrival"] = at
+            at += 4
         return out, at
 
     def scratch_offsets(self, config: Any) -> dict[Primitive, int]:
@@ -137,6 +207,8 @@ class FusedVisitor:
                 out.append(make_fake_compact_tensor(cutlass.Float32, shape, stride_order=(1, 0)))
             else:
                 raise NotImplementedError(f"extras role {spec.role!r} is not fused yet")
+        if self.finalize_in_kernel:  # the arrival counters
+            out.append(make_fake_compact_tensor(cutlass.Int32, (cute.sym_int32(),)))
         return tuple(out)
 
     # ---- mainloop visitor hooks ----------------------------------------------------------
@@ -168,3 +240,68 @@ class FusedVisitor:
         tile, states = vstate
         for p, state in zip(self.epilogue.primitives, states, strict=True):
             p.trace_end_tile(tile, state)
+        if self.finalize_in_kernel:
+            self._arrive(tctx, tile)
+
+    # ---- the finalize in the kernel ------------------------------------------------------
+    def _arrive(self, tctx: Any, tile: Any) -> None:
+        """Count this tile in its row (and column) of tiles; remember (in ``tile.memo``)
+        whether it was the last one, which then finalizes in ``after_tile``."""
+        from ..primitives import tracing
+
+        rows, cols = in_kernel_axes(self.epilogue)
+        cfg = tctx.config
+        m, n = tctx.shape_mn
+        tm, tn = tctx.tile_coord
+        tiles_m = padded_tiles(m, cfg.tile_m, cfg.cluster_m)
+        tiles_n = padded_tiles(n, cfg.tile_n, cfg.cluster_n)
+        counters = tctx.extras[len(self.extras_specs)]
+        scratch, at = tile.scratch_for("arrival")
+        import cutlass.cute as cute
+
+        flag = cute.make_tensor(scratch.iterator + at, cute.make_layout(1))
+        if rows:
+            tile.memo["last_in_row"] = tracing.arrive_last(
+                counters, tm, tiles_n, flag, tctx.barrier
+            )
+        if cols:
+            tile.memo["last_in_col"] = tracing.arrive_last(
+                counters, tiles_m + tn, tiles_m, flag, tctx.barrier
+            )
+
+    def after_tile(self, tctx: Any, vstate: Any) -> None:
+        """After the warpgroup has handed the epilogue to the other one (its shared
+        memory is no longer this tile's): the last tile of a row of tiles finalizes the
+        row results of its rows (a thread per row), the last of a column of tiles the
+        column results of its columns (a thread per column)."""
+        if not self.finalize_in_kernel:
+            return
+        from ..primitives import tracing
+
+        tile, _ = vstate
+        epi = self.epilogue
+        cfg = tctx.config
+        m, n = tctx.shape_mn
+        tm, tn = tctx.tile_coord
+        tensors = {s.name: tile.extra(s.name) for s in self.extras_specs}
+        tid = tracing.thread_in_warpgroup()
+        far = tracing.Int32(tracing.OUT_OF_RANGE)
+        for p in self.finalized:
+            kind, width = _partials_axis(p, epi)
+            if kind == "row":
+                fin = tracing.TraceFinalize(
+                    row=tm * cfg.tile_m + tid, lane=tracing.Int32(0), col=far, tensors=tensors,
+                    m=m, n=n, specs=epi.values, lanes=1,
+                )  # fmt: skip
+                tracing.when(tile.memo["last_in_row"], p.trace_finalize, fin)
+            else:
+                tile_cols = int(cfg.tile_n * width)
+                for k in range(-(-tile_cols // 128)):
+                    col = tn * tile_cols + tid + 128 * k
+                    if 128 * (k + 1) > tile_cols:  # a partial last pass: stay in the tile
+                        col = tracing.below_or(col, tn * tile_cols + tile_cols, far)
+                    fin = tracing.TraceFinalize(
+                        row=far, lane=tracing.Int32(0), col=col, tensors=tensors,
+                        m=m, n=n, specs=epi.values, lanes=1,
+                    )  # fmt: skip
+                    tracing.when(tile.memo["last_in_col"], p.trace_finalize, fin)

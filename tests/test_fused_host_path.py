@@ -1,0 +1,179 @@
+"""CPU tests of a fused call's host path (``coda.runtime.epilogue_kernels``) with the
+kernel launch replaced by a recorder: what travels to the kernel, which finalize runs
+where, the per-stream scratch, and the repeated-call signature cache (fail-closed).
+
+The GPU tests (tests/test_fused_gpu.py) run the same path for real; here the launch
+arguments themselves are checked, on CPU tensors standing in for CUDA ones."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from coda.errors import InputError
+from coda.mainloop.config import GemmConfig
+from coda.mainloop.scheduler import host_tile_order
+from coda.runtime import checks, epilogue_kernels, finalize, gemm_kernels
+from coda.runtime.fused import counter_slots, in_kernel_axes, padded_tiles
+from coda.testing.catalog import EPILOGUES
+from coda.testing.strategies import make_inputs
+
+CONFIG = GemmConfig(tile_n=128, cluster_m=2)
+
+
+class Recorder:
+    """Stands in for compiled kernels: records every launch's arguments."""
+
+    def __init__(self):
+        self.gemm: list[tuple] = []
+        self.finalize: list[tuple] = []
+
+
+@pytest.fixture
+def rec(monkeypatch):
+    r = Recorder()
+    cpu = torch.device("cpu")
+    monkeypatch.setitem(checks._hopper_ok, cpu, 132)
+    monkeypatch.setattr(gemm_kernels, "launcher", lambda key: lambda *a: r.gemm.append(a))
+    monkeypatch.setattr(gemm_kernels, "local_memory_bytes", lambda key: 0)
+    monkeypatch.setattr(
+        finalize.FinalizeKey, "compile", lambda self, options=None: lambda *a: r.finalize.append(a)
+    )
+    capturing = {"on": False}
+    # (CPU builds of torch lack the CUDA stream queries)
+    monkeypatch.setattr(
+        torch._C, "_cuda_isCurrentStreamCapturing", lambda: capturing["on"], raising=False
+    )
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: 7, raising=False)
+    monkeypatch.setattr(gemm_kernels, "get_compiled", lambda kind, key, compile_fn: compile_fn(key))
+    monkeypatch.setattr(epilogue_kernels, "_plans", {})
+    monkeypatch.setattr(epilogue_kernels, "_calls", {})
+    monkeypatch.setattr(epilogue_kernels, "_scratches", {})
+    r.capturing = capturing
+    return r
+
+
+def _inputs(name, m, n, k, seed=0):
+    epi = EPILOGUES[name]
+    A, B, tensors = make_inputs(epi, m, n, k, torch.bfloat16, seed=seed)
+    return epi, A, B, tensors
+
+
+def test_in_gemm_finalize_rule():
+    rms, dgamma = EPILOGUES["rmsnorm_fwd"], EPILOGUES["dgamma_colsum"]
+    assert in_kernel_axes(rms) == (True, False)
+    assert in_kernel_axes(dgamma) == (False, True)
+    assert in_kernel_axes(EPILOGUES["swiglu_fwd"]) is None  # nothing to finalize
+    assert finalize.in_gemm(rms, CONFIG, 16384, 8192)
+    assert not finalize.in_gemm(rms, CONFIG, 16384, 8200)  # an LM head's rows: the kernel
+    assert finalize.in_gemm(dgamma, CONFIG, 4096, 16384)
+    assert not finalize.in_gemm(dgamma, CONFIG, 4100, 2048)  # a long column: its tail
+    assert not finalize.in_gemm(rms, GemmConfig(tile_m=256), 1024, 1024)
+    assert not finalize.in_gemm(rms, GemmConfig(split_k=2), 1024, 1024)
+
+
+@pytest.mark.parametrize("m,n", [(1000, 776), (128, 128), (7, 8), (4096, 1024)])
+@pytest.mark.parametrize("cluster", [(2, 1), (1, 2), (2, 2), (1, 1)])
+def test_counter_slots_cover_every_scheduled_tile(m, n, cluster):
+    """The kernel expects, per row (column) of tiles, as many arrivals as the scheduler
+    hands out tiles there: whole clusters, tiles past the edge included."""
+    cfg = GemmConfig(tile_n=128, cluster_m=cluster[0], cluster_n=cluster[1])
+    cm = math.ceil(math.ceil(m / 128) / cluster[0])  # clusters along M and N
+    cn = math.ceil(math.ceil(n / 128) / cluster[1])
+    tiles = [
+        (i * cluster[0] + a, j * cluster[1] + b)
+        for i, j in host_tile_order(cm, cn, 8)
+        for a in range(cluster[0])
+        for b in range(cluster[1])
+    ]
+    rows_m = padded_tiles(m, 128, cluster[0])
+    rows_n = padded_tiles(n, 128, cluster[1])
+    assert max(t[0] for t in tiles) < rows_m and max(t[1] for t in tiles) < rows_n
+    for i in range(rows_m):
+        assert sum(t[0] == i for t in tiles) == rows_n
+    for j in range(rows_n):
+        assert sum(t[1] == j for t in tiles) == rows_m
+    assert counter_slots(cfg, m, n) == rows_m + rows_n
+
+
+def test_in_kernel_finalize_launches_once_with_counters(rec):
+    epi, A, B, tensors = _inputs("rmsnorm_fwd", 300, 520, 64)
+    out = epi(A, B, config=CONFIG, **tensors)
+    assert len(rec.gemm) == 1 and not rec.finalize  # no finalize launch
+    *_, extras = rec.gemm[0]
+    counters = extras[-1]
+    assert counters.dtype == torch.int32 and not counters.any()
+    assert counters.numel() >= counter_slots(CONFIG, 300, 520)
+    # the result is written by the kernel (an extra); the partials are scratch
+    assert out["rstd"] is extras[-2]
+    assert set(out) == {"x", "h", "rstd"}
+
+
+def test_finalize_kernel_runs_when_rows_are_long(rec):
+    epi, A, B, tensors = _inputs("rmsnorm_fwd", 64, finalize.ROWS_IN_GEMM_MAX_N + 8, 64)
+    out = epi(A, B, config=CONFIG, **tensors)
+    assert len(rec.gemm) == 1 and len(rec.finalize) == 1
+    *_, extras = rec.gemm[0]
+    assert not any(t.dtype == torch.int32 for t in extras if isinstance(t, torch.Tensor))
+    ((written, *_),) = rec.finalize
+    assert any(out["rstd"] is t for t in written)  # the finalize kernel writes the result
+
+
+def test_partials_come_back_only_when_passed(rec):
+    epi, A, B, tensors = _inputs("lse_target", 300, 520, 64)
+    assert set(epi(A, B, config=CONFIG, **tensors)) == {"lse", "logit"}
+    mine = {
+        s.name: torch.empty(s.shape(300, 520, (128, 128)), dtype=s.dtype)
+        for s in epi.outputs
+        if s.is_partials
+    }
+    got = epi(A, B, config=CONFIG, outputs=mine, **tensors)
+    assert all(got[name] is t for name, t in mine.items())
+    assert {"lse", "logit"} <= set(got)
+
+
+def test_stream_scratch_is_reused_and_fresh_under_capture(rec):
+    epi, A, B, tensors = _inputs("lse_target", 300, 520, 64)
+    epi(A, B, config=CONFIG, **tensors)
+    epi(A, B, config=CONFIG, **tensors)
+    first, second = (call[-1] for call in rec.gemm)
+    assert first[-1] is second[-1]  # the stream's counters
+    assert first[2].data_ptr() == second[2].data_ptr()  # the stream's partials
+    rec.capturing["on"] = True
+    epi(A, B, config=CONFIG, **tensors)
+    captured = rec.gemm[-1][-1]
+    assert captured[-1].data_ptr() != first[-1].data_ptr()
+    assert captured[2].data_ptr() != first[2].data_ptr()
+
+
+def test_repeated_calls_skip_the_checks_and_stay_fail_closed(rec, monkeypatch):
+    epi, A, B, tensors = _inputs("rmsnorm_fwd", 300, 520, 64)
+    full = []
+    real = epilogue_kernels._full_checks
+    monkeypatch.setattr(epilogue_kernels, "_full_checks", lambda *a: full.append(1) or real(*a))
+    slow = []
+    real_fast = epilogue_kernels.EpiloguePlan.fast_checks_pass
+    monkeypatch.setattr(
+        epilogue_kernels.EpiloguePlan,
+        "fast_checks_pass",
+        lambda self, *a: slow.append(1) or real_fast(self, *a),
+    )
+    epi(A, B, config=CONFIG, **tensors)
+    epi(A, B, config=CONFIG, **tensors)
+    assert len(slow) == 1 and not full  # the second call: one look-up, no checks
+    # a residual with another row stride (a padded view): a new signature, checked
+    wide = torch.zeros(300, 528, dtype=torch.bfloat16)[:, :520]
+    wide.copy_(tensors["residual"])
+    epi(A, B, config=CONFIG, **{**tensors, "residual": wide})
+    assert len(slow) == 2
+    # the same signature with a base pointer off TMA's 16 bytes: not trusted, refused
+    flat = torch.zeros(300 * 520 + 1, dtype=torch.bfloat16)
+    shifted = flat[1:].view(300, 520)
+    with pytest.raises(InputError, match="16-byte"):
+        epi(A, B, config=CONFIG, **{**tensors, "residual": shifted})
+    # a wrong dtype misses the signature cache and is named by the full checks
+    with pytest.raises((InputError, TypeError), match="residual"):
+        epi(A, B, config=CONFIG, **{**tensors, "residual": tensors["residual"].float()})
+    assert full
