@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 
 from coda.mainloop.config import GemmConfig
 from coda.runtime import finalize, gemm_kernels
-from coda.runtime.epilogue_kernels import epilogue_config
-from coda.runtime.fused import FusedVisitor, unsupported
+from coda.runtime.epilogue_kernels import epilogue_choice, epilogue_config
+from coda.runtime.fused import FusedVisitor, in_kernel_axes, unsupported
 from coda.runtime.sass import count_prefix, disassemble, find_nvdisasm, opcode_counts
 from coda.testing.catalog import EPILOGUES
 from coda.testing.strategies import epilogues
@@ -70,12 +70,15 @@ def test_catalogue_epilogue_sass_with_concurrent_epilogues(name, tmp_path):
 @given(epilogues(), st.sampled_from(sorted(LAYOUTS.values())))
 def test_drawn_compositions_compile_for_sm90_without_spills(tmp_path_factory, epi, layout):
     """30 random compositions (all widths, pairs, row/col reductions, states) per run, in
-    the config ``epi(A, B)`` would pick (``epilogue_config``: 128 x 128 tiles, narrower if
-    those spill): they compile, and the SASS runs the GEMM on HGMMA with no local memory."""
+    the config ``epi(A, B)`` would pick (``epilogue_choice``: 128 x 128 tiles, narrower if
+    those spill, the finalize in the kernel where it fits): they compile, and the SASS
+    runs the GEMM on HGMMA with no local memory."""
     assert unsupported(epi) is None, unsupported(epi)
-    cfg = epilogue_config(epi, torch.bfloat16, 8192, 8192, 8192, num_sms=132, majors=layout)
+    cfg, in_kernel = epilogue_choice(
+        epi, torch.bfloat16, 8192, 8192, 8192, num_sms=132, majors=layout
+    )
     key = gemm_kernels.GemmKernelKey(
-        cfg, torch.bfloat16, FusedVisitor(epi), a_major=layout[0], b_major=layout[1]
+        cfg, torch.bfloat16, FusedVisitor(epi, in_kernel), a_major=layout[0], b_major=layout[1]
     )
     ptx, cubin = gemm_kernels.compile_artifacts(key, str(tmp_path_factory.mktemp("k")))
     assert "wgmma.mma_async" in ptx and len(cubin) > 0
@@ -101,6 +104,25 @@ def test_catalogue_finalize_kernel_compiles(name, tmp_path):
     if find_nvdisasm() is not None:
         ops = opcode_counts(disassemble(cubin))
         assert count_prefix(ops, "LDL") == 0 and count_prefix(ops, "STL") == 0
+
+
+@pytest.mark.parametrize("name", [n for n in EPILOGUES if finalize.uses_kernel(EPILOGUES[n])])
+def test_catalogue_epilogue_finalizes_in_the_gemm_kernel(name, tmp_path):
+    """With ``finalize_in_kernel`` every reducing catalogue epilogue compiles with its
+    finalize inside the GEMM kernel: one GPU-scope atomic arrival per row (column) of
+    tiles between acquire-release fences, the partials read back, no local memory."""
+    epi = EPILOGUES[name]
+    key = gemm_kernels.GemmKernelKey(CONFIG, torch.bfloat16, FusedVisitor(epi, True))
+    ptx, cubin = gemm_kernels.compile_artifacts(key, str(tmp_path))
+    assert "atom.global.add.u32" in ptx and "fence.acq_rel.gpu" in ptx
+    if find_nvdisasm() is None:
+        pytest.skip("nvdisasm not installed")
+    ops = opcode_counts(disassemble(cubin))
+    assert count_prefix(ops, "HGMMA") > 0
+    arrivals = sum(in_kernel_axes(epi))  # one per kind of result (rows, columns)
+    assert count_prefix(ops, "ATOMG") == arrivals
+    assert count_prefix(ops, "MEMBAR.ALL.GPU") == 2 * arrivals
+    assert count_prefix(ops, "LDL") == 0 and count_prefix(ops, "STL") == 0
 
 
 def test_only_reducing_epilogues_have_a_finalize_kernel():

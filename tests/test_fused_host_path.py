@@ -66,12 +66,15 @@ def test_in_gemm_finalize_rule():
     assert in_kernel_axes(rms) == (True, False)
     assert in_kernel_axes(dgamma) == (False, True)
     assert in_kernel_axes(EPILOGUES["swiglu_fwd"]) is None  # nothing to finalize
-    assert finalize.in_gemm(rms, CONFIG, 16384, 8192)
-    assert not finalize.in_gemm(rms, CONFIG, 16384, 8200)  # an LM head's rows: the kernel
-    assert finalize.in_gemm(dgamma, CONFIG, 4096, 16384)
-    assert not finalize.in_gemm(dgamma, CONFIG, 4100, 2048)  # a long column: its tail
-    assert not finalize.in_gemm(rms, GemmConfig(tile_m=256), 1024, 1024)
-    assert not finalize.in_gemm(rms, GemmConfig(split_k=2), 1024, 1024)
+    assert finalize.in_gemm(rms, CONFIG, 2048, 8192, 1024)
+    assert not finalize.in_gemm(rms, CONFIG, 128, 8200, 64)  # an LM head's rows: the kernel
+    assert finalize.in_gemm(dgamma, CONFIG, 4096, 16384, 256)
+    assert not finalize.in_gemm(dgamma, CONFIG, 4100, 2048, 64)  # a long column: its tail
+    # a long-running GEMM: its epilogue must hide in the mainloop, the finalize kernel
+    assert finalize.in_gemm(rms, CONFIG, 2048, 2048, 2048)
+    assert not finalize.in_gemm(rms, CONFIG, 16384, 2048, 2048)
+    assert not finalize.in_gemm(rms, GemmConfig(tile_m=256), 1024, 1024, 64)
+    assert not finalize.in_gemm(rms, GemmConfig(split_k=2), 1024, 1024, 64)
 
 
 @pytest.mark.parametrize("m,n", [(1000, 776), (128, 128), (7, 8), (4096, 1024)])
@@ -177,3 +180,15 @@ def test_repeated_calls_skip_the_checks_and_stay_fail_closed(rec, monkeypatch):
     with pytest.raises((InputError, TypeError), match="residual"):
         epi(A, B, config=CONFIG, **{**tensors, "residual": tensors["residual"].float()})
     assert full
+
+
+def test_large_partials_get_a_workspace_per_call(rec, monkeypatch):
+    """Partials above ``SCRATCH_MAX_FLOATS`` (an LM head's) are not kept by the stream."""
+    monkeypatch.setattr(epilogue_kernels, "SCRATCH_MAX_FLOATS", 16)
+    epi, A, B, tensors = _inputs("lse_target", 300, 520, 64)
+    epi(A, B, config=CONFIG, **tensors)
+    epi(A, B, config=CONFIG, **tensors)
+    first, second = (call[-1] for call in rec.gemm)
+    assert first[-1] is second[-1]  # the counters are still the stream's
+    (scratch,) = epilogue_kernels._scratches.values()
+    assert scratch._floats.numel() == 0

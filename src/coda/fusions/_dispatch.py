@@ -9,7 +9,8 @@ CPU path, and CI (CPU) tests exactly the algebra the GPU runs.
   ``epi(A, B, **tensors)`` (A, B row-major or transposed views; ``outputs``: caller
   buffers it writes its M x N outputs into); on CPU tensors ``epi.reference(A, B,
   **tensors)`` (fp32 inside, outputs in their declared dtypes, new tensors). Finalized
-  results are under their names either way (the GPU also returns partials).
+  results are under their names either way (the GPU returns per-tile partials only
+  when ``outputs`` is given).
 * ``run_map(epi, M, N, like, outputs=None, **tensors)``: an epilogue that never reads
   ``acc`` (a pure elementwise/reduction pass over M x N tensors), run after a GEMM of
   zeros with K = ``MAP_K``; on CUDA ``outputs`` names caller buffers to write into. The

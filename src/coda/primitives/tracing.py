@@ -684,7 +684,9 @@ def arrive_last(counters, index, expected, flag, barrier):
     ``expected`` tiles to arrive at ``counters[index]``. ``flag``: a one-float slot of
     the warpgroup's shared scratch that carries the answer to its 128 threads."""
     barrier.arrive_and_wait()
-    if cute.arch.thread_idx()[0] % 128 == 0:
+    # the warpgroup's last thread: not the one that issued its TMA stores, which a fence
+    # would wait for
+    if cute.arch.thread_idx()[0] % 128 == 127:
         cute.arch.fence_acq_rel_gpu()
         old = cute.arch.atomic_add(
             ptr=(counters.iterator + index).llvm_ptr, val=Int32(1), sem="relaxed", scope="gpu"
@@ -701,6 +703,11 @@ def arrive_last(counters, index, expected, flag, barrier):
 def thread_in_warpgroup():
     """This thread's index in its warpgroup (0..127)."""
     return cute.arch.thread_idx()[0] % 128
+
+
+def warpgroup_index():
+    """This thread's warpgroup in the CTA (thread index // 128), warp-uniform."""
+    return cute.arch.make_warp_uniform(cute.arch.thread_idx()[0] // 128)
 
 
 @cute.jit

@@ -59,6 +59,30 @@ def tile_candidates(base: GemmConfig) -> tuple[GemmConfig, ...]:
     return (base, *(attrs.evolve(base, tile_n=t) for t in TILE_N_FALLBACKS if t < base.tile_n))
 
 
+def epilogue_choice(
+    epi: Epilogue,
+    ab_dtype: torch.dtype,
+    m: int,
+    n: int,
+    k: int,
+    num_sms: int,
+    majors: tuple[str, str] = ("k", "k"),
+) -> tuple[GemmConfig, bool]:
+    """(config, finalize in the GEMM kernel) that ``epi(A, B, ...)`` runs with when no
+    config is given: the heuristic's tile (128 x 128), or a narrower one when that kernel
+    would spill registers; at each width the kernel's own finalize first
+    (:func:`coda.runtime.finalize.in_gemm`), then the finalize kernel. The first
+    kernel with no local memory wins. Compiles (or loads from the caches) the candidates
+    it inspects; the answer is cached with them."""
+    for cfg in tile_candidates(choose_epilogue_config(m, n, k, num_sms)):
+        for in_kernel in (True, False) if finalize.in_gemm(epi, cfg, m, n, k) else (False,):
+            visitor = FusedVisitor(epi, in_kernel)
+            key = gemm_kernels.kernel_key(cfg, ab_dtype, visitor, num_sms, *majors)
+            if gemm_kernels.local_memory_bytes(key) == 0:
+                return cfg, in_kernel
+    return cfg, False  # every candidate spills: the narrowest, which spills least
+
+
 def epilogue_config(
     epi: Epilogue,
     ab_dtype: torch.dtype,
@@ -68,15 +92,8 @@ def epilogue_config(
     num_sms: int,
     majors: tuple[str, str] = ("k", "k"),
 ) -> GemmConfig:
-    """The config ``epi(A, B, ...)`` runs with when none is given: the heuristic's
-    (128 x 128), or a narrower tile when that kernel would spill registers. Compiles (or
-    loads from the caches) the candidates it inspects; the answer is cached with them."""
-    for cfg in tile_candidates(choose_epilogue_config(m, n, k, num_sms)):
-        visitor = FusedVisitor(epi, finalize.in_gemm(epi, cfg, m, n))
-        key = gemm_kernels.kernel_key(cfg, ab_dtype, visitor, num_sms, *majors)
-        if gemm_kernels.local_memory_bytes(key) == 0:
-            return cfg
-    return cfg  # every candidate spills: the narrowest, which spills least
+    """The config of :func:`epilogue_choice`."""
+    return epilogue_choice(epi, ab_dtype, m, n, k, num_sms, majors)[0]
 
 
 class EpiloguePlan:
@@ -253,6 +270,10 @@ class EpiloguePlan:
             self.finalizer(out, m, n, extent, given)
 
 
+#: The largest partials workspace (fp32 elements, 8 MiB) a stream keeps between calls.
+SCRATCH_MAX_FLOATS = 1 << 21
+
+
 class StreamScratch:
     """Scratch of the fused calls on one CUDA stream: a workspace for per-tile partials
     (fp32) and the int32 arrival counters of in-kernel finalizes.
@@ -281,12 +302,17 @@ class StreamScratch:
         return self._counters
 
     def get(self, plan: Any, m: int, n: int, work: tuple, slots: int) -> tuple:
-        """({partials name: view}, counters or None) for ``plan`` at (M, N)."""
+        """({partials name: view}, counters or None) for ``plan`` at (M, N). Partials
+        larger than ``SCRATCH_MAX_FLOATS`` get a workspace of their own per call (an LM
+        head's: a long-running call, and memory not to keep)."""
         key = (plan, m, n)
         hit = self._views.get(key)
         if hit is None:
             floats, views = work
             counters = self.counters(slots) if slots else None
+            if floats > SCRATCH_MAX_FLOATS:
+                ws = torch.empty(floats, dtype=torch.float32, device=self.device)
+                return {name: ws.as_strided(sh, st, off) for name, sh, st, off in views}, counters
             if self._floats.numel() < floats:
                 size = max(floats, 2 * self._floats.numel()) if self.keep else floats
                 self._floats = torch.empty(size, dtype=torch.float32, device=self.device)
@@ -330,15 +356,17 @@ def _plan(epi, A, B, majors, config, m, n, k) -> EpiloguePlan:
         device,
         config,
         epilogue_size_class(m, n, k),
-        finalize.size_class(m, n),
+        finalize.size_class(m, n, k),
     )
     plan = _plans.get(pkey)
     if plan is None:
         reason = unsupported(epi)
         if reason is not None:
             raise NotImplementedError(f"this epilogue cannot be fused yet: {reason}")
-        cfg = config or epilogue_config(epi, A.dtype, m, n, k, num_sms, majors)
-        in_kernel = finalize.in_gemm(epi, cfg, m, n)
+        if config is None:
+            cfg, in_kernel = epilogue_choice(epi, A.dtype, m, n, k, num_sms, majors)
+        else:  # the caller's config, as given
+            cfg, in_kernel = config, finalize.in_gemm(epi, config, m, n, k)
         plan = _plans[pkey] = EpiloguePlan(epi, A.dtype, majors, device, num_sms, cfg, in_kernel)
     return plan
 

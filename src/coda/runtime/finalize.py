@@ -33,28 +33,39 @@ from ..primitives.base import Primitive
 from . import gemm_kernels
 from .fused import in_kernel_axes
 
-#: The GEMM kernel finalizes row results itself while a row has at most this many
-#: columns (64 tiles of 128: a thread per row reads its row's partials, 8 loads in
-#: flight, in well under one tile's mainloop) ...
+#: The GEMM kernel finalizes its results itself only for problems of at most this many
+#: multiply-adds (M * N * K): there a call costs more host time than GPU time, and the
+#: finalize kernel's second launch is what the kernel's own finalize saves. Above it the
+#: arrival at the counters and the last tile's finalize lengthen the epilogue that hides
+#: in the other warpgroup's mainloop: on an H100 at M=16384, N=K=2048 they cost the
+#: log-sum-exp epilogue 10% of its kernel time (1.16 vs 1.06 of the plain GEMM), far more
+#: than the finalize kernel's few microseconds.
+IN_GEMM_MAX_MACS = 1 << 34
+#: ... and while a row has at most this many columns (64 tiles of 128: a thread per row
+#: reads its row's partials, 8 loads in flight) ...
 ROWS_IN_GEMM_MAX_N = 8192
-#: ... and column results while a column has at most this many rows (a column of tiles
-#: completes at the end of the schedule, so its finalize adds to the kernel's tail).
+#: ... and a column at most this many rows (a column of tiles completes at the end of
+#: the schedule, so its finalize adds to the kernel's tail).
 COLS_IN_GEMM_MAX_M = 4096
 
 
-def in_gemm(epi: Epilogue, config: Any, m: int, n: int) -> bool:
+def in_gemm(epi: Epilogue, config: Any, m: int, n: int, k: int) -> bool:
     """True when the GEMM kernel finalizes ``epi``'s GPU-finalized results itself at
-    (M, N) with ``config`` (PingPong 128-row tiles, no split-K)."""
+    (M, N, K) with ``config`` (PingPong 128-row tiles, no split-K)."""
     axes = in_kernel_axes(epi)
     if axes is None or config.tile_m != 128 or config.split_k != 1:
         return False
     rows, cols = axes
-    return (not rows or n <= ROWS_IN_GEMM_MAX_N) and (not cols or m <= COLS_IN_GEMM_MAX_M)
+    return (
+        m * n * k <= IN_GEMM_MAX_MACS
+        and (not rows or n <= ROWS_IN_GEMM_MAX_N)
+        and (not cols or m <= COLS_IN_GEMM_MAX_M)
+    )
 
 
-def size_class(m: int, n: int) -> tuple[bool, bool]:
-    """What of (M, N) :func:`in_gemm` depends on (part of a launch plan's key)."""
-    return n <= ROWS_IN_GEMM_MAX_N, m <= COLS_IN_GEMM_MAX_M
+def size_class(m: int, n: int, k: int) -> tuple[bool, bool, bool]:
+    """What of (M, N, K) :func:`in_gemm` depends on (part of a launch plan's key)."""
+    return m * n * k <= IN_GEMM_MAX_MACS, n <= ROWS_IN_GEMM_MAX_N, m <= COLS_IN_GEMM_MAX_M
 
 
 def _finalizing(epi: Epilogue) -> tuple[Primitive, ...]:

@@ -164,7 +164,7 @@ class FusedVisitor:
             if n:
                 out[p] = at
                 at += n
-        if self.finalize_in_kernel:
+        if self.finalize_in_kernel:  # a slot per warpgroup (by thread index // 128)
             out["arrival"] = at
             at += 4
         return out, at
@@ -240,8 +240,6 @@ class FusedVisitor:
         tile, states = vstate
         for p, state in zip(self.epilogue.primitives, states, strict=True):
             p.trace_end_tile(tile, state)
-        if self.finalize_in_kernel:
-            self._arrive(tctx, tile)
 
     # ---- the finalize in the kernel ------------------------------------------------------
     def _arrive(self, tctx: Any, tile: Any) -> None:
@@ -259,7 +257,10 @@ class FusedVisitor:
         scratch, at = tile.scratch_for("arrival")
         import cutlass.cute as cute
 
-        flag = cute.make_tensor(scratch.iterator + at, cute.make_layout(1))
+        # a slot per warpgroup: the other one may be in its epilogue, using the scratch
+        flag = cute.make_tensor(
+            scratch.iterator + at + tracing.warpgroup_index(), cute.make_layout(1)
+        )
         if rows:
             tile.memo["last_in_row"] = tracing.arrive_last(
                 counters, tm, tiles_n, flag, tctx.barrier
@@ -270,15 +271,18 @@ class FusedVisitor:
             )
 
     def after_tile(self, tctx: Any, vstate: Any) -> None:
-        """After the warpgroup has handed the epilogue to the other one (its shared
-        memory is no longer this tile's): the last tile of a row of tiles finalizes the
-        row results of its rows (a thread per row), the last of a column of tiles the
-        column results of its columns (a thread per column)."""
+        """After the warpgroup has handed the epilogue to the other one: the tile
+        arrives at its row's (column's) counter; the last tile of a row of tiles
+        finalizes the row results of its rows (a thread per row), the last of a column
+        of tiles the column results of its columns (a thread per column)."""
         if not self.finalize_in_kernel:
             return
         from ..primitives import tracing
 
         tile, _ = vstate
+        # arriving here, not in end_tile, keeps its barriers and fences off the epilogue
+        # turn: the other warpgroup's epilogue runs meanwhile
+        self._arrive(tctx, tile)
         epi = self.epilogue
         cfg = tctx.config
         m, n = tctx.shape_mn
