@@ -192,3 +192,9 @@ def test_large_partials_get_a_workspace_per_call(rec, monkeypatch):
     assert first[-1] is second[-1]  # the counters are still the stream's
     (scratch,) = epilogue_kernels._scratches.values()
     assert scratch._floats.numel() == 0
+
+
+def test_non_tensor_operands_get_the_readable_error(rec):
+    epi, A, B, tensors = _inputs("rmsnorm_fwd", 300, 520, 64)
+    with pytest.raises(TypeError, match="A must be a torch.Tensor"):
+        epi(None, B, config=CONFIG, **tensors)

@@ -705,6 +705,11 @@ def thread_in_warpgroup():
     return cute.arch.thread_idx()[0] % 128
 
 
+def scratch_slot(scratch, offset):
+    """A one-element view of the shared scratch at ``offset`` (a float)."""
+    return cute.make_tensor(scratch.iterator + offset, cute.make_layout(1))
+
+
 def warpgroup_index():
     """This thread's warpgroup in the CTA (thread index // 128), warp-uniform."""
     return cute.arch.make_warp_uniform(cute.arch.thread_idx()[0] // 128)

@@ -383,9 +383,8 @@ def run(
     """Fused ``epi(A, B, **tensors)``. ``outputs`` may pre-supply output tensors (e.g.
     NaN-poisoned ones in tests, or buffers reused across steps); they must have the
     declared shapes and dtypes."""
-    fast = not outputs and not check_contents
-    if fast:
-        sig = _signature(epi, config, A, B, tensors)
+    sig = None if outputs or check_contents else _signature(epi, config, A, B, tensors)
+    if sig is not None:
         hit = _calls.get(sig)
         if hit is not None:
             plan, m, n, tiles = hit
@@ -400,7 +399,7 @@ def run(
     plan = _plan(epi, A, B, (a_major, b_major), config, m, n, k)
     if check_contents or not plan.fast_checks_pass(A, B, tensors, m, n):
         _full_checks(epi, A, B, tensors, n, plan.need_n, check_contents)
-    if fast:
+    if sig is not None:
         if len(_calls) > 4096:
             _calls.clear()
         _calls[sig] = (plan, m, n, plan.tile_inputs)
@@ -414,7 +413,10 @@ def run(
 _calls: dict[tuple, tuple] = {}
 
 
-def _signature(epi, config, A, B, tensors: Mapping[str, Any]) -> tuple:
+def _signature(epi, config, A, B, tensors: Mapping[str, Any]) -> tuple | None:
+    """The call's signature, or None when A or B is no tensor (the full checks say so)."""
+    if not (isinstance(A, torch.Tensor) and isinstance(B, torch.Tensor)):
+        return None
     parts = [epi, config, A.shape, A.stride(), A.dtype, A.device]
     parts += (B.shape, B.stride(), B.dtype, B.device)
     for name, v in tensors.items():

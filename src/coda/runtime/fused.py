@@ -244,7 +244,7 @@ class FusedVisitor:
     # ---- the finalize in the kernel ------------------------------------------------------
     def _arrive(self, tctx: Any, tile: Any) -> None:
         """Count this tile in its row (and column) of tiles; remember (in ``tile.memo``)
-        whether it was the last one, which then finalizes in ``after_tile``."""
+        whether it was the last one there, which then finalizes."""
         from ..primitives import tracing
 
         rows, cols = in_kernel_axes(self.epilogue)
@@ -255,12 +255,8 @@ class FusedVisitor:
         tiles_n = padded_tiles(n, cfg.tile_n, cfg.cluster_n)
         counters = tctx.extras[len(self.extras_specs)]
         scratch, at = tile.scratch_for("arrival")
-        import cutlass.cute as cute
-
         # a slot per warpgroup: the other one may be in its epilogue, using the scratch
-        flag = cute.make_tensor(
-            scratch.iterator + at + tracing.warpgroup_index(), cute.make_layout(1)
-        )
+        flag = tracing.scratch_slot(scratch, at + tracing.warpgroup_index())
         if rows:
             tile.memo["last_in_row"] = tracing.arrive_last(
                 counters, tm, tiles_n, flag, tctx.barrier
