@@ -66,15 +66,17 @@ def test_in_gemm_finalize_rule():
     assert in_kernel_axes(rms) == (True, False)
     assert in_kernel_axes(dgamma) == (False, True)
     assert in_kernel_axes(EPILOGUES["swiglu_fwd"]) is None  # nothing to finalize
-    assert finalize.in_gemm(rms, CONFIG, 2048, 8192, 1024)
-    assert not finalize.in_gemm(rms, CONFIG, 128, 8200, 64)  # an LM head's rows: the kernel
-    assert finalize.in_gemm(dgamma, CONFIG, 4096, 16384, 256)
-    assert not finalize.in_gemm(dgamma, CONFIG, 4100, 2048, 64)  # a long column: its tail
-    # a long-running GEMM: its epilogue must hide in the mainloop, the finalize kernel
-    assert finalize.in_gemm(rms, CONFIG, 2048, 2048, 2048)
-    assert not finalize.in_gemm(rms, CONFIG, 16384, 2048, 2048)
-    assert not finalize.in_gemm(rms, GemmConfig(tile_m=256), 1024, 1024, 64)
-    assert not finalize.in_gemm(rms, GemmConfig(split_k=2), 1024, 1024, 64)
+    assert finalize.in_gemm(rms, CONFIG, 512, 8192, 132)
+    assert not finalize.in_gemm(rms, CONFIG, 128, 8200, 132)  # an LM head's rows: the kernel
+    assert finalize.in_gemm(dgamma, CONFIG, 4096, 1024, 132)
+    assert not finalize.in_gemm(dgamma, CONFIG, 4100, 512, 132)  # a long column: its tail
+    # each warpgroup arrives about once: up to 2 tiles of 128 x 128 per SM
+    assert finalize.in_gemm(rms, CONFIG, 2048, 2048, 132)  # 256 tiles
+    assert not finalize.in_gemm(rms, CONFIG, 16384, 2048, 132)  # a GEMM of 2048 tiles
+    assert not finalize.in_gemm(rms, CONFIG, 16384, 4096, 132)  # a map pass's 4096 tiles
+    assert finalize.in_gemm(rms, CONFIG, 16384, 2048, 1024)  # ... on a larger GPU
+    assert not finalize.in_gemm(rms, GemmConfig(tile_m=256), 1024, 1024, 132)
+    assert not finalize.in_gemm(rms, GemmConfig(split_k=2), 1024, 1024, 132)
 
 
 @pytest.mark.parametrize("m,n", [(1000, 776), (128, 128), (7, 8), (4096, 1024)])

@@ -75,7 +75,7 @@ def epilogue_choice(
     kernel with no local memory wins. Compiles (or loads from the caches) the candidates
     it inspects; the answer is cached with them."""
     for cfg in tile_candidates(choose_epilogue_config(m, n, k, num_sms)):
-        for in_kernel in (True, False) if finalize.in_gemm(epi, cfg, m, n, k) else (False,):
+        for in_kernel in (True, False) if finalize.in_gemm(epi, cfg, m, n, num_sms) else (False,):
             visitor = FusedVisitor(epi, in_kernel)
             key = gemm_kernels.kernel_key(cfg, ab_dtype, visitor, num_sms, *majors)
             if gemm_kernels.local_memory_bytes(key) == 0:
@@ -356,7 +356,7 @@ def _plan(epi, A, B, majors, config, m, n, k) -> EpiloguePlan:
         device,
         config,
         epilogue_size_class(m, n, k),
-        finalize.size_class(m, n, k),
+        finalize.size_class(m, n, num_sms),
     )
     plan = _plans.get(pkey)
     if plan is None:
@@ -366,7 +366,7 @@ def _plan(epi, A, B, majors, config, m, n, k) -> EpiloguePlan:
         if config is None:
             cfg, in_kernel = epilogue_choice(epi, A.dtype, m, n, k, num_sms, majors)
         else:  # the caller's config, as given
-            cfg, in_kernel = config, finalize.in_gemm(epi, config, m, n, k)
+            cfg, in_kernel = config, finalize.in_gemm(epi, config, m, n, num_sms)
         plan = _plans[pkey] = EpiloguePlan(epi, A.dtype, majors, device, num_sms, cfg, in_kernel)
     return plan
 

@@ -6,10 +6,10 @@ running states (``TileReduce``, ``LogSumExp``, ``TargetSelect``) leave per-tile 
 
 Every primitive with ``traces_finalize`` is finalized on the GPU, in one of two places:
 
-* in the GEMM kernel itself (:func:`in_gemm`: the rows or columns of tiles are short
-  enough that the last tile of each finalizes them in the shadow of the other
-  warpgroup's mainloop; :class:`coda.runtime.fused.FusedVisitor` with
-  ``finalize_in_kernel``): nothing is launched after the GEMM;
+* in the GEMM kernel itself (:func:`in_gemm`: small problems, where each consumer
+  warpgroup arrives at the counters about once, with rows or columns of tiles short
+  enough for the last tile of each to finalize them; :class:`coda.runtime.fused.FusedVisitor`
+  with ``finalize_in_kernel``): nothing is launched after the GEMM;
 * else by ONE small kernel per epilogue (:mod:`coda.runtime.finalize_kernel`, compiled
   once per epilogue value and kept in the same memory and disk caches as the GEMM
   kernels), launched right after the GEMM on the same stream (an LM head's rows have
@@ -33,14 +33,16 @@ from ..primitives.base import Primitive
 from . import gemm_kernels
 from .fused import in_kernel_axes
 
-#: The GEMM kernel finalizes its results itself only for problems of at most this many
-#: multiply-adds (M * N * K): there a call costs more host time than GPU time, and the
-#: finalize kernel's second launch is what the kernel's own finalize saves. Above it the
-#: arrival at the counters and the last tile's finalize lengthen the epilogue that hides
-#: in the other warpgroup's mainloop: on an H100 at M=16384, N=K=2048 they cost the
-#: log-sum-exp epilogue 10% of its kernel time (1.16 vs 1.06 of the plain GEMM), far more
-#: than the finalize kernel's few microseconds.
-IN_GEMM_MAX_MACS = 1 << 34
+#: The GEMM kernel finalizes its results itself only while the problem has at most this
+#: many 128 x 128 output tiles per SM, i.e. each consumer warpgroup arrives about once.
+#: Every tile's arrival at the counters (a barrier, a fence, an atomic round trip) and
+#: the last tile's finalize lengthen the epilogue that hides in the other warpgroup's
+#: mainloop: on an H100 at M=16384, N=K=2048 (2048 tiles) they cost the log-sum-exp
+#: epilogue 10% of its kernel time (1.16 vs 1.06 of the plain GEMM), far more than the
+#: finalize kernel's few microseconds; a map pass (K <= 64, no mainloop at all) would pay
+#: them per tile too. Few tiles are the small, host-bound calls, where the saved launch
+#: is what counts (512^3: 16 tiles, 2048^3: 256).
+IN_GEMM_MAX_TILES_PER_SM = 2
 #: ... and while a row has at most this many columns (64 tiles of 128: a thread per row
 #: reads its row's partials, 8 loads in flight) ...
 ROWS_IN_GEMM_MAX_N = 8192
@@ -49,23 +51,26 @@ ROWS_IN_GEMM_MAX_N = 8192
 COLS_IN_GEMM_MAX_M = 4096
 
 
-def in_gemm(epi: Epilogue, config: Any, m: int, n: int, k: int) -> bool:
+def in_gemm(epi: Epilogue, config: Any, m: int, n: int, num_sms: int) -> bool:
     """True when the GEMM kernel finalizes ``epi``'s GPU-finalized results itself at
-    (M, N, K) with ``config`` (PingPong 128-row tiles, no split-K)."""
+    (M, N) on ``num_sms`` SMs with ``config`` (PingPong 128-row tiles, no split-K)."""
     axes = in_kernel_axes(epi)
     if axes is None or config.tile_m != 128 or config.split_k != 1:
         return False
     rows, cols = axes
+    few, short_rows, short_cols = size_class(m, n, num_sms)
+    return few and (short_rows or not rows) and (short_cols or not cols)
+
+
+def size_class(m: int, n: int, num_sms: int) -> tuple[bool, bool, bool]:
+    """What of (M, N) :func:`in_gemm` depends on (part of a launch plan's key): few tiles
+    (counted at 128 x 128, whatever the tile), short rows, short columns."""
+    tiles = -(-m // 128) * -(-n // 128)
     return (
-        m * n * k <= IN_GEMM_MAX_MACS
-        and (not rows or n <= ROWS_IN_GEMM_MAX_N)
-        and (not cols or m <= COLS_IN_GEMM_MAX_M)
+        tiles <= IN_GEMM_MAX_TILES_PER_SM * num_sms,
+        n <= ROWS_IN_GEMM_MAX_N,
+        m <= COLS_IN_GEMM_MAX_M,
     )
-
-
-def size_class(m: int, n: int, k: int) -> tuple[bool, bool, bool]:
-    """What of (M, N, K) :func:`in_gemm` depends on (part of a launch plan's key)."""
-    return m * n * k <= IN_GEMM_MAX_MACS, n <= ROWS_IN_GEMM_MAX_N, m <= COLS_IN_GEMM_MAX_M
 
 
 def _finalizing(epi: Epilogue) -> tuple[Primitive, ...]:
