@@ -125,6 +125,21 @@ def test_catalogue_epilogue_finalizes_in_the_gemm_kernel(name, tmp_path):
     assert count_prefix(ops, "LDL") == 0 and count_prefix(ops, "STL") == 0
 
 
+@pytest.mark.parametrize("name", [n for n in EPILOGUES if finalize.uses_kernel(EPILOGUES[n])])
+def test_in_kernel_finalize_compiles_with_concurrent_epilogues(name, tmp_path):
+    """The map passes' config (both warpgroups' epilogues at once, a scratch each) with
+    the finalize in the kernel: it fits, arrives once per kind of result, no spills."""
+    epi = EPILOGUES[name]
+    cfg = epilogue_config(epi, torch.bfloat16, 1000, 776, 8, num_sms=132)
+    assert cfg.concurrent_epilogues
+    key = gemm_kernels.GemmKernelKey(cfg, torch.bfloat16, FusedVisitor(epi, True))
+    ptx, cubin = gemm_kernels.compile_artifacts(key, str(tmp_path))
+    assert ptx.count("atom.global.add.u32") == sum(in_kernel_axes(epi))
+    if find_nvdisasm() is not None:
+        ops = opcode_counts(disassemble(cubin))
+        assert count_prefix(ops, "LDL") == 0 and count_prefix(ops, "STL") == 0
+
+
 def test_only_reducing_epilogues_have_a_finalize_kernel():
     assert not finalize.uses_kernel(EPILOGUES["residual_store"])
     assert not finalize.uses_kernel(EPILOGUES["swiglu_fwd"])
