@@ -31,7 +31,7 @@ from ..epilogue import Epilogue
 from ..geometry import Problem
 from ..primitives.base import Primitive
 from . import gemm_kernels
-from .fused import in_kernel_axes
+from .fused import in_kernel_axes, traced_finalizers
 
 #: The GEMM kernel finalizes its results itself only while the problem has at most this
 #: many 128 x 128 output tiles per SM, i.e. each consumer warpgroup arrives about once.
@@ -85,7 +85,7 @@ class FinalizeKey:
     dsl: str = attrs.field(factory=gemm_kernels.dsl_version)
 
     def traced(self) -> tuple[Primitive, ...]:
-        return tuple(p for p in _finalizing(self.epilogue) if p.traces_finalize)
+        return traced_finalizers(self.epilogue)
 
     def tensor_names(self) -> tuple[str, ...]:
         """The partials and results the kernel reads and writes, in argument order."""
