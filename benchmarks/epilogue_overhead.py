@@ -10,7 +10,10 @@ with B N-major, wgrad with A M-major and B N-major), the fused kernel
 same config and layout, bf16 output) are timed in interleaved rounds; fused_ms / plain_ms
 is the epilogue's cost. ``--staggered`` also times the fused kernel with
 ``GemmConfig.staggered_copies`` in the same rounds (row fields ``staggered_ms`` and
-``staggered_ratio``: its fused / plain).
+``staggered_ratio``: its fused / plain). ``--epi-n W`` also times the fused kernel and
+the plain GEMM with W-column epilogue subtiles (``GemmConfig.epi_n``) in the same rounds
+(row fields ``epi{W}_ms``, ``epi{W}_plain_ms``, ``epi{W}_ratio``: its fused / the
+default plain, and ``epi{W}_own_ratio``: its fused / its plain).
 """
 
 from __future__ import annotations
@@ -35,7 +38,14 @@ M = 16384
 
 
 def bench(
-    name: str, m: int, n: int, k: int, rounds: int, layout: str = "fwd", staggered: bool = False
+    name: str,
+    m: int,
+    n: int,
+    k: int,
+    rounds: int,
+    layout: str = "fwd",
+    staggered: bool = False,
+    epi_n: int | None = None,
 ) -> dict:
     epi = EPILOGUES[name]
     A, B, tensors = make_inputs(epi, m, n, k, torch.bfloat16, seed=0)
@@ -51,6 +61,10 @@ def bench(
     if staggered:
         stag = attrs.evolve(cfg, staggered_copies=True)
         methods["staggered"] = lambda: epi(A, B, config=stag, **tensors)
+    if epi_n:
+        alt = attrs.evolve(cfg, epi_n=epi_n)
+        methods["alt"] = lambda: epi(A, B, config=alt, **tensors)
+        methods["alt_plain"] = lambda: gemm(A, B, out=out, config=alt)
     times = common.interleaved(methods, rounds=rounds, reps=max(3, min(30, int(2e13 / flops))))
     fused, plain = common.median(times["fused"]), common.median(times["plain"])
     extra = {}
@@ -58,6 +72,13 @@ def bench(
         extra = {
             "staggered_ms": common.median(times["staggered"]),
             "staggered_ratio": common.median_ratio(times["staggered"], times["plain"]),
+        }
+    if epi_n:
+        extra |= {
+            f"epi{epi_n}_ms": common.median(times["alt"]),
+            f"epi{epi_n}_plain_ms": common.median(times["alt_plain"]),
+            f"epi{epi_n}_ratio": common.median_ratio(times["alt"], times["plain"]),
+            f"epi{epi_n}_own_ratio": common.median_ratio(times["alt"], times["alt_plain"]),
         }
     return {
         "epilogue": name,
@@ -81,9 +102,10 @@ def main(argv=None) -> None:
     p.add_argument("--layouts", default="fwd,dgrad,wgrad")
     p.add_argument("--epilogues", default=",".join(EPILOGUES))
     p.add_argument("--staggered", action="store_true", help="also time GemmConfig.staggered_copies")
+    p.add_argument("--epi-n", type=int, default=None, help="also time this epilogue subtile width")
     args = p.parse_args(argv)
     rows = [
-        bench(name, M, size, size, args.rounds, layout, args.staggered)
+        bench(name, M, size, size, args.rounds, layout, args.staggered, args.epi_n)
         for size in (int(x) for x in args.sizes.split(","))
         for layout in args.layouts.split(",")
         for name in args.epilogues.split(",")
@@ -93,6 +115,9 @@ def main(argv=None) -> None:
     cols = ["epilogue", "layout", "M", "N", "K", "fused_ms", "plain_ms", "ratio"]
     if args.staggered:
         cols += ["staggered_ms", "staggered_ratio"]
+    if args.epi_n:
+        w = args.epi_n
+        cols += [f"epi{w}_ms", f"epi{w}_plain_ms", f"epi{w}_ratio", f"epi{w}_own_ratio"]
     common.print_table(rows, cols)
     print(f"max fused/plain = {worst:.3f}")
 

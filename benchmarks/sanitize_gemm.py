@@ -5,20 +5,26 @@ compute-sanitizer (memcheck / racecheck) runs on the device.
 compute-sanitizer --tool memcheck  python benchmarks/sanitize_gemm.py
 compute-sanitizer --tool racecheck python benchmarks/sanitize_gemm.py
 
-Last, a map pass (one k-tile: the two warpgroups' epilogues run at once) over a ragged
-problem where every CTA runs several tiles.
+The fused epilogues run twice: with the finalize in the GEMM kernel (arrival counters;
+what this size gets) and with it forced into the finalize kernel. Then 64-column epilogue
+subtiles (``GemmConfig.epi_n=64``), plain and fused. Last, a map pass (one k-tile: the
+two warpgroups' epilogues run at once) over a ragged problem where every CTA runs
+several tiles.
 """
 
 import torch
 
 from coda import Epilogue
 from coda.fusions._dispatch import run_map
+from coda.mainloop.config import GemmConfig
 from coda.matmul import gemm
 from coda.primitives import TileLoad, TileStore
+from coda.runtime import finalize
 from coda.testing.catalog import EPILOGUES
 from coda.testing.layouts import LAYOUTS, operands
 from coda.testing.strategies import make_inputs
 
+IN_GEMM = finalize.IN_GEMM_MAX_TILES_PER_SM
 m, n, k = 333, 520, 200  # ragged in M, N and K; several tiles and both warpgroups busy
 a0 = torch.randn(m, k, device="cuda").to(torch.bfloat16)
 b0 = torch.randn(n, k, device="cuda").to(torch.bfloat16)
@@ -30,14 +36,23 @@ for layout in LAYOUTS:
     gemm(a, b, out=acc, accumulate=True)
     epi = EPILOGUES["rmsnorm_fwd"]
     _, _, tensors = make_inputs(epi, m, n, k, torch.bfloat16, seed=1)
-    fused = epi(a, b, **{key: v.cuda() for key, v in tensors.items()})
-    # column reductions (the reduce-scatter across lanes, shared-memory slots) and
-    # width-2 loads / stores with a row reduction
-    for name in ("dgamma_colsum", "swiglu_bwd"):
-        other = EPILOGUES[name]
-        _, _, more = make_inputs(other, m, n, k, torch.bfloat16, seed=2)
-        got = other(a, b, **{key: v.cuda() for key, v in more.items()})
-        assert all(torch.isfinite(t).all() for t in got.values() if t.is_floating_point())
+    tensors = {key: v.cuda() for key, v in tensors.items()}
+    for tiles_per_sm in (IN_GEMM, 0):  # the finalize in the GEMM kernel, then in its own
+        finalize.IN_GEMM_MAX_TILES_PER_SM = tiles_per_sm
+        fused = epi(a, b, **tensors)
+        # column reductions (the reduce-scatter across lanes, shared-memory slots) and
+        # width-2 loads / stores with a row reduction
+        for name in ("dgamma_colsum", "swiglu_bwd"):
+            other = EPILOGUES[name]
+            _, _, more = make_inputs(other, m, n, k, torch.bfloat16, seed=2)
+            got = other(a, b, **{key: v.cuda() for key, v in more.items()})
+            assert all(torch.isfinite(t).all() for t in got.values() if t.is_floating_point())
+    finalize.IN_GEMM_MAX_TILES_PER_SM = IN_GEMM
+    wide = GemmConfig(tile_n=128, epi_n=64)
+    out64 = gemm(a, b, config=wide)
+    assert (out64.float() - ref).abs().max().item() < 0.5
+    got = EPILOGUES["swiglu_bwd"](a, b, config=wide, **{k_: v.cuda() for k_, v in more.items()})
+    assert all(torch.isfinite(t).all() for t in got.values() if t.is_floating_point())
     torch.cuda.synchronize()
     err = (out.float() - ref).abs().max().item()
     err_acc = (acc - 1 - ref).abs().max().item()

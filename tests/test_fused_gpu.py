@@ -244,6 +244,33 @@ def test_wide_tile_epilogues_match_reference(name, shape, layout):
     _check(EPILOGUES[name], shape, layout, config=WIDE)
 
 
+#: 64-column epilogue subtiles (``GemmConfig.epi_n=64``): every catalogue epilogue, ragged
+#: shapes, every operand layout; with the epilogues taking turns and running at once
+EPI64 = GemmConfig(tile_n=128, cluster_m=2, epi_n=64)
+EPI64_CONCURRENT = GemmConfig(
+    tile_n=128, cluster_m=2, epi_n=64, epi_stages=8, load_stages=16, concurrent_epilogues=True
+)
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [(300, 520, 264), (1000, 776, 136), (4096, 1024, 512)],
+    ids=lambda s: "x".join(map(str, s)),
+)
+@pytest.mark.parametrize("name", list(EPILOGUES))
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_wide_subtile_epilogues_match_reference(name, shape, layout):
+    _check(EPILOGUES[name], shape, layout, config=EPI64)
+
+
+@pytest.mark.parametrize(
+    "shape", [(3000, 2056, 40), (1000, 776, 40)], ids=lambda s: "x".join(map(str, s))
+)
+@pytest.mark.parametrize("name", list(EPILOGUES))
+def test_wide_subtile_concurrent_epilogues_match_reference(name, shape):
+    _check(EPILOGUES[name], shape, config=EPI64_CONCURRENT)
+
+
 @pytest.mark.parametrize(
     "shape", [(300, 520, 264), (1000, 776, 136), (4096, 1024, 512)],
     ids=lambda s: "x".join(map(str, s)),

@@ -128,6 +128,36 @@ def _check_layout(config: GemmConfig, layout: str, shape, seed: int) -> None:
     assert err <= 2 * base + 1e-6, (err, base)
 
 
+#: 64-column epilogue subtiles (``GemmConfig.epi_n``): half as many per tile
+WIDE_SUBTILES = [
+    GemmConfig(tile_n=128, cluster_m=2, epi_n=64),
+    GemmConfig(tile_n=192, cluster_m=2, epi_n=64),
+    GemmConfig(tile_m=256, tile_n=128, cluster_m=2, epi_n=64),
+]
+
+
+@pytest.mark.parametrize("config", WIDE_SUBTILES, ids=str)
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("shape", [(1111, 1320, 1048), (129, 136, 72), (4096, 2048, 1024)])
+def test_gemm_wide_subtiles_every_layout(config, layout, shape):
+    _check_layout(config, layout, shape, seed=9)
+
+
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_gemm_wide_subtiles_accumulate(out_dtype):
+    """``out += A @ B^T`` (TMA reduce-add) through 64-column subtiles."""
+    m, n, k = 1000, 1320, 520
+    g = torch.Generator(device="cuda").manual_seed(10)
+    a = torch.randn(m, k, device="cuda", generator=g).to(torch.bfloat16)
+    b = torch.randn(n, k, device="cuda", generator=g).to(torch.bfloat16)
+    base = torch.randn(m, n, device="cuda", generator=g).to(out_dtype)
+    out = base.clone()
+    gemm(a, b, out=out, accumulate=True, config=GemmConfig(tile_n=128, epi_n=64))
+    ref = base.double() + a.double() @ b.double().T
+    tol = 1e-2 if out_dtype == torch.float32 else 8e-2
+    assert (out.double() - ref).abs().max().item() <= tol * max(1.0, ref.abs().max().item())
+
+
 COOPERATIVE = [
     GemmConfig(tile_m=256, tile_n=128, cluster_m=2),
     GemmConfig(tile_m=256, tile_n=192, cluster_m=2),

@@ -73,7 +73,7 @@ class GemmConfig:
     cluster_m: int = 2
     cluster_n: int = 1
     epi_m: int = attrs.field(default=64, validator=_check_in((64,)))
-    epi_n: int = attrs.field(default=32, validator=_check_in((32,)))
+    epi_n: int = attrs.field(default=32, validator=_check_in((32, 64)))
     group_m: int = attrs.field(default=8)
     epi_stages: int = attrs.field(default=4)
     #: buffers of the epilogue's M x N operand loads (subtiles in flight per loaded tensor)
@@ -102,6 +102,10 @@ class GemmConfig:
             raise ValueError(
                 f"GemmConfig cluster ({self.cluster_m}, {self.cluster_n}) "
                 f"must be one of {_CLUSTERS}"
+            )
+        if self.tile_n % self.epi_n:
+            raise ValueError(
+                f"GemmConfig tile_n={self.tile_n} must be a multiple of epi_n={self.epi_n}"
             )
         if self.group_m < 1:
             raise ValueError("group_m must be >= 1")
