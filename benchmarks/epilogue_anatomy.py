@@ -17,10 +17,12 @@ ingredient to the one before it, so the differences say what each costs:
   memory traffic), ``swiglu_bwd_map`` (+ its math), ``swiglu_bwd`` (+ the row partial);
 * ``colsum_only``, ``dgamma_colsum`` (+ a column max).
 
-Then torch.profiler splits each reducing variant's time into its GEMM kernel and its
-finalize kernel (``gemm_kernel_us``, ``finalize_kernel_us`` per call). JSON rows
-``{"variant", "M", "N", "K", "ms", "plain_ms", "ratio", "gemm_kernel_us",
-"finalize_kernel_us"}``.
+Then torch.profiler splits each variant's time into its GEMM kernel and its finalize
+kernel (``gemm_kernel_us``, ``finalize_kernel_us`` per call: a programmatic dependent
+launch, whose duration includes its wait for the GEMM) and gives the call's GPU span
+(``call_span_us``: the GEMM's start to the end of the call's last kernel, median). JSON
+rows ``{"variant", "M", "N", "K", "ms", "plain_ms", "ratio", "gemm_kernel_us",
+"finalize_kernel_us", "call_span_us"}``.
 """
 
 from __future__ import annotations
@@ -84,8 +86,11 @@ def variants() -> dict[str, Epilogue]:
     }
 
 
-def _kernel_split(fn, reps: int = 10) -> tuple[float, float]:
-    """(GEMM kernel us, finalize kernel us) per call, from torch.profiler."""
+def _kernel_split(fn, reps: int = 10) -> tuple[float, float, float]:
+    """(GEMM kernel us, finalize kernel us, call span us) per call, from torch.profiler.
+    The span runs from the GEMM kernel's start to the end of the call's last kernel. The
+    finalize kernel is a programmatic dependent launch: its own duration includes the
+    time its CTAs wait for the GEMM grid to finish."""
     from torch.profiler import ProfilerActivity, profile
 
     fn()
@@ -94,15 +99,22 @@ def _kernel_split(fn, reps: int = 10) -> tuple[float, float]:
         for _ in range(reps):
             fn()
         torch.cuda.synchronize()
-    gemm_us = fin_us = 0.0
-    for ev in prof.key_averages():
-        name = ev.key.lower()
-        total = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0.0)
+    kernels = sorted(
+        (e.start_ns(), e.duration_ns(), e.name().lower())
+        for e in prof.profiler.kineto_results.events()
+        if e.device_type() == torch.autograd.DeviceType.CUDA
+    )
+    gemm_us, fin_us, spans = 0.0, 0.0, []
+    for start, dur, name in kernels:
         if "codamainloop" in name:
-            gemm_us += total
+            gemm_us += dur / 1e3
+            spans.append([start, start + dur])
         elif "finalize" in name:
-            fin_us += total
-    return gemm_us / reps, fin_us / reps
+            fin_us += dur / 1e3
+            if spans:
+                spans[-1][1] = max(spans[-1][1], start + dur)
+    span = common.median([(b - a) / 1e3 for a, b in spans]) if spans else 0.0
+    return gemm_us / reps, fin_us / reps, span
 
 
 def main(argv=None) -> None:
@@ -132,7 +144,7 @@ def main(argv=None) -> None:
     plain = common.median(times["plain"])
     rows = []
     for name in epis:
-        gemm_us, fin_us = _kernel_split(methods[name])
+        gemm_us, fin_us, span_us = _kernel_split(methods[name])
         rows.append(
             {
                 "variant": name,
@@ -144,11 +156,21 @@ def main(argv=None) -> None:
                 "ratio": common.median_ratio(times[name], times["plain"]),
                 "gemm_kernel_us": gemm_us,
                 "finalize_kernel_us": fin_us,
+                "call_span_us": span_us,
             }
         )
     common.write_json(args.out, {**common.environment(), "config": str(cfg), "rows": rows})
     common.print_table(
-        rows, ["variant", "ms", "plain_ms", "ratio", "gemm_kernel_us", "finalize_kernel_us"]
+        rows,
+        [
+            "variant",
+            "ms",
+            "plain_ms",
+            "ratio",
+            "gemm_kernel_us",
+            "finalize_kernel_us",
+            "call_span_us",
+        ],
     )
 
 

@@ -70,9 +70,13 @@ def _check(epi, shape, layout="fwd", config=None):
     assert not record["failed"], record
 
 
-def test_fused_call_replays_in_a_cuda_graph():
+@pytest.mark.parametrize("where", ["in_gemm", "finalize_kernel"])
+def test_fused_call_replays_in_a_cuda_graph(where, monkeypatch):
     """A fused epilogue (loads, stores, row reduction + finalize) captured in a CUDA graph
-    with caller-owned outputs replays correctly on new inputs."""
+    with caller-owned outputs replays correctly on new inputs: finalized in the GEMM
+    kernel, or by the finalize kernel (a programmatic dependent launch in the graph)."""
+    if where == "finalize_kernel":
+        monkeypatch.setattr(finalize, "IN_GEMM_MAX_TILES_PER_SM", 0)
     epi = EPILOGUES["rmsnorm_fwd"]
     m, n, k = 1000, 512, 264
     A, B, tensors = make_inputs(epi, m, n, k, bf16, seed=11)
@@ -136,16 +140,22 @@ def test_width_corners_match_reference(name, shape):
 
 #: the catalogue epilogues whose results are finalized on the GPU
 REDUCING = [n for n in EPILOGUES if finalize.uses_kernel(EPILOGUES[n])]
+REDUCING_ALL = {**{n: EPILOGUES[n] for n in REDUCING}, **CORNERS}
 
 
-@pytest.mark.parametrize("shape", [(1000, 776, 136), (4096, 1024, 512), (7, 8, 8)])
-@pytest.mark.parametrize("name", REDUCING)
+@pytest.mark.parametrize(
+    "shape", [(1000, 776, 136), (4096, 1024, 512), (7, 8, 8), (5000, 264, 64), (3000, 2056, 40)]
+)
+@pytest.mark.parametrize("name", REDUCING + list(CORNERS))
 def test_finalize_kernel_path_matches_reference(name, shape, monkeypatch):
     """With the GEMM kernel's own finalize turned off (thresholds at 0), the finalize
-    kernel runs after the GEMM and gives the same results."""
+    kernel runs after the GEMM (a programmatic dependent launch) and gives the same
+    results: row results a warp per row, column results ``COL_LANES`` threads per
+    column, ragged column counts (widths 1/2 and 2) and columns of 1 to 40 tiles."""
     monkeypatch.setattr(finalize, "ROWS_IN_GEMM_MAX_N", 0)
     monkeypatch.setattr(finalize, "COLS_IN_GEMM_MAX_M", 0)
-    _check(EPILOGUES[name], shape)
+    epi = REDUCING_ALL[name]
+    _check(epi, shape)
 
 
 def _inputs(epi, m, n, k, seed):

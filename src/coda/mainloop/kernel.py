@@ -381,6 +381,11 @@ class PingPongGemm(Producers, EpilogueIO):
         n_sub = sub_m * sub_n
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
+        # A kernel launched after this one as its programmatic dependent (the epilogue's
+        # finalize kernel) may start once every CTA of this grid runs: its CTAs take the
+        # SMs our last tiles free and wait for this grid to finish (griddepcontrol.wait).
+        # Every CTA of this grid is resident by then, so they never take one's place.
+        cute.arch.griddepcontrol_launch_dependents()
 
         if warp_idx == PRODUCER_WARP:
             cpasync.prefetch_descriptor(tma_a)

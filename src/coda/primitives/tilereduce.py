@@ -176,7 +176,9 @@ class TileReduce(Primitive):
             n = tracing.Float32(fin.cols(fin.specs[self.of].width))
             tracing.finalize_row_reduce(p, out, fin.row, fin.lane, n, op, self.post, fin.lanes)
         else:  # ... or M
-            tracing.finalize_col_reduce(p, out, fin.col, tracing.Float32(fin.m), op, self.post)
+            tracing.finalize_col_reduce(
+                p, out, fin.col, tracing.Float32(fin.m), op, self.post, fin.col_lane, fin.col_lanes
+            )
 
     # per="row": each thread's rows reduce over a quad, per 64-row band (flush_band).
     # per="col": each column reduces over a warp's 16 rows (lane butterflies), the 4 warps

@@ -533,8 +533,10 @@ def _write_cols(
 # ---- finalize: per-tile partials -> results, in the epilogue's finalize kernel ---------
 # Row results: one warp per row, its 32 lanes striding over the row's tiles (coalesced
 # reads of the (rows, tiles) partials, however many tiles: an LM head has ~1000), then a
-# butterfly across the warp. Column results: one thread per column, looping over the
-# tiles' rows of the (tiles, cols) partials (consecutive threads, consecutive columns).
+# butterfly across the warp. Column results: ``base.COL_LANES`` threads per column, a warp
+# holding 32 / COL_LANES consecutive columns (each tile row read as one 32-byte sector);
+# the column's threads stride over the tiles' rows of the (tiles, cols) partials, then
+# meet in a butterfly.
 #: Iterations of a lane's loop over a row's tiles unrolled together: their loads are
 #: independent, so this many are in flight per lane. With 2 the LM head's finalize
 #: (2048 rows x 1002 tiles) was latency-bound at about 0.6 TB/s (48 us on an H200).
@@ -546,7 +548,10 @@ class TraceFinalize:
     """What a primitive's ``trace_finalize`` sees: ``row``, ``lane`` and ``lanes`` (for row
     results: the row, and this thread's place among the ``lanes`` threads that share it:
     a warp of 32 in the finalize kernel, one thread in the GEMM kernel's own finalize),
-    ``col``, this thread's column (for column results), ``tensor(name)`` for its partials
+    ``col``, ``col_lane`` and ``col_lanes`` (for column results: the column, and this
+    thread's place among the column's threads: ``COL_LANES`` in the finalize kernel, one
+    in the GEMM kernel; a warp holds 32 / col_lanes consecutive columns, its lanes
+    ``col_lane * (32 // col_lanes) + j``), ``tensor(name)`` for its partials
     and result tensors, the problem's ``m`` and ``n`` (Int32), ``cols(width)`` = N * width
     and the epilogue's value ``specs``. A row or column out of range (``row >= M``,
     ``col >= N * width``) has nothing to finalize: guard on it."""
@@ -559,6 +564,9 @@ class TraceFinalize:
     n: Any
     specs: Any
     lanes: int = 32
+    #: this thread's place among the ``col_lanes`` threads of its column (column results)
+    col_lane: Any = 0
+    col_lanes: int = 1
 
     def tensor(self, name: str):
         return self.tensors[name]
@@ -591,12 +599,23 @@ def fold_row(p, row, lane, op: cutlass.Constexpr[str], lanes: cutlass.Constexpr[
 
 
 @cute.jit
-def fold_col(p, col, op: cutlass.Constexpr[str]):
-    """Combine ``p[:, col]`` (a (tiles, cols) tensor) over every tile, in this thread."""
+def fold_col(p, col, op: cutlass.Constexpr[str], lane=0, lanes: cutlass.Constexpr[int] = 1):
+    """Combine ``p[:, col]`` (a (tiles, cols) tensor) over every tile, across the column's
+    ``lanes`` threads (each strides over the tiles from its ``lane``; they sit 32 / lanes
+    lanes apart in one warp): every one of them returns the result."""
     acc = fr.identity(op)
-    for t in cutlass.range(cute.size(p, mode=[0]), unroll=FOLD_UNROLL):
+    for t in cutlass.range(lane, cute.size(p, mode=[0]), lanes, unroll=FOLD_UNROLL):
         acc = fr.combine(op, acc, Float32(p[t, col]))
-    return acc
+    return col_lanes_allreduce(op, acc, lanes)
+
+
+def col_lanes_allreduce(op: str, v, lanes: int):
+    """Reduce over the ``lanes`` threads of a column (lanes 32 / lanes apart in a warp)."""
+    off = 32 // lanes
+    while off < 32:
+        v = fr.combine(op, v, cute.arch.shuffle_sync_bfly(v, offset=off))
+        off *= 2
+    return v
 
 
 @cute.jit
@@ -613,13 +632,28 @@ def finalize_row_reduce(
 
 
 @cute.jit
-def finalize_col_reduce(p, out, col, n, op: cutlass.Constexpr[str], post):
-    """``out[col] = post(combined partials of the column, n)``: one thread per column."""
-    if col < cute.size(p, mode=[1]):
-        total = fold_col(p, col, op)
-        if cutlass.const_expr(post is not None):
-            total = post(total, n)
-        out[col] = Float32(total)
+def finalize_col_reduce(
+    p, out, col, n, op: cutlass.Constexpr[str], post, lane=0, lanes: cutlass.Constexpr[int] = 1
+):
+    """``out[col] = post(combined partials of the column, n)``: ``lanes`` threads per
+    column (see :class:`TraceFinalize`)."""
+    cols = cute.size(p, mode=[1])
+    if cutlass.const_expr(lanes == 1):
+        if col < cols:
+            total = fold_col(p, col, op)
+            if cutlass.const_expr(post is not None):
+                total = post(total, n)
+            out[col] = Float32(total)
+    else:
+        # the warp's first column decides for the whole warp (the shuffles need every
+        # lane); lanes past the last column read it and write nothing
+        if col - col % (32 // lanes) < cols:
+            total = fold_col(p, below_or(col, cols, cols - 1), op, lane, lanes)
+            if col < cols:
+                if lane == 0:
+                    if cutlass.const_expr(post is not None):
+                        total = post(total, n)
+                    out[col] = Float32(total)
 
 
 def merge_max_sum(m, s, m2, s2):

@@ -29,7 +29,7 @@ import attrs
 
 from ..epilogue import Epilogue
 from ..geometry import Problem
-from ..primitives.base import Primitive
+from ..primitives.base import COL_LANES, Primitive
 from . import gemm_kernels
 from .fused import in_kernel_axes, traced_finalizers
 
@@ -159,8 +159,11 @@ class FinalizePlan:
         self._rows, self._widths = _extent_widths(epi, traced)
 
     def extent(self, m: int, n: int) -> int:
-        """Threads of the finalize kernel: a warp per row, a thread per column."""
-        return max(([32 * m] if self._rows else [1]) + [int(n * w) for w in self._widths])
+        """Threads of the finalize kernel: a warp per row, ``COL_LANES`` threads per
+        column (whole warps of 32 / COL_LANES columns)."""
+        per_warp = 32 // COL_LANES
+        cols = [32 * -(-int(n * w) // per_warp) for w in self._widths]
+        return max(([32 * m] if self._rows else [1]) + cols)
 
     def __call__(self, out: dict, m: int, n: int, extent: int, given: Mapping) -> None:
         if self.launch is not None:

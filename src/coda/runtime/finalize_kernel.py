@@ -4,9 +4,17 @@ Sits in ``coda.runtime`` under :mod:`coda.runtime.finalize` (imported only when 
 finalize kernel is compiled: it imports CuTeDSL). Warp ``w`` finalizes row ``w`` of every
 row result (its lanes stride over the row's tiles: coalesced however many tiles there
 are) and thread ``i`` column ``i`` of every column result, each primitive emitting its
-own ``trace_finalize`` (combine the tiles' partials, apply ``post``). The grid's
-``extent`` threads cover 32 x M (rows) and the longest column result. Shapes are
-symbolic and every tensor is checked by the TVM-FFI entry, like the GEMM kernels.
+own ``trace_finalize`` (combine the tiles' partials, apply ``post``); ``COL_LANES``
+threads share each column (a warp holds 32 / COL_LANES consecutive columns). The grid's
+``extent`` threads cover 32 x M (rows) and COL_LANES x the longest column result.
+
+It is launched as a programmatic dependent of the GEMM kernel (``use_pdl``: the GEMM
+kernel lets it start as soon as every one of its CTAs runs, see
+``coda.mainloop.kernel``): its CTAs take SMs as the GEMM's last tiles free them and
+wait (``griddepcontrol.wait``) for the whole GEMM grid to finish and its writes to be
+visible before reading a partial, so the launch gap between the two kernels is gone.
+Shapes are symbolic and every tensor is checked by the TVM-FFI entry, like the GEMM
+kernels.
 """
 
 from __future__ import annotations
@@ -19,6 +27,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Int32
 
+from ..primitives.base import COL_LANES
 from ..primitives.tracing import TraceFinalize
 
 THREADS = 128
@@ -36,17 +45,32 @@ class FinalizeKernel:
     @cute.jit
     def __call__(self, tensors, m: Int32, n: Int32, extent: Int32, stream):
         blocks = (extent + THREADS - 1) // THREADS
-        self.kernel(tensors, m, n).launch(grid=(blocks, 1, 1), block=(THREADS, 1, 1), stream=stream)
+        self.kernel(tensors, m, n).launch(
+            grid=(blocks, 1, 1), block=(THREADS, 1, 1), stream=stream, use_pdl=True
+        )
 
     @cute.kernel
     def kernel(self, tensors, m: Int32, n: Int32):
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         index = bidx * THREADS + tidx
+        lane = tidx % 32
+        per_warp = 32 // COL_LANES  # consecutive columns in a warp
         by_name = {name: tensors[i] for i, name in enumerate(self.names)}
         fin = TraceFinalize(
-            row=index // 32, lane=tidx % 32, col=index, tensors=by_name, m=m, n=n, specs=self.specs
+            row=index // 32,
+            lane=lane,
+            col=(index // 32) * per_warp + lane % per_warp,
+            tensors=by_name,
+            m=m,
+            n=n,
+            specs=self.specs,
+            col_lane=lane // per_warp,
+            col_lanes=COL_LANES,
         )
+        # the GEMM grid (this launch's programmatic prerequisite) has finished and its
+        # partials are visible from here on
+        cute.arch.griddepcontrol_wait()
         for p in self.prims:
             p.trace_finalize(fin)
 
