@@ -140,6 +140,49 @@ def test_in_kernel_finalize_compiles_with_concurrent_epilogues(name, tmp_path):
         assert count_prefix(ops, "LDL") == 0 and count_prefix(ops, "STL") == 0
 
 
+@pytest.mark.parametrize("name", ["dgamma_colsum", "rmsnorm_fwd"])
+def test_finalize_kernel_waits_for_the_gemm_grid(name, tmp_path):
+    """The finalize kernel is a programmatic dependent launch: it waits for the GEMM grid
+    (griddepcontrol.wait) before its first load; column results fold across
+    ``COL_LANES`` threads (butterfly shuffles)."""
+    if find_nvdisasm() is None:
+        pytest.skip("nvdisasm not installed")
+    ptx, cubin = finalize.compile_artifacts(EPILOGUES[name], str(tmp_path))
+    assert "griddepcontrol.wait" in ptx
+    assert ptx.index("griddepcontrol.wait") < ptx.index("ld.global")
+    ops = opcode_counts(disassemble(cubin))
+    assert count_prefix(ops, "LDL") == 0 and count_prefix(ops, "STL") == 0
+    assert count_prefix(ops, "SHFL.BFLY") > 0
+
+
+def test_finalize_kernel_extent_covers_rows_and_column_lanes():
+    """A warp per row; COL_LANES threads per column in whole warps of 32 / COL_LANES
+    columns (a ragged last warp included)."""
+    from coda.primitives.base import COL_LANES
+
+    per_warp = 32 // COL_LANES
+    cols = finalize.plan(EPILOGUES["dgamma_colsum"])
+    assert cols.extent(16384, 2048) == COL_LANES * 2048
+    assert cols.extent(16384, 2056) == 32 * -(-2056 // per_warp)
+    rows = finalize.plan(EPILOGUES["rmsnorm_fwd"])
+    assert rows.extent(1000, 8192) == 32 * 1000
+
+
+@pytest.mark.parametrize("name", [n for n in EPILOGUES if n != "silu_max"])
+def test_catalogue_compiles_with_wide_subtiles(name, tmp_path):
+    """64-column epilogue subtiles (``GemmConfig.epi_n=64``, opt-in): half the subtiles
+    per tile, so half the per-subtile barriers; the catalogue compiles with no local
+    memory (silu_max spills there and keeps 32-column subtiles)."""
+    if find_nvdisasm() is None:
+        pytest.skip("nvdisasm not installed")
+    cfg = GemmConfig(tile_n=128, cluster_m=2, epi_n=64)
+    key = gemm_kernels.GemmKernelKey(cfg, torch.bfloat16, FusedVisitor(EPILOGUES[name]))
+    _, cubin = gemm_kernels.compile_artifacts(key, str(tmp_path))
+    ops = opcode_counts(disassemble(cubin))
+    assert count_prefix(ops, "HGMMA") > 0
+    assert count_prefix(ops, "LDL") == 0 and count_prefix(ops, "STL") == 0
+
+
 def test_only_reducing_epilogues_have_a_finalize_kernel():
     assert not finalize.uses_kernel(EPILOGUES["residual_store"])
     assert not finalize.uses_kernel(EPILOGUES["swiglu_fwd"])

@@ -49,6 +49,19 @@ CASES = [
         torch.bfloat16,
         "HGMMA.64x128x16.F32.BF16",
     ),
+    # 64-column epilogue subtiles (GemmConfig.epi_n=64)
+    (
+        GemmConfig(tile_n=128, cluster_m=2, epi_n=64),
+        torch.bfloat16,
+        torch.bfloat16,
+        "HGMMA.64x128x16.F32.BF16",
+    ),
+    (
+        GemmConfig(tile_m=256, tile_n=192, cluster_m=2, epi_n=64),
+        torch.bfloat16,
+        torch.float32,
+        "HGMMA.64x192x16.F32.BF16",
+    ),
     # the cooperative schedule: 256-row tiles, each warpgroup on its 128-row half
     (
         GemmConfig(tile_m=256, tile_n=128, cluster_m=2),
@@ -102,6 +115,15 @@ def test_sass_has_wgmma_tma_and_no_spills(sass_of, config, ab, d, hgmma):
             "cluster multicast"
         )
     assert "setmaxnreg" in ptx and "wgmma.mma_async" in ptx
+
+
+def test_gemm_lets_a_programmatic_dependent_start_early(sass_of):
+    """Every CTA of the GEMM signals griddepcontrol.launch_dependents (the finalize kernel,
+    launched with use_pdl, may take SMs as the GEMM's tiles finish); the GEMM itself is a
+    plain launch and does not wait on a predecessor."""
+    ptx, _ = sass_of(*CASES[0][:3])
+    assert "griddepcontrol.launch_dependents" in ptx
+    assert "griddepcontrol.wait" not in ptx
 
 
 def test_sass_stores_use_stmatrix_for_16bit_output(sass_of):

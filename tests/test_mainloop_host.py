@@ -82,6 +82,9 @@ def test_config_validation_errors():
         GemmConfig(cluster_m=4, cluster_n=1)
     with pytest.raises(ValueError, match="epi_n=16"):
         GemmConfig(epi_n=16)
+    with pytest.raises(ValueError, match="tile_n=160 must be a multiple of epi_n=64"):
+        GemmConfig(tile_n=160, epi_n=64)
+    assert GemmConfig(tile_n=192, epi_n=64).subtiles_per_tile == (2, 3)
     for flag in ("concurrent_epilogues", "staggered_copies"):
         with pytest.raises(TypeError, match=f"{flag} must be a bool"):
             GemmConfig(**{flag: 1})
