@@ -128,36 +128,6 @@ def _check_layout(config: GemmConfig, layout: str, shape, seed: int) -> None:
     assert err <= 2 * base + 1e-6, (err, base)
 
 
-#: 64-column epilogue subtiles (``GemmConfig.epi_n``): half as many per tile
-WIDE_SUBTILES = [
-    GemmConfig(tile_n=128, cluster_m=2, epi_n=64),
-    GemmConfig(tile_n=192, cluster_m=2, epi_n=64),
-    GemmConfig(tile_m=256, tile_n=128, cluster_m=2, epi_n=64),
-]
-
-
-@pytest.mark.parametrize("config", WIDE_SUBTILES, ids=str)
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-@pytest.mark.parametrize("shape", [(1111, 1320, 1048), (129, 136, 72), (4096, 2048, 1024)])
-def test_gemm_wide_subtiles_every_layout(config, layout, shape):
-    _check_layout(config, layout, shape, seed=9)
-
-
-@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
-def test_gemm_wide_subtiles_accumulate(out_dtype):
-    """``out += A @ B^T`` (TMA reduce-add) through 64-column subtiles."""
-    m, n, k = 1000, 1320, 520
-    g = torch.Generator(device="cuda").manual_seed(10)
-    a = torch.randn(m, k, device="cuda", generator=g).to(torch.bfloat16)
-    b = torch.randn(n, k, device="cuda", generator=g).to(torch.bfloat16)
-    base = torch.randn(m, n, device="cuda", generator=g).to(out_dtype)
-    out = base.clone()
-    gemm(a, b, out=out, accumulate=True, config=GemmConfig(tile_n=128, epi_n=64))
-    ref = base.double() + a.double() @ b.double().T
-    tol = 1e-2 if out_dtype == torch.float32 else 8e-2
-    assert (out.double() - ref).abs().max().item() <= tol * max(1.0, ref.abs().max().item())
-
-
 COOPERATIVE = [
     GemmConfig(tile_m=256, tile_n=128, cluster_m=2),
     GemmConfig(tile_m=256, tile_n=192, cluster_m=2),
@@ -166,20 +136,37 @@ COOPERATIVE = [
 ]
 
 
-@pytest.mark.parametrize("config", COOPERATIVE, ids=str)
+#: 64-column epilogue subtiles (``GemmConfig.epi_n``): half as many per tile
+WIDE_SUBTILES = [
+    GemmConfig(tile_n=128, cluster_m=2, epi_n=64),
+    GemmConfig(tile_n=192, cluster_m=2, epi_n=64),
+    GemmConfig(tile_m=256, tile_n=128, cluster_m=2, epi_n=64),
+]
+
+
+@pytest.mark.parametrize("config", COOPERATIVE + WIDE_SUBTILES, ids=str)
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("shape", [(1111, 1320, 1048), (129, 136, 72), (4096, 2048, 1024)])
-def test_gemm_cooperative_every_layout(config, layout, shape):
-    """The cooperative schedule (256-row tiles, both warpgroups on each): every operand
-    layout, ragged M / N / K (a 256-row tile whose second half is past M), one tile row
-    and many, into NaN-poisoned outputs."""
+def test_gemm_cooperative_and_wide_subtiles_every_layout(config, layout, shape):
+    """The cooperative schedule (256-row tiles, both warpgroups on each) and 64-column
+    epilogue subtiles: every operand layout, ragged M / N / K (a 256-row tile whose
+    second half is past M), one tile row and many, into NaN-poisoned outputs."""
     _check_layout(config, layout, shape, seed=7)
 
 
 @pytest.mark.parametrize("layout", ["fwd", "wgrad"])
-@pytest.mark.parametrize("tile_n", [128, 192])
-def test_gemm_cooperative_accumulates(layout, tile_n):
-    """``out += A @ B^T`` (fp32 TMA reduce-add) with cooperative tiles."""
+@pytest.mark.parametrize(
+    "config",
+    [
+        GemmConfig(tile_m=256, tile_n=128),
+        GemmConfig(tile_m=256, tile_n=192),
+        GemmConfig(tile_n=128, epi_n=64),
+    ],
+    ids=str,
+)
+def test_gemm_cooperative_and_wide_subtiles_accumulate(layout, config):
+    """``out += A @ B^T`` (fp32 TMA reduce-add) with cooperative tiles and with 64-column
+    subtiles."""
     m, n, k = 1000, 1320, 520
     g = torch.Generator(device="cuda").manual_seed(8)
     a = torch.randn(m, k, device="cuda", generator=g).to(torch.bfloat16)
@@ -187,7 +174,7 @@ def test_gemm_cooperative_accumulates(layout, tile_n):
     a_v, b_v = operands(a, b, layout)
     base = torch.randn(m, n, device="cuda", generator=g)
     out = base.clone()
-    gemm(a_v, b_v, out=out, accumulate=True, config=GemmConfig(tile_m=256, tile_n=tile_n))
+    gemm(a_v, b_v, out=out, accumulate=True, config=config)
     ref = base.double() + a.double() @ b.double().T
     assert (out.double() - ref).abs().max().item() < 1e-3 * ref.abs().max().item()
 
