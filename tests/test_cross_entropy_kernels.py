@@ -1,7 +1,7 @@
 """CPU CI for the cross-entropy kernels: the epilogues ``linear_cross_entropy`` runs
 (``coda.fusions.ce_epilogues``, incl. the new ``OneHot`` primitive) trace into the
 PingPong GEMM and compile for sm_90a; in the config ``epi(A, B)`` picks for them
-(``epilogue_config``: 128 x 128 tiles unless those spill) the SASS runs the GEMM on HGMMA
+(``epilogue_choice``: 128 x 128 tiles unless those spill) the SASS runs the GEMM on HGMMA
 with no local memory (LDL/STL), and the default loss's kernels keep 128 x 128 tiles (on
 both paths: recompute, and gradient-in-forward with its stored acc, map pass, and the last
 row chunk's dW GEMM on transposed operands adding the fp32 sum of the other chunks).
@@ -23,7 +23,7 @@ from coda.fusions.ce_epilogues import (
 )
 from coda.primitives import OneHot
 from coda.runtime import gemm_kernels
-from coda.runtime.epilogue_kernels import epilogue_config
+from coda.runtime.epilogue_kernels import epilogue_choice
 from coda.runtime.fused import FusedVisitor, unsupported
 from coda.runtime.sass import count_prefix, disassemble, find_nvdisasm, opcode_counts
 
@@ -83,7 +83,7 @@ def test_cross_entropy_kernels_compile_without_spills(name, tmp_path):
     mnk = rest[0] if rest else MNK
     majors = rest[1] if len(rest) > 1 else ("k", "k")
     assert unsupported(epi) is None
-    cfg = epilogue_config(epi, bf16, *mnk, num_sms=132, majors=majors)
+    cfg = epilogue_choice(epi, bf16, *mnk, num_sms=132, majors=majors)[0]
     if wide:
         assert cfg.tile_n == 128, cfg
     key = gemm_kernels.GemmKernelKey(cfg, bf16, FusedVisitor(epi), 132, *majors)
@@ -103,7 +103,7 @@ def test_gradient_map_loads_its_row_vectors_once_per_band(tmp_path):
     if find_nvdisasm() is None:
         pytest.skip("nvdisasm not installed")
     epi, _, mnk = KERNELS["grad_map"]
-    cfg = epilogue_config(epi, bf16, *mnk, num_sms=132)
+    cfg = epilogue_choice(epi, bf16, *mnk, num_sms=132)[0]
     key = gemm_kernels.GemmKernelKey(cfg, bf16, FusedVisitor(epi), 132, "k", "k")
     _, cubin = gemm_kernels.compile_artifacts(key, str(tmp_path))
     opcodes = opcode_counts(disassemble(cubin))

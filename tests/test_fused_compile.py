@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from coda.mainloop.config import GemmConfig
 from coda.runtime import finalize, gemm_kernels
-from coda.runtime.epilogue_kernels import epilogue_choice, epilogue_config
+from coda.runtime.epilogue_kernels import epilogue_choice
 from coda.runtime.fused import FusedVisitor, in_kernel_axes, unsupported
 from coda.runtime.sass import count_prefix, disassemble, find_nvdisasm, opcode_counts
 from coda.testing.catalog import EPILOGUES
@@ -55,7 +55,7 @@ def test_catalogue_epilogue_sass_with_concurrent_epilogues(name, tmp_path):
     if find_nvdisasm() is None:
         pytest.skip("nvdisasm not installed")
     epi = EPILOGUES[name]
-    cfg = epilogue_config(epi, torch.bfloat16, 8192, 8192, 8, num_sms=132)
+    cfg = epilogue_choice(epi, torch.bfloat16, 8192, 8192, 8, num_sms=132)[0]
     assert cfg.concurrent_epilogues and cfg.epi_stages == 8, cfg
     key = gemm_kernels.GemmKernelKey(cfg, torch.bfloat16, FusedVisitor(epi))
     _, cubin = gemm_kernels.compile_artifacts(key, str(tmp_path))
@@ -130,7 +130,7 @@ def test_in_kernel_finalize_compiles_with_concurrent_epilogues(name, tmp_path):
     """The map passes' config (both warpgroups' epilogues at once, a scratch each) with
     the finalize in the kernel: it fits, arrives once per kind of result, no spills."""
     epi = EPILOGUES[name]
-    cfg = epilogue_config(epi, torch.bfloat16, 1000, 776, 8, num_sms=132)
+    cfg = epilogue_choice(epi, torch.bfloat16, 1000, 776, 8, num_sms=132)[0]
     assert cfg.concurrent_epilogues
     key = gemm_kernels.GemmKernelKey(cfg, torch.bfloat16, FusedVisitor(epi, True))
     ptx, cubin = gemm_kernels.compile_artifacts(key, str(tmp_path))
@@ -222,7 +222,7 @@ def test_column_reductions_reduce_scatter_across_lanes(tmp_path):
 
 
 def test_a_spilling_tile_is_narrowed_to_the_widest_that_does_not():
-    """``epilogue_config`` walks ``tile_candidates`` from the heuristic's tile down: a
+    """``epilogue_choice`` walks ``tile_candidates`` from the heuristic's tile down: a
     proposed 128 x 192 tile that spills (the loss's statistics + stored logits) becomes
     128 x 128, without local memory."""
     from coda.fusions.ce_epilogues import stats_store_epilogue

@@ -241,7 +241,7 @@ def test_cluster_2x2_epilogues_match_reference(name, shape):
 
 
 #: 128 x 192 tiles, as a caller may ask for them: the catalogue runs at that width whether
-#: or not it spills (``epilogue_config`` would narrow a spilling one, but it must be right)
+#: or not it spills (``epilogue_choice`` would narrow a spilling one, but it must be right)
 WIDE = GemmConfig(tile_n=192, cluster_m=2)
 
 

@@ -10,7 +10,7 @@ import torch
 
 from coda.fusions import epilogues as E
 from coda.runtime import gemm_kernels
-from coda.runtime.epilogue_kernels import epilogue_config
+from coda.runtime.epilogue_kernels import epilogue_choice
 from coda.runtime.fused import FusedVisitor, unsupported
 from coda.runtime.sass import count_prefix, disassemble, find_nvdisasm, opcode_counts
 
@@ -37,7 +37,7 @@ def test_fusion_epilogue_compiles_without_spills(name, tmp_path):
     build, layout = CASES[name]
     epi = build()
     assert unsupported(epi) is None
-    cfg = epilogue_config(epi, BF16, 8192, 8192, 8192, num_sms=132, majors=layout)
+    cfg = epilogue_choice(epi, BF16, 8192, 8192, 8192, num_sms=132, majors=layout)[0]
     key = gemm_kernels.GemmKernelKey(
         cfg, BF16, FusedVisitor(epi), a_major=layout[0], b_major=layout[1]
     )

@@ -4,7 +4,7 @@ Sits in ``coda.runtime`` and is installed as the runner of :meth:`coda.Epilogue.
 (``coda.epilogue.set_runner``; the epilogue never imports the runtime). The work that
 depends only on (epilogue, operand dtype, operand layout, device, cluster shape) is done
 once, in :class:`EpiloguePlan`: the fusability check, ``n_multiple``, the config
-(:func:`epilogue_config`: 128 x 128 tiles, narrower when the epilogue would spill
+(:func:`epilogue_choice`: 128 x 128 tiles, narrower when the epilogue would spill
 registers there), the fused visitor, the compiled kernel, and the order in which tensors
 travel to it. A call then does only:
 
@@ -81,19 +81,6 @@ def epilogue_choice(
             if gemm_kernels.local_memory_bytes(key) == 0:
                 return cfg, in_kernel
     return cfg, False  # every candidate spills: the narrowest, which spills least
-
-
-def epilogue_config(
-    epi: Epilogue,
-    ab_dtype: torch.dtype,
-    m: int,
-    n: int,
-    k: int,
-    num_sms: int,
-    majors: tuple[str, str] = ("k", "k"),
-) -> GemmConfig:
-    """The config of :func:`epilogue_choice`."""
-    return epilogue_choice(epi, ab_dtype, m, n, k, num_sms, majors)[0]
 
 
 class EpiloguePlan:

@@ -3,9 +3,9 @@
 Sits in ``coda.runtime`` under :mod:`coda.runtime.finalize` (imported only when a
 finalize kernel is compiled: it imports CuTeDSL). Warp ``w`` finalizes row ``w`` of every
 row result (its lanes stride over the row's tiles: coalesced however many tiles there
-are) and thread ``i`` column ``i`` of every column result, each primitive emitting its
-own ``trace_finalize`` (combine the tiles' partials, apply ``post``); ``COL_LANES``
-threads share each column (a warp holds 32 / COL_LANES consecutive columns). The grid's
+are) and columns ``w * 32 / COL_LANES`` onward of every column result (``COL_LANES``
+threads per column), each primitive emitting its own ``trace_finalize`` (combine the
+tiles' partials, apply ``post``). The grid's
 ``extent`` threads cover 32 x M (rows) and COL_LANES x the longest column result.
 
 It is launched as a programmatic dependent of the GEMM kernel (``use_pdl``: the GEMM
