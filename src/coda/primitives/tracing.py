@@ -575,16 +575,15 @@ class TraceFinalize:
         return value_cols(self.n, Fraction(width))
 
 
-def warp_allreduce(op: str, v):
-    """Reduce over the 32 lanes of a warp; every lane gets the result."""
-    for off in (1, 2, 4, 8, 16):
+def lanes_allreduce(op: str, v, lanes: int, apart: int = 1):
+    """Reduce over ``lanes`` threads of a warp that sit ``apart`` lanes from each other
+    (a row's: neighbours, 32 of them in the finalize kernel, 1 in the GEMM kernel: nothing
+    to do); every one of them gets the result (a butterfly)."""
+    off = apart
+    while off < apart * lanes:
         v = fr.combine(op, v, cute.arch.shuffle_sync_bfly(v, offset=off))
+        off *= 2
     return v
-
-
-def lanes_allreduce(op: str, v, lanes: int):
-    """Reduce over the ``lanes`` threads of a row (32: a warp; 1: nothing to do)."""
-    return warp_allreduce(op, v) if lanes == 32 else v
 
 
 @cute.jit
@@ -610,12 +609,8 @@ def fold_col(p, col, op: cutlass.Constexpr[str], lane=0, lanes: cutlass.Constexp
 
 
 def col_lanes_allreduce(op: str, v, lanes: int):
-    """Reduce over the ``lanes`` threads of a column (lanes 32 / lanes apart in a warp)."""
-    off = 32 // lanes
-    while off < 32:
-        v = fr.combine(op, v, cute.arch.shuffle_sync_bfly(v, offset=off))
-        off *= 2
-    return v
+    """Reduce over the ``lanes`` threads of a column (32 / lanes apart in a warp)."""
+    return lanes_allreduce(op, v, lanes, 32 // lanes)
 
 
 @cute.jit
