@@ -13,6 +13,8 @@ import os
 import platform
 import statistics
 import sys
+import threading
+import time
 from collections.abc import Callable
 
 import torch
@@ -42,6 +44,57 @@ def interleaved(
         for name, fn in contenders.items():
             times[name].append(time_once(fn, reps))
     return times
+
+
+class PowerSampler(threading.Thread):
+    """Board power (W) and SM clock (MHz) of GPU 0 every ``period`` seconds until stopped
+    (``torch.cuda.power_draw`` and ``torch.cuda.clock_rate``, through NVML)."""
+
+    def __init__(self, period: float = 0.01):
+        super().__init__(daemon=True)
+        self.period, self.watts, self.mhz = period, [], []
+        self._stop_event = threading.Event()
+
+    def run(self) -> None:
+        while not self._stop_event.is_set():
+            self.watts.append(torch.cuda.power_draw() / 1000.0)
+            self.mhz.append(torch.cuda.clock_rate())
+            time.sleep(self.period)
+
+    def stop(self) -> None:
+        self._stop_event.set()
+        self.join()
+
+
+def sampled(fn: Callable[[], object], seconds: float, batch: int = 1) -> dict:
+    """``fn`` back to back for ``seconds`` while a :class:`PowerSampler` samples: batches
+    of ``batch`` calls, each batch timed with CUDA events and synchronized (``batch`` = 1:
+    every call on its own). Returns the median ms per call, the mean board watts, the
+    median SM MHz, ``joules`` (watts x ms: energy per call) and the calls made."""
+    for _ in range(2):
+        fn()
+    torch.cuda.synchronize()
+    sampler = PowerSampler()
+    sampler.start()
+    times = []
+    start = time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(batch):
+            fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / batch)
+    sampler.stop()
+    ms, watts = statistics.median(times), statistics.mean(sampler.watts)
+    return {
+        "ms": ms,
+        "watts": watts,
+        "sm_mhz": statistics.median(sampler.mhz),
+        "joules": watts * ms / 1e3,
+        "passes": len(times) * batch,
+    }
 
 
 def median(xs: list[float]) -> float:

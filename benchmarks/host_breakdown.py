@@ -5,11 +5,10 @@
 For the RMSNorm-forward, SwiGLU-forward and LSE+target catalogue epilogues (cached
 kernels, GPU kept busy by a sleep kernel so only the host is timed, as in
 ``launch_overhead.py``): the whole ``epi(A, B, **tensors)`` call, ``epilogue_kernels.run``
-alone, the plan's own call (allocations + launches, no look-ups or checks), and the
-pieces of
-``coda.runtime.epilogue_kernels.run``: the problem look-up, the plan look-up, the fast
-checks, the cached sizes, the output allocations, the GEMM launch and the finalize
-launch, each in a loop of its own. Writes JSON rows ``{"name", "shape", "step", "us"}``.
+alone, the plan's hot path (``EpiloguePlan.launch``: allocations + launches, no
+look-ups), and its pieces: the call signature and its look-up, the cached sizes, the
+output allocations, the stream scratch, the GEMM launch and the finalize launch (when
+the plan has one), each in a loop of its own. Writes JSON rows ``{"name", "shape", "step", "us"}``.
 """
 
 from __future__ import annotations
@@ -25,7 +24,6 @@ import common  # noqa: E402
 from launch_overhead import host_us  # noqa: E402
 
 from coda.runtime import epilogue_kernels as ek  # noqa: E402
-from coda.runtime.operands import cached_problem  # noqa: E402
 from coda.testing.catalog import EPILOGUES  # noqa: E402
 from coda.testing.strategies import make_inputs  # noqa: E402
 
@@ -38,39 +36,53 @@ def steps(name: str, size: int) -> dict:
     A, B, t = make_inputs(epi, size, size, size, torch.bfloat16, seed=0)
     A, B = A.cuda(), B.cuda()
     t = {k: (v.cuda() if isinstance(v, torch.Tensor) else v) for k, v in t.items()}
-    epi(A, B, **t)  # compile / load, build the plan
-    m, n, k, am, bm = cached_problem(A, B)
-    plan = ek._plan(epi, A, B, (am, bm), None, m, n, k)
-    out = plan(A, B, t, None)
-    outs, (floats, views), extent = plan.sizes(m, n)
+    epi(A, B, **t)  # compile / load, build the plan and the call signature's entry
+    sig = ek._signature(epi, None, A, B, t)
+    plan, m, n, _ = ek._calls[sig]
+    outs, work, extent, slots = plan.sizes(m, n)
+    device = plan.device
+    out = {name: torch.empty(*shape, dtype=dtype, device=device) for name, shape, dtype, _ in outs}
+    counters = None
+    if work[0] or slots:
+        partials, counters = ek._scratch(device).get(plan, m, n, work, slots)
+        out.update(partials)
     stores = tuple(out[s] for s in plan.store_names)
     loads = tuple(t[s] for s in plan.load_names)
-    extras = tuple(
+    extras = [
         (float(t[s]) if scalar else (out[s] if is_out else t[s]))
         for s, is_out, scalar in plan.extras
-    )
+    ]
+    if counters is not None:
+        extras.append(counters)
+    extras = tuple(extras)
 
     def allocate():
         for _, shape, dtype, _ in outs:
-            torch.empty(shape, dtype=dtype, device="cuda")
-        if floats:
-            torch.empty(floats, dtype=torch.float32, device="cuda")
+            torch.empty(*shape, dtype=dtype, device=device)
 
     fns = {
         "call": lambda: epi(A, B, **t),
-        # the same call without Epilogue.__call__, then without the look-ups and checks
+        # the same call without Epilogue.__call__, then without the signature look-up
         "run": lambda: ek.run(epi, A, B, t),
-        "plan_call": lambda: plan(A, B, t, None),
+        "launch": lambda: plan.launch(A, B, t, m, n),
+        "signature": lambda: ek._signature(epi, None, A, B, t),
+        "lookup": lambda: ek._calls.get(sig),
         "sizes": lambda: plan.sizes(m, n),
-        "problem": lambda: cached_problem(A, B),
-        "plan": lambda: ek._plan(epi, A, B, (am, bm), None, m, n, k),
-        "checks": lambda: plan.fast_checks_pass(A, B, t, m, n),
         "allocate": allocate,
+        "scratch": lambda: ek._scratch(device).get(plan, m, n, work, slots),
         "gemm_launch": lambda: plan.kernel(A, B, stores, loads, extras),
     }
-    if plan.finalizer is not None:
+    if plan.after:
         fns["finalize_launch"] = lambda: plan.finalizer(out, m, n, extent, {})
-    fns["empty_one"] = lambda: torch.empty(16, device="cuda")
+    # what the GEMM launch is made of: TVM-FFI's conversion of the same arguments (its
+    # no-op test function), and a bare kernel launch through torch (a 1-cycle sleep)
+    import tvm_ffi
+
+    nop = tvm_ffi.get_global_func("testing.nop")
+    fns["ffi_args"] = lambda: nop(A, B, stores, loads, extras)
+    fns["bare_launch"] = lambda: torch.cuda._sleep(1)
+    fns["empty_one"] = lambda: torch.empty(16, device=device)
+    fns["empty_out"] = lambda: torch.empty(*outs[0][1], dtype=outs[0][2], device=device)
     return fns
 
 

@@ -33,8 +33,6 @@ import argparse
 import os
 import statistics
 import sys
-import threading
-import time
 from collections.abc import Callable
 
 import torch
@@ -45,52 +43,6 @@ import common  # noqa: E402
 
 from coda.fusions.cross_entropy import linear_cross_entropy  # noqa: E402
 from coda.matmul import gemm  # noqa: E402
-
-
-class Sampler(threading.Thread):
-    """Board power (W) and SM clock (MHz) every ``period`` seconds until stopped."""
-
-    def __init__(self, period: float = 0.01):
-        super().__init__(daemon=True)
-        self.period, self.watts, self.mhz = period, [], []
-        self._stop_event = threading.Event()
-
-    def run(self) -> None:
-        while not self._stop_event.is_set():
-            self.watts.append(torch.cuda.power_draw() / 1000.0)
-            self.mhz.append(torch.cuda.clock_rate())
-            time.sleep(self.period)
-
-    def stop(self) -> None:
-        self._stop_event.set()
-        self.join()
-
-
-def measure(fn: Callable[[], object], seconds: float) -> dict:
-    """Back-to-back passes for ``seconds`` (each timed with CUDA events), sampled."""
-    for _ in range(2):
-        fn()
-    torch.cuda.synchronize()
-    sampler = Sampler()
-    sampler.start()
-    times = []
-    start = time.perf_counter()
-    while time.perf_counter() - start < seconds:
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    sampler.stop()
-    ms, watts = statistics.median(times), statistics.mean(sampler.watts)
-    return {
-        "ms": ms,
-        "watts": watts,
-        "sm_mhz": statistics.median(sampler.mhz),
-        "joules": watts * ms / 1e3,
-        "passes": len(times),
-    }
 
 
 def contenders(h, W, t) -> dict[str, Callable[[], object]]:
@@ -178,7 +130,7 @@ def main(argv=None) -> None:
         fns = contenders(h, W, t)
         for rnd in range(args.rounds):
             for name, fn in fns.items():
-                got = measure(fn, args.seconds)
+                got = common.sampled(fn, args.seconds)
                 row = {"H": H, "M": M, "V": args.V, "contender": name, "round": rnd, **got}
                 rows.append(row)
                 print(
