@@ -126,6 +126,32 @@ def test_gemm_lets_a_programmatic_dependent_start_early(sass_of):
     assert "griddepcontrol.wait" not in ptx
 
 
+def _tma_policies(ptx: str) -> dict[str, set[int]]:
+    """{"load" | "store": the L2 cache-policy values of the kernel's TMA copies}."""
+    import re
+
+    movs = dict(re.findall(r"mov\.b64\s+(%rd\d+),\s*(-?\d+);", ptx))
+    out: dict[str, set[int]] = {"load": set(), "store": set()}
+    for line in ptx.splitlines():
+        if "cp.async.bulk.tensor" in line and "L2::cache_hint" in line:
+            reg = re.search(r"(%rd\d+);\s*$", line.strip()).group(1)
+            kind = "store" if ".global.shared::cta" in line else "load"
+            out[kind].add(int(movs.get(reg, -1)))
+    return out
+
+
+def test_output_stores_are_evict_first_and_operand_loads_are_not(sass_of):
+    """The epilogue's TMA stores carry the L2 evict-first hint (they stream through L2
+    once); the A / B loads, re-read from L2 by every tile of a row or column, do not."""
+    from coda.mainloop.config import EPILOGUE_L2_HINT, L2_EVICT_FIRST
+
+    assert EPILOGUE_L2_HINT == L2_EVICT_FIRST
+    ptx, _ = sass_of(*CASES[0][:3])
+    policies = _tma_policies(ptx)
+    assert policies["store"] == {L2_EVICT_FIRST}
+    assert policies["load"] and L2_EVICT_FIRST not in policies["load"]
+
+
 def test_sass_stores_use_stmatrix_for_16bit_output(sass_of):
     _, sass = sass_of(*CASES[0][:3])
     assert count_prefix(opcode_counts(sass), "STSM") > 0

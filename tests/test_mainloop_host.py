@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import attrs
 import pytest
 import torch
 from hypothesis import given
@@ -233,3 +234,34 @@ def test_concurrent_epilogues_take_turns_when_their_load_ring_does_not_fit():
     light = Epilogue((TileLoad("x", bf16), TileStore("x", bf16, name="y")))
     k = PingPongGemm(cfg, to_cutlass(bf16), FusedVisitor(light))
     assert k.concurrent and k.load_stages == 24
+
+
+def test_autotune_candidates_start_with_the_heuristic_and_its_raster_variants():
+    from coda.runtime import autotune
+
+    for m, n, k in [(16384, 4096, 11008), (4096, 4096, 4096), (128, 128, 64), (22016, 4096, 16384)]:
+        got = autotune.candidates(m, n, k, 132)
+        base = choose_config(m, n, k, 132)
+        assert got[0] == base
+        assert [c.group_m for c in got[1 : 1 + len(autotune.GROUP_M_VARIANTS)]] == list(
+            autotune.GROUP_M_VARIANTS
+        )
+        assert all(attrs.evolve(c, group_m=base.group_m) == base for c in got[1:3])
+        assert len(set(got)) == len(got)
+        assert set(autotune.CANDIDATES) <= set(got)
+
+
+@pytest.mark.parametrize(
+    "rows,k,major_is_k", [(1023, 1016, False), (300, 4104, False), (7, 13, True), (64, 64, True)]
+)
+def test_autotune_operands_meet_the_tma_stride_rule(rows, k, major_is_k):
+    """The operands autotune times on have the caller's shape and major, and a leading
+    stride padded to 16 bytes even when the contiguous extent is not a multiple of 8."""
+    from coda.runtime.autotune import _operand
+
+    g = torch.Generator().manual_seed(0)
+    t = _operand(rows, k, major_is_k, torch.bfloat16, "cpu", g)
+    assert tuple(t.shape) == (rows, k)
+    lead = t.stride(0) if major_is_k else t.stride(1)
+    assert t.stride(1 if major_is_k else 0) == 1
+    assert lead % 8 == 0 and lead >= (k if major_is_k else rows)

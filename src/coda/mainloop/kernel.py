@@ -50,11 +50,11 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
-from .config import DEFAULT_NUM_SMS, GemmConfig, SmemPlan, plan_smem
+from .config import DEFAULT_NUM_SMS, EPILOGUE_L2_HINT, GemmConfig, SmemPlan, plan_smem
 from .dtypes import to_cutlass
 from .epilogue_io import EpilogueIO, stagger_parity
 from .fragment import Fragment
-from .producers import Producers
+from .producers import Producers, l2_hint
 from .scheduler import TileScheduler
 from .visitor import AccStore, SubtileContext, TileContext
 
@@ -672,7 +672,10 @@ class PingPongGemm(Producers, EpilogueIO):
                         if is_store_warp:
                             for i in cutlass.range_constexpr(n_stores):
                                 cute.copy(
-                                    tma_d[i], bSG[i][0][(None, buf)], bSG[i][1][(None, (sm, sn))]
+                                    tma_d[i],
+                                    bSG[i][0][(None, buf)],
+                                    bSG[i][1][(None, (sm, sn))],
+                                    **l2_hint(EPILOGUE_L2_HINT),
                                 )
                             store_pipe.producer_commit()
                 self.visitor.end_tile(tctx, vstate)

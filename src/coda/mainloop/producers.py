@@ -16,8 +16,16 @@ ensure_arch()
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
-from cutlass import Int32, const_expr
+from cutlass import Int32, Int64, const_expr
 from cutlass.cute.nvgpu import cpasync
+
+from .config import EPILOGUE_L2_HINT
+
+
+def l2_hint(policy: int | None) -> dict:
+    """``cute.copy`` keyword arguments of a TMA copy with L2 eviction hint ``policy``
+    (:data:`coda.mainloop.config.L2_EVICT_FIRST`, ...; None: no hint)."""
+    return {} if policy is None else {"cache_policy": Int64(policy)}
 
 
 class Producers:
@@ -130,6 +138,7 @@ class Producers:
                         parts[i][1][(None, (sm, sn))],
                         parts[i][0][(None, state.index)],
                         tma_bar_ptr=bar,
+                        **l2_hint(EPILOGUE_L2_HINT),
                     )
                 load_pipe.producer_commit(state)
                 state.advance()
