@@ -371,9 +371,29 @@ def test_autotune_picks_a_candidate_and_matches_the_reference(layout, shape):
         assert not out.isnan().any(), "unwritten output elements"
         err, base = _errors(a0, b0, out, torch.bfloat16)
         assert err <= 2 * base + 1e-6, (err, base)
+    from coda.runtime.checks import short_swizzle_groups
+
     sms = torch.cuda.get_device_properties(0).multi_processor_count
+    short = short_swizzle_groups(a.device)
     majors = LAYOUTS[layout]
     chosen = [
         cfg for key, cfg in autotune._best.items() if key[:3] == (m, n, k) and key[-1] == majors
     ]
-    assert len(chosen) == 1 and chosen[0] in autotune.candidates(m, n, k, sms)
+    assert len(chosen) == 1 and chosen[0] in autotune.candidates(m, n, k, sms, short)
+
+
+@pytest.mark.parametrize("layout", ["fwd", "dgrad", "wgrad"])
+def test_short_swizzle_groups_on_a_long_k_ragged_gemm(layout):
+    """group_m = 1 (what the heuristic picks for long-K GEMMs on H100-class cards) and the
+    default 8 write every element of a ragged long-K problem correctly."""
+    m, n, k = 1100, 1032, 10248
+    g = torch.Generator(device="cuda").manual_seed(7)
+    a0 = torch.randn(m, k, device="cuda", generator=g).to(torch.bfloat16)
+    b0 = torch.randn(n, k, device="cuda", generator=g).to(torch.bfloat16)
+    a, b = operands(a0, b0, layout)
+    for group_m in (1, 8):
+        out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+        gemm(a, b, out=out, config=GemmConfig(tile_n=128, cluster_m=2, group_m=group_m))
+        assert not out.isnan().any(), "unwritten output elements"
+        err, base = _errors(a0, b0, out, torch.bfloat16)
+        assert err <= 2 * base + 1e-6, (group_m, err, base)

@@ -265,3 +265,37 @@ def test_autotune_operands_meet_the_tma_stride_rule(rows, k, major_is_k):
     lead = t.stride(0) if major_is_k else t.stride(1)
     assert t.stride(1 if major_is_k else 0) == 1
     assert lead % 8 == 0 and lead >= (k if major_is_k else rows)
+
+
+def test_long_k_problems_take_short_swizzle_groups_only_on_hbm3_cards():
+    from coda.mainloop.config import LONG_K_GROUP_M
+
+    long_k = [
+        (16384, 4096, 11008),
+        (4096, 11008, 16384),
+        (16384, 4096, 22016),
+        (22016, 4096, 16384),
+    ]
+    others = [(16384, 22016, 4096), (16384, 4096, 4096), (16384, 2048, 5632), (8192, 8192, 8192)]
+    for m, n, k in long_k:
+        assert choose_config(m, n, k, 132, short_groups=True).group_m == LONG_K_GROUP_M
+        assert choose_config(m, n, k, 132).group_m == GemmConfig().group_m
+    for m, n, k in others:
+        assert choose_config(m, n, k, 132, short_groups=True) == choose_config(m, n, k, 132)
+    # the rest of the config is the same either way
+    for m, n, k in long_k:
+        a = choose_config(m, n, k, 132, short_groups=True)
+        assert attrs.evolve(a, group_m=GemmConfig().group_m) == choose_config(m, n, k, 132)
+
+
+def test_short_swizzle_groups_follow_the_device_memory(monkeypatch):
+    from types import SimpleNamespace
+
+    from coda.runtime import checks
+
+    for gib, short in [(80, True), (94, True), (141, False)]:
+        checks._short_groups.clear()
+        props = SimpleNamespace(total_memory=gib * 2**30)
+        monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d, p=props: p)
+        assert checks.short_swizzle_groups(torch.device("cuda", 0)) is short
+    checks._short_groups.clear()

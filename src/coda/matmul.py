@@ -61,13 +61,17 @@ def _signature(A, B, out, accumulate) -> tuple | None:
         return None
 
 
-def _heuristic(m: int, n: int, k: int, num_sms: int, split_ok: bool) -> GemmConfig:
-    key = (m, n, k, num_sms, split_ok)
+def _heuristic(
+    m: int, n: int, k: int, num_sms: int, split_ok: bool, short_groups: bool
+) -> GemmConfig:
+    key = (m, n, k, num_sms, split_ok, short_groups)
     cfg = _configs.get(key)
     if cfg is None:
         if len(_configs) > 4096:
             _configs.clear()
-        cfg = _configs[key] = choose_config(m, n, k, num_sms, split_ok=split_ok)
+        cfg = _configs[key] = choose_config(
+            m, n, k, num_sms, split_ok=split_ok, short_groups=short_groups
+        )
     return cfg
 
 
@@ -134,7 +138,8 @@ def gemm(
         num_sms = checks.hopper_device(device)
     if config is None:
         # split-K sums fp32 partials in the output: only for fp32 outputs
-        cfg = _heuristic(m, n, k, num_sms, AUTO_SPLIT_K and out.dtype == torch.float32)
+        split_ok = AUTO_SPLIT_K and out.dtype == torch.float32
+        cfg = _heuristic(m, n, k, num_sms, split_ok, checks.short_swizzle_groups(device))
     elif isinstance(config, GemmConfig):
         cfg = config
     elif config == "autotune":

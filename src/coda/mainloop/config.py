@@ -223,8 +223,25 @@ _LONG_RUN_EFFICIENCY_128 = 0.9
 _LONG_RUN_EFFICIENCY_COOPERATIVE = {192: 1.1, 128: 1.02}
 
 
+#: On cards with less DRAM bandwidth than an H200 (``short_groups``), PingPong GEMMs with
+#: K >= LONG_K and N <= LONG_K_MAX_N walk the tiles in swizzle groups of LONG_K_GROUP_M
+#: cluster rows instead of the default 8. Measured on an H100 (``benchmarks/gemm_raster.py``,
+#: two interleaved runs): the long-K GEMMs of a Llama 3 8B block (K = 11008-22016, N = 4096
+#: / 11008) ran 15-27% faster at 1 than at 8 (0.53-0.88x -> 0.65-0.93x cuBLAS); at
+#: K <= 6144 the two were within noise; the wide 16384 x 22016 x 4096 GEMM ran 12% slower
+#: at 1 (hence the N bound). The H200 runs these GEMMs at 1.04-1.11x cuBLAS with 8.
+LONG_K = 10240
+LONG_K_MAX_N = 11008
+LONG_K_GROUP_M = 1
+
+
 def choose_config(
-    m: int, n: int, k: int, num_sms: int = DEFAULT_NUM_SMS, split_ok: bool = False
+    m: int,
+    n: int,
+    k: int,
+    num_sms: int = DEFAULT_NUM_SMS,
+    split_ok: bool = False,
+    short_groups: bool = False,
 ) -> GemmConfig:
     """Heuristic config for an (m, n, k) problem with 16-bit inputs.
 
@@ -239,6 +256,10 @@ def choose_config(
     From ``LONG_RUN_FLOPS`` on, cooperative 256-row tiles are candidates too (a unit of
     work is then a 256-row tile, costing twice a 128-row one's k-tiles, at
     ``_LONG_RUN_EFFICIENCY_COOPERATIVE``).
+
+    ``short_groups`` (the card's DRAM bandwidth is below an H200's, e.g. an H100: see
+    :func:`coda.runtime.checks.short_swizzle_groups`): long-K problems take swizzle groups
+    of ``LONG_K_GROUP_M`` cluster rows (``LONG_K``).
 
     ``split_ok`` (the caller stores into an fp32 output it zeroed or accumulates into):
     split-K is also considered, a unit of work costing its share of the k-tiles plus
@@ -269,7 +290,10 @@ def choose_config(
     if long_run and tiles_m >= 2:
         choices += [(256, t, 1) for t in _LONG_RUN_EFFICIENCY_COOPERATIVE]
     tile_m, tile_n, splits = min(choices, key=cost)
-    return GemmConfig(tile_m=tile_m, tile_n=tile_n, cluster_m=cluster_m, split_k=splits)
+    cfg = GemmConfig(tile_m=tile_m, tile_n=tile_n, cluster_m=cluster_m, split_k=splits)
+    if short_groups and tile_m == 128 and k >= LONG_K and n <= LONG_K_MAX_N:
+        cfg = attrs.evolve(cfg, group_m=LONG_K_GROUP_M)
+    return cfg
 
 
 #: K up to which a fused GEMM is one k-tile: its epilogue is nearly the whole kernel

@@ -15,7 +15,7 @@ import torch
 
 from ..mainloop.config import GemmConfig, choose_config
 from ..mainloop.visitor import AccStore
-from . import gemm_kernels
+from . import checks, gemm_kernels
 
 CANDIDATES: tuple[GemmConfig, ...] = (
     GemmConfig(tile_n=192, cluster_m=2),
@@ -33,10 +33,12 @@ CANDIDATES: tuple[GemmConfig, ...] = (
 GROUP_M_VARIANTS = (1, 2)
 
 
-def candidates(m: int, n: int, k: int, num_sms: int) -> tuple[GemmConfig, ...]:
+def candidates(
+    m: int, n: int, k: int, num_sms: int, short_groups: bool = False
+) -> tuple[GemmConfig, ...]:
     """The configs :func:`best_config` times for (m, n, k): the heuristic's config first,
     then its tile with each of ``GROUP_M_VARIANTS``, then ``CANDIDATES`` (no repeats)."""
-    base = choose_config(m, n, k, num_sms)
+    base = choose_config(m, n, k, num_sms, short_groups=short_groups)
     variants = (attrs.evolve(base, group_m=g) for g in GROUP_M_VARIANTS)
     return tuple(dict.fromkeys((base, *variants, *CANDIDATES)))
 
@@ -82,7 +84,7 @@ def best_config(
     once on ``device`` and then remembered."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     if configs is None:
-        configs = candidates(m, n, k, sms)
+        configs = candidates(m, n, k, sms, checks.short_swizzle_groups(device))
     key = (m, n, k, ab_dtype, out_dtype, sms, configs, layout)
     if key not in _best:
         g = torch.Generator(device=device).manual_seed(0)

@@ -125,3 +125,22 @@ def hopper_device(device: torch.device) -> int:
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     _hopper_ok[device] = sms
     return sms
+
+
+#: Device memory from which a Hopper card counts as HBM3e-class (the H200's 141 GB, 4.8
+#: TB/s) rather than HBM3-class (the H100's 80 or 94 GB, 3.35-3.9 TB/s).
+HBM3E_MIN_BYTES = 120 * 2**30
+
+_short_groups: dict[torch.device, bool] = {}
+
+
+def short_swizzle_groups(device: torch.device) -> bool:
+    """True on a Hopper card with an H100's memory (less than ``HBM3E_MIN_BYTES``), where
+    the GEMM heuristic walks long-K problems in short swizzle groups
+    (:data:`coda.mainloop.config.LONG_K`); remembered per device."""
+    got = _short_groups.get(device)
+    if got is None:
+        got = _short_groups[device] = (
+            torch.cuda.get_device_properties(device).total_memory < HBM3E_MIN_BYTES
+        )
+    return got
