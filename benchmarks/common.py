@@ -79,13 +79,7 @@ def sampled(fn: Callable[[], object], seconds: float, batch: int = 1) -> dict:
     times = []
     start = time.perf_counter()
     while time.perf_counter() - start < seconds:
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(batch):
-            fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / batch)
+        times.append(time_once(fn, batch))
     sampler.stop()
     ms, watts = statistics.median(times), statistics.mean(sampler.watts)
     return {

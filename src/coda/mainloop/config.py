@@ -227,7 +227,7 @@ _LONG_RUN_EFFICIENCY_COOPERATIVE = {192: 1.1, 128: 1.02}
 #: K >= LONG_K and N <= LONG_K_MAX_N walk the tiles in swizzle groups of LONG_K_GROUP_M
 #: cluster rows instead of the default 8. Measured on an H100 (``benchmarks/gemm_raster.py``,
 #: two interleaved runs): the long-K GEMMs of a Llama 3 8B block (K = 11008-22016, N = 4096
-#: / 11008) ran 15-27% faster at 1 than at 8 (0.53-0.88x -> 0.65-0.93x cuBLAS); at
+#: / 11008) ran 15-27% faster at 1 than at 8 (0.52-0.88x -> 0.65-0.93x cuBLAS); at
 #: K <= 6144 the two were within noise; the wide 16384 x 22016 x 4096 GEMM ran 12% slower
 #: at 1 (hence the N bound). The H200 runs these GEMMs at 1.04-1.11x cuBLAS with 8.
 LONG_K = 10240

@@ -28,7 +28,7 @@ CANDIDATES: tuple[GemmConfig, ...] = (
 #: Swizzle-group heights (``GemmConfig.group_m``, in cluster rows) also tried with the
 #: heuristic's tile. On an H100 the long-K GEMMs of a Llama 3 8B block (K = 11008-22016,
 #: N = 4096 / 11008) ran 15-27% faster at group_m = 1 than at the default 8 (where they
-#: reach only 0.53-0.75x cuBLAS's speed; the H200 runs them at 1.04x with 8), while a wide
+#: reach only 0.52-0.88x cuBLAS's speed; the H200 runs them at 1.04x with 8), while a wide
 #: 16384 x 22016 x 4096 GEMM ran 12% slower at 1 (``benchmarks/gemm_raster.py``).
 GROUP_M_VARIANTS = (1, 2)
 
