@@ -24,7 +24,7 @@ from coda.runtime.autotune import CANDIDATES  # noqa: E402
 
 
 def label(cfg) -> str:
-    return f"{cfg.tile_m}x{cfg.tile_n}_c{cfg.cluster_m}x{cfg.cluster_n}_e{cfg.epi_n}"
+    return f"{cfg.tile_m}x{cfg.tile_n}_c{cfg.cluster_m}x{cfg.cluster_n}_e{cfg.epi_n}_g{cfg.group_m}"
 
 
 def sweep_shape(m: int, n: int, k: int, rounds: int) -> dict:

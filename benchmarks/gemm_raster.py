@@ -1,7 +1,7 @@
 """The tile raster of the plain GEMM: swizzle group heights and tiles against cuBLAS.
 
     python benchmarks/gemm_raster.py [--cases fwd:16384x4096x11008,wgrad:4096x11008x16384]
-        [--group-m 1,2,4,8,16] [--rounds 3] [--out FILE]
+        [--group-m 1,2,4,8,16] [--tiles 128x192c2x1,256x128c2x1] [--rounds 3] [--out FILE]
 
 For each case (``layout:MxNxK``, the GEMM's own M, N, K; ``layout`` fwd / dgrad / wgrad
 says which operands are transposed views, as in ``gemm.py``), the heuristic's config and
@@ -34,16 +34,27 @@ def label(cfg) -> str:
     return f"{cfg.tile_m}x{cfg.tile_n} c{cfg.cluster_m}x{cfg.cluster_n} g{cfg.group_m}"
 
 
-def sweep(layout: str, m: int, n: int, k: int, groups: list[int], rounds: int) -> list[dict]:
+def parse_tile(spec: str, base):
+    """``"256x128c2x1"`` -> ``base`` with that tile and cluster."""
+    tile, cluster = spec.split("c")
+    tm, tn = (int(x) for x in tile.split("x"))
+    cm, cn = (int(x) for x in cluster.split("x"))
+    return attrs.evolve(base, tile_m=tm, tile_n=tn, cluster_m=cm, cluster_n=cn)
+
+
+def sweep(
+    layout: str, m: int, n: int, k: int, groups: list[int], rounds: int, tiles: list[str] = ()
+) -> list[dict]:
     a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
     A, B = operands(a, b, layout)
     out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
     base = choose_config(m, n, k)
     configs = {label(base): base}
-    for g in groups:
-        cfg = attrs.evolve(base, group_m=g)
-        configs.setdefault(label(cfg), cfg)
+    for tiled in [base, *(parse_tile(t, base) for t in tiles)]:
+        for g in groups:
+            cfg = attrs.evolve(tiled, group_m=g)
+            configs.setdefault(label(cfg), cfg)
     contenders = {"cublas": lambda: torch.mm(A, B.t(), out=out)}
     for name, cfg in configs.items():
         contenders[name] = lambda cfg=cfg: gemm(A, B, out=out, config=cfg)
@@ -77,13 +88,15 @@ def main(argv=None) -> None:
     p.add_argument("--cases", default=CASES)
     p.add_argument("--group-m", default="1,2,4,8,16")
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--tiles", default="", help="also these tiles, e.g. 128x192c2x1,256x128c2x1")
     args = p.parse_args(argv)
     groups = [int(g) for g in args.group_m.split(",")]
+    tiles = [t for t in args.tiles.split(",") if t]
     rows = []
     for case in args.cases.split(","):
         layout, shape = case.split(":")
         m, n, k = (int(x) for x in shape.split("x"))
-        rows += sweep(layout, m, n, k, groups, args.rounds)
+        rows += sweep(layout, m, n, k, groups, args.rounds, tiles)
     common.write_json(args.out, {**common.environment(), "rows": rows})
 
 

@@ -23,6 +23,12 @@ CANDIDATES: tuple[GemmConfig, ...] = (
     GemmConfig(tile_n=128, cluster_m=2),
     GemmConfig(tile_n=128, cluster_m=1, cluster_n=2),
     GemmConfig(tile_n=160, cluster_m=2),
+    # wide tiles in single-row swizzle groups, PingPong and cooperative: on an H100 the
+    # long-K GEMMs of a Llama 3 8B block ran at 1.03-1.07x cuBLAS in these, against
+    # 0.65-0.93x in the heuristic's 128 x 128 tiles (benchmarks/gemm_raster.py --tiles)
+    GemmConfig(tile_n=192, cluster_m=2, group_m=1),
+    GemmConfig(tile_m=256, tile_n=192, cluster_m=2),
+    GemmConfig(tile_m=256, tile_n=192, cluster_m=2, group_m=1),
 )
 
 #: Swizzle-group heights (``GemmConfig.group_m``, in cluster rows) also tried with the
