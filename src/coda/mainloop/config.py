@@ -10,11 +10,9 @@ from __future__ import annotations
 
 import attrs
 
-#: L2 eviction priorities of TMA copies: the 64-bit cache-policy operand of PTX
-#: ``.L2::cache_hint`` (the encodings of CUTLASS's ``CacheHintSm90``).
-L2_EVICT_NORMAL = 0x1000000000000000
+#: L2 evict-first priority of a TMA copy: the 64-bit cache-policy operand of PTX
+#: ``.L2::cache_hint`` (the encoding of CUTLASS's ``CacheHintSm90::EVICT_FIRST``).
 L2_EVICT_FIRST = 0x12F0000000000000
-L2_EVICT_LAST = 0x14F0000000000000
 #: Hint of the epilogue's M x N loads and stores (None: no hint). They stream through L2
 #: once, while the mainloop re-reads every A / B tile from L2 for each tile of its row or
 #: column of tiles. Measured on an H100 (M = 16384, N = K = 2048, base and hinted code

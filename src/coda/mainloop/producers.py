@@ -4,7 +4,9 @@ M x N operands (a mixin of :class:`coda.mainloop.kernel.PingPongGemm`).
 Sits in ``coda.mainloop``. Warpgroup 2 of the kernel is the producer: its first warp
 walks the tile schedule and fills the ``ab_stages``-deep A/B ring (multicasting the tile
 the cluster's CTAs share), its second warp loads the visitor's M x N operands subtile by
-subtile, in the epilogue's order, into the ``load_stages`` ring ahead of the consumers.
+subtile, in the epilogue's order, into the ``load_stages`` ring ahead of the consumers
+(with the L2 evict-first hint, ``coda.mainloop.config.EPILOGUE_L2_HINT``, as the
+consumers' TMA stores).
 """
 
 from __future__ import annotations
