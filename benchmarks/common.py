@@ -91,6 +91,16 @@ def sampled(fn: Callable[[], object], seconds: float, batch: int = 1) -> dict:
     }
 
 
+def cuda_inputs(epi, m: int, n: int, k: int, seed: int = 0) -> tuple:
+    """(A, B, tensors) for ``epi`` at (m, n, k), bf16 operands, on the GPU
+    (``coda.testing.strategies.make_inputs``; scalars stay Python numbers)."""
+    from coda.testing.strategies import make_inputs
+
+    A, B, tensors = make_inputs(epi, m, n, k, torch.bfloat16, seed=seed)
+    moved = {key: (v.cuda() if isinstance(v, torch.Tensor) else v) for key, v in tensors.items()}
+    return A.cuda(), B.cuda(), moved
+
+
 def median(xs: list[float]) -> float:
     return float(statistics.median(xs))
 

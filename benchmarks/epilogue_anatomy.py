@@ -41,7 +41,6 @@ from coda.mainloop.config import choose_epilogue_config  # noqa: E402
 from coda.matmul import gemm  # noqa: E402
 from coda.primitives import Elementwise, TileLoad, TileReduce, TileStore, VecLoad, ops  # noqa: E402
 from coda.testing.catalog import EPILOGUES, rstd_post  # noqa: E402
-from coda.testing.strategies import make_inputs  # noqa: E402
 
 bf16 = torch.bfloat16
 
@@ -136,8 +135,7 @@ def main(argv=None) -> None:
     out = torch.empty(m, n, device="cuda", dtype=bf16)
     methods = {"plain": lambda: gemm(A, B, out=out, config=cfg)}
     for name, epi in epis.items():
-        _, _, tensors = make_inputs(epi, m, n, k, bf16, seed=0)
-        full = {key: (v.cuda() if isinstance(v, torch.Tensor) else v) for key, v in tensors.items()}
+        _, _, full = common.cuda_inputs(epi, m, n, k)
         methods[name] = lambda epi=epi, t=full: epi(A, B, config=cfg, **t)
     reps = max(3, min(30, int(2e13 / (2 * m * n * k))))
     times = common.interleaved(methods, rounds=args.rounds, reps=reps)

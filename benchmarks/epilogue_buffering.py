@@ -30,7 +30,6 @@ import common  # noqa: E402
 from coda.mainloop.config import choose_epilogue_config  # noqa: E402
 from coda.matmul import gemm  # noqa: E402
 from coda.testing.catalog import EPILOGUES  # noqa: E402
-from coda.testing.strategies import make_inputs  # noqa: E402
 
 M = 16384
 
@@ -54,9 +53,7 @@ def variants(base) -> dict:
 def bench(name: str, nk: int, chosen: list[str], rounds: int) -> dict:
     epi = EPILOGUES[name]
     base = choose_epilogue_config(M, nk, nk)
-    A, B, t = make_inputs(epi, M, nk, nk, torch.bfloat16, seed=0)
-    A, B = A.cuda(), B.cuda()
-    t = {k: (v.cuda() if isinstance(v, torch.Tensor) else v) for k, v in t.items()}
+    A, B, t = common.cuda_inputs(epi, M, nk, nk)
     out = torch.empty(M, nk, device="cuda", dtype=torch.bfloat16)
     fns = {
         "plain": lambda: gemm(A, B, out=out, config=base),

@@ -32,7 +32,6 @@ from coda.mainloop.config import choose_epilogue_config  # noqa: E402
 from coda.matmul import gemm  # noqa: E402
 from coda.testing.catalog import EPILOGUES  # noqa: E402
 from coda.testing.layouts import operands  # noqa: E402
-from coda.testing.strategies import make_inputs  # noqa: E402
 
 M = 16384
 
@@ -48,9 +47,8 @@ def bench(
     epi_n: int | None = None,
 ) -> dict:
     epi = EPILOGUES[name]
-    A, B, tensors = make_inputs(epi, m, n, k, torch.bfloat16, seed=0)
-    A, B = operands(A.cuda(), B.cuda(), layout)
-    tensors = {key: (v.cuda() if isinstance(v, torch.Tensor) else v) for key, v in tensors.items()}
+    A, B, tensors = common.cuda_inputs(epi, m, n, k)
+    A, B = operands(A, B, layout)
     cfg = choose_epilogue_config(m, n, k)
     out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
     flops = 2 * m * n * k

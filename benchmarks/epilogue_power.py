@@ -38,7 +38,6 @@ from epilogue_anatomy import variants  # noqa: E402
 from coda.mainloop.config import choose_epilogue_config  # noqa: E402
 from coda.matmul import gemm  # noqa: E402
 from coda.testing.catalog import EPILOGUES  # noqa: E402
-from coda.testing.strategies import make_inputs  # noqa: E402
 
 
 def candidates() -> dict:
@@ -65,11 +64,7 @@ def main(argv=None) -> None:
     calls = {}
     for name in names:
         epi = every[name]
-        A, B, tensors = make_inputs(epi, m, n, k, torch.bfloat16, seed=0)
-        A, B = A.cuda(), B.cuda()
-        tensors = {
-            key: (v.cuda() if isinstance(v, torch.Tensor) else v) for key, v in tensors.items()
-        }
+        A, B, tensors = common.cuda_inputs(epi, m, n, k)
 
         def fused(epi=epi, A=A, B=B, tensors=tensors):
             return epi(A, B, config=cfg, **tensors)

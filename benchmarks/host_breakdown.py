@@ -25,7 +25,6 @@ from launch_overhead import host_us  # noqa: E402
 
 from coda.runtime import epilogue_kernels as ek  # noqa: E402
 from coda.testing.catalog import EPILOGUES  # noqa: E402
-from coda.testing.strategies import make_inputs  # noqa: E402
 
 NAMES = ("rmsnorm_fwd", "swiglu_fwd", "lse_target")
 
@@ -33,9 +32,7 @@ NAMES = ("rmsnorm_fwd", "swiglu_fwd", "lse_target")
 def steps(name: str, size: int) -> dict:
     """Name -> zero-argument callable for each step of one call of ``name``."""
     epi = EPILOGUES[name]
-    A, B, t = make_inputs(epi, size, size, size, torch.bfloat16, seed=0)
-    A, B = A.cuda(), B.cuda()
-    t = {k: (v.cuda() if isinstance(v, torch.Tensor) else v) for k, v in t.items()}
+    A, B, t = common.cuda_inputs(epi, size, size, size)
     epi(A, B, **t)  # compile / load, build the plan and the call signature's entry
     sig = ek._signature(epi, None, A, B, t)
     plan, m, n, _ = ek._calls[sig]

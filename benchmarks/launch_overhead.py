@@ -29,7 +29,6 @@ import common  # noqa: E402
 
 from coda.matmul import gemm  # noqa: E402
 from coda.testing.catalog import EPILOGUES  # noqa: E402
-from coda.testing.strategies import make_inputs  # noqa: E402
 
 SHAPES = [(512, 512, 512), (2048, 2048, 2048)]
 
@@ -100,11 +99,7 @@ def measure(kind: str, name: str, shape, calls: int, rounds: int) -> dict:
         }
     else:
         epi = EPILOGUES[name]
-        A, B, tensors = make_inputs(epi, m, n, k, torch.bfloat16, seed=0)
-        A, B = A.cuda(), B.cuda()
-        tensors = {
-            key: (v.cuda() if isinstance(v, torch.Tensor) else v) for key, v in tensors.items()
-        }
+        A, B, tensors = common.cuda_inputs(epi, m, n, k)
         contenders = {
             "coda": lambda: epi(A, B, **tensors),
             "eager": eager_version(name, A, B, tensors),

@@ -12,13 +12,17 @@ such profiles.
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 
 import attrs
 import torch
 
-from coda.mainloop.config import choose_epilogue_config
-from coda.testing.catalog import EPILOGUES
-from coda.testing.strategies import make_inputs
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common  # noqa: E402
+
+from coda.mainloop.config import choose_epilogue_config  # noqa: E402
+from coda.testing.catalog import EPILOGUES  # noqa: E402
 
 
 def main(argv=None) -> None:
@@ -33,9 +37,7 @@ def main(argv=None) -> None:
     if args.staggered:
         cfg = attrs.evolve(cfg, staggered_copies=True)
     epi = EPILOGUES[args.epilogue]
-    A, B, t = make_inputs(epi, m, n, k, torch.bfloat16, seed=0)
-    A, B = A.cuda(), B.cuda()
-    t = {key: (v.cuda() if isinstance(v, torch.Tensor) else v) for key, v in t.items()}
+    A, B, t = common.cuda_inputs(epi, m, n, k)
     for _ in range(3):
         epi(A, B, config=cfg, **t)
     torch.cuda.synchronize()
