@@ -42,6 +42,9 @@ VARIANTS = {
     "epi4": {"epi_stages": 4},
     "cluster1x1": {"cluster_m": 1},
     "tile64": {"tile_n": 64},
+    # 64 x 64 subtiles: half the subtiles (and warpgroup barriers) per tile
+    "epin64": {"epi_n": 64},
+    "epin64_epi4": {"epi_n": 64, "epi_stages": 4},
 }
 
 

@@ -55,8 +55,14 @@ TILE_N_FALLBACKS = (128, 96, 64)
 
 
 def tile_candidates(base: GemmConfig) -> tuple[GemmConfig, ...]:
-    """``base`` and its narrower fallbacks, widest first."""
-    return (base, *(attrs.evolve(base, tile_n=t) for t in TILE_N_FALLBACKS if t < base.tile_n))
+    """``base`` and its fallbacks, widest first: with subtiles wider than 32 columns
+    (the map passes'), the same tile with 32-column subtiles (half the values per
+    thread), then the narrower tiles, each with 32-column subtiles."""
+    narrow = (attrs.evolve(base, epi_n=32),) if base.epi_n > 32 else ()
+    fallbacks = (
+        attrs.evolve(base, tile_n=t, epi_n=32) for t in TILE_N_FALLBACKS if t < base.tile_n
+    )
+    return (base, *narrow, *fallbacks)
 
 
 def epilogue_choice(
