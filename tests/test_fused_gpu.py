@@ -274,6 +274,24 @@ def test_wide_subtile_epilogues_match_reference(name, shape, layout):
 
 
 @pytest.mark.parametrize(
+    "shape", [(3000, 2056, 40), (1000, 776, 8)], ids=lambda s: "x".join(map(str, s))
+)
+@pytest.mark.parametrize("name", list(EPILOGUES))
+def test_map_pass_default_config_matches_reference(name, shape):
+    """One-k-tile problems with no config given run what ``epilogue_choice`` picks for
+    them (64-column subtiles, concurrent epilogues, unless that spills): every catalogue
+    epilogue on ragged shapes."""
+    from coda.runtime.epilogue_kernels import epilogue_choice
+
+    m, n, k = shape
+    cfg = epilogue_choice(
+        EPILOGUES[name], bf16, m, n, k, torch.cuda.get_device_properties(0).multi_processor_count
+    )[0]
+    assert cfg.concurrent_epilogues, cfg
+    _check(EPILOGUES[name], shape)
+
+
+@pytest.mark.parametrize(
     "shape", [(3000, 2056, 40), (1000, 776, 40)], ids=lambda s: "x".join(map(str, s))
 )
 @pytest.mark.parametrize("name", list(EPILOGUES))
