@@ -1,0 +1,70 @@
+"""Store-only fused epilogues (no M x N loads, no reductions) on long-running problems:
+PingPong 128-row tiles against cooperative 256-row tiles, beside the plain GEMM.
+
+    python benchmarks/store_epilogue_tiles.py [--shapes 16384x44032x8192,...] [--out FILE]
+
+``choose_epilogue_config`` gives every fused epilogue 128 x 128 PingPong tiles; plain GEMMs
+of ``LONG_RUN_FLOPS`` or more take cooperative 256-row tiles (fewer operand bytes per
+FLOP, which at the power limit is clock). A store-only epilogue (the SwiGLU forward, a
+plain stored acc) can run on cooperative tiles too. This times, in interleaved rounds,
+each such catalogue epilogue under each candidate config and the plain GEMM under the
+heuristic's config. Rows ``{"epilogue", "M", "N", "K", "config", "ms", "plain_ms",
+"ratio"}`` (ratio: ms / plain_ms).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common  # noqa: E402
+
+from coda.mainloop.config import GemmConfig, choose_config  # noqa: E402
+from coda.matmul import gemm  # noqa: E402
+from coda.testing.catalog import EPILOGUES  # noqa: E402
+
+CONFIGS = {
+    "pp128x128": GemmConfig(tile_n=128),
+    "pp128x192": GemmConfig(tile_n=192),
+    "coop256x128": GemmConfig(tile_m=256, tile_n=128),
+    "coop256x192": GemmConfig(tile_m=256, tile_n=192),
+}
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shapes", default="16384x44032x8192,16384x22016x4096,16384x11264x2048")
+    p.add_argument("--epilogues", default="swiglu_fwd")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--out", default="benchmarks/results/store_epilogue_tiles_h200.json")
+    args = p.parse_args(argv)
+    rows = []
+    for shape in args.shapes.split(","):
+        m, n, k = map(int, shape.split("x"))
+        for name in args.epilogues.split(","):
+            epi = EPILOGUES[name]
+            A, B, tensors = common.cuda_inputs(epi, m, n, k)
+            out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+            plain_cfg = choose_config(m, n, k)
+            fns = {"plain": lambda: gemm(A, B, out=out, config=plain_cfg)}  # noqa: B023
+            for label, cfg in CONFIGS.items():
+                fns[label] = lambda cfg=cfg: epi(A, B, config=cfg, **tensors)  # noqa: B023
+            times = common.interleaved(fns, rounds=args.rounds, reps=5, warmup=2)
+            plain = common.median(times["plain"])
+            for label in CONFIGS:
+                ms = common.median(times[label])
+                rows.append({"epilogue": name, "M": m, "N": n, "K": k, "config": label,
+                             "ms": ms, "plain_ms": plain, "ratio": ms / plain,
+                             "plain_config": str(plain_cfg)})  # fmt: skip
+                print(rows[-1])
+    payload = {**common.environment(), "command": " ".join(sys.argv), "rows": rows}
+    common.write_json(args.out, payload)
+    common.print_table(rows, ["epilogue", "M", "N", "K", "config", "ms", "plain_ms", "ratio"])
+
+
+if __name__ == "__main__":
+    main()
