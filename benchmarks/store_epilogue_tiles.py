@@ -7,8 +7,9 @@ PingPong 128-row tiles against cooperative 256-row tiles, beside the plain GEMM.
 of ``LONG_RUN_FLOPS`` or more take cooperative 256-row tiles (fewer operand bytes per
 FLOP, which at the power limit is clock). A store-only epilogue (the SwiGLU forward, a
 plain stored acc) can run on cooperative tiles too. This times, in interleaved rounds,
-each such catalogue epilogue under each candidate config and the plain GEMM under the
-heuristic's config. Rows ``{"epilogue", "M", "N", "K", "config", "ms", "plain_ms",
+each named epilogue under each candidate config and the plain GEMM under the
+heuristic's config (``--epilogues``: store-only catalogue epilogues; default the SwiGLU
+forward). Rows ``{"epilogue", "M", "N", "K", "config", "ms", "plain_ms",
 "ratio"}`` (ratio: ms / plain_ms).
 """
 

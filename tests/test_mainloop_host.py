@@ -60,6 +60,21 @@ def test_long_running_problems_take_wide_tiles():
     assert choose_config(2048, 2048, 128256, split_ok=True).tile_m == 128
 
 
+def test_map_passes_take_wide_subtiles_with_narrow_fallbacks():
+    """One-k-tile problems get ``MAP_EPI_N``-column subtiles; GEMMs keep 32. When the
+    wide subtile spills, ``tile_candidates`` tries the same tile with 32-column subtiles,
+    then the narrower tiles (every candidate a valid config: tile_n a multiple of epi_n)."""
+    from coda.mainloop.config import MAP_EPI_N, choose_epilogue_config
+    from coda.runtime.epilogue_kernels import tile_candidates
+
+    base = choose_epilogue_config(16384, 128256, 8)
+    assert (base.tile_n, base.epi_n) == (128, MAP_EPI_N) == (128, 64)
+    assert choose_epilogue_config(16384, 8192, 8192).epi_n == 32
+    got = [(c.tile_n, c.epi_n) for c in tile_candidates(base)]
+    assert got == [(128, 64), (128, 32), (96, 32), (64, 32)]
+    assert all(c.concurrent_epilogues for c in tile_candidates(base))
+
+
 def test_fused_epilogue_plans_are_shared_within_a_size_class():
     from coda.mainloop.config import choose_epilogue_config, epilogue_size_class
 

@@ -296,6 +296,13 @@ def choose_config(
 
 #: K up to which a fused GEMM is one k-tile: its epilogue is nearly the whole kernel
 ONE_K_TILE = 64
+#: Epilogue subtile width of one-k-tile problems (map passes). Their epilogue is the whole
+#: kernel, and a 64 x 64 subtile halves the subtiles, and so the warpgroup barriers and
+#: the TMA issue rounds, per tile. Measured on an H200 (``benchmarks/map_pass.py``,
+#: 8192 x 8192 bf16, 2026-11-26): the loss's gradient map 2.83 -> 3.10 TB/s, the RMSNorm
+#: backward map 3.00 -> 3.19, a copy 2.95 -> 3.23 (torch's copy: 4.07). Behind a
+#: mainloop the wider subtile was not faster (docs/fused-epilogues.md), so GEMMs keep 32.
+MAP_EPI_N = 64
 
 
 def choose_epilogue_config(m: int, n: int, k: int, num_sms: int = DEFAULT_NUM_SMS) -> GemmConfig:
@@ -323,15 +330,6 @@ def choose_epilogue_config(m: int, n: int, k: int, num_sms: int = DEFAULT_NUM_SM
             concurrent_epilogues=True,
         )
     return GemmConfig(tile_n=128, cluster_m=cluster_m)
-
-
-#: Epilogue subtile width of one-k-tile problems (map passes). Their epilogue is the whole
-#: kernel, and a 64 x 64 subtile halves the subtiles, and so the warpgroup barriers and
-#: the TMA issue rounds, per tile. Measured on an H200 (``benchmarks/map_pass.py``,
-#: 8192 x 8192 bf16, 2026-11-26): the loss's gradient map 2.83 -> 3.10 TB/s, the RMSNorm
-#: backward map 3.00 -> 3.19, a copy 2.95 -> 3.23 (torch's copy: 4.07). Behind a
-#: mainloop the wider subtile was not faster (docs/fused-epilogues.md), so GEMMs keep 32.
-MAP_EPI_N = 64
 
 
 def epilogue_size_class(m: int, n: int, k: int) -> tuple[int, bool]:
