@@ -5,11 +5,12 @@
   many row chunks, num_items_in_batch) against the textbook float64 loss AND against the
   recompute path (``grad_in_forward=False``), both at fp32 accuracy.
 * The automatic choice: which path runs (counted GEMM / epilogue calls: per row chunk one
-  logits GEMM with its epilogue, one acc-free map pass, the dh and dW GEMMs, the last
-  chunk's dW GEMM with the fp32 sum of the others in its epilogue; nothing in the
-  backward), and that no gradient work runs without autograd.
-* The saved gradients scale with any upstream gradient (out of place, in their dtypes,
-  differentiable in the upstream gradient under ``create_graph``); dW over many row
+  logits GEMM with its epilogue and one acc-free map pass, the dh and dW GEMMs of every
+  chunk but the last; in the backward the last chunk's dh and dW GEMMs with the upstream
+  gradient in their epilogue, only those asked for), and that no gradient work runs
+  without autograd.
+* The gradients scale with any upstream gradient (in their dtypes, differentiable in the
+  upstream gradient under ``create_graph``; no V x H scaling pass); dW over many row
   chunks is accumulated in fp32 and rounded once (with a V mod 8 tail too); the op's
   outputs have the inputs' dtypes; the row buffers (one by default: dlogits in place);
   ``run_map``'s cached zero operands.
@@ -26,7 +27,7 @@ from _ce_helpers import BF16, F32, F64, TOL, leaves, loss_and_grads, make, names
 from _fusion_helpers import ZeroFills
 from coda.fusions import _dispatch, ce_fused
 from coda.fusions import cross_entropy as ce
-from coda.fusions.ce_epilogues import PARTIAL_SUM, TOTAL, final_sum_epilogue
+from coda.fusions.ce_epilogues import GRAD_SCALE, PARTIAL_SUM, TOTAL, scaled_total_epilogue
 from coda.fusions.cross_entropy import linear_cross_entropy
 from coda.testing import examples
 from coda.testing.tolerance import assert_close_to_reference
@@ -95,29 +96,34 @@ def _inputs(M=20, H=16, V=43, grad=(True, True, False, False)):
     return tensors, target
 
 
-def _fused_counts(chunks, dh=True, dW=True, fold=False):
-    """Per row chunk the logits GEMM (``run_epilogue``), the map pass, the dh and dW
-    GEMMs (``matmul``), except that with ``fold`` (``FOLD_LAST_DW``) and several chunks the
-    last chunk's dW GEMM is a ``run_epilogue`` (``final_sum_epilogue``: + the fp32 sum of
-    the others, one rounding)."""
-    last_dW = fold and dW and chunks > 1
-    out = {"fused.run_epilogue": chunks + last_dW, "fused.run_map": chunks}
-    gemms = (dh + dW) * chunks - last_dW
+def _fused_counts(chunks, dh=True, dW=True):
+    """The forward's calls: per row chunk the logits GEMM (``run_epilogue``) and the map
+    pass, and the dh and dW GEMMs (``matmul``) of every chunk but the last."""
+    out = {"fused.run_epilogue": chunks, "fused.run_map": chunks}
+    gemms = (dh + dW) * (chunks - 1)
     if gemms:
         out["fused.matmul"] = gemms
     return out
 
 
+def _backward_counts(dh=True, dW=True):
+    """The backward's calls: the last row chunk's dh and dW GEMMs, each with the upstream
+    gradient (and the fp32 partial) in its epilogue (``scaled_total_epilogue``)."""
+    n = dh + dW
+    return {"fused.run_epilogue": n} if n else {}
+
+
 def test_automatic_choice_runs_the_gradients_in_the_forward(monkeypatch):
     """Grad mode, h and W requiring grad, a mean loss: per row chunk of 8 rows (3 chunks
-    of M = 20) the logits GEMM + epilogue, the map pass, the dh and dW GEMMs: 3 GEMMs per
-    chunk; the backward runs nothing."""
+    of M = 20) the logits GEMM + epilogue and the map pass, the dh and dW GEMMs of the
+    first two chunks: 3 logits-sized GEMMs per chunk in all, the last chunk's dh and dW
+    in the backward."""
     calls = Calls(monkeypatch)
     (h, W, b, r), target = _inputs()
     loss = linear_cross_entropy(h, W, target, chunk_rows=8)
     assert calls.take() == _fused_counts(3)
     loss.backward()
-    assert calls.take() == {}
+    assert calls.take() == _backward_counts()
     assert h.grad is not None and W.grad is not None
 
 
@@ -135,7 +141,7 @@ def test_only_the_gradients_asked_for(monkeypatch, grad):
     loss = linear_cross_entropy(h, W, target, bias=b, rstd=r, chunk_rows=8)
     assert calls.take() == _fused_counts(3, dh=grad[0], dW=grad[1])
     loss.backward()
-    assert calls.take() == {}
+    assert calls.take() == _backward_counts(dh=grad[0], dW=grad[1])
     for t, flag in zip((h, W, b, r), grad, strict=True):
         assert (t.grad is not None) == flag
 
@@ -203,15 +209,12 @@ def test_saved_gradients_scale_with_the_upstream_gradient():
         torch.testing.assert_close(again, 2 * got)
 
 
-@pytest.mark.parametrize("fold", [False, True], ids=["cast", "fold"])
 @pytest.mark.parametrize("V", [24, 27], ids=["V%8=0", "tail3"])
-def test_many_row_chunks_round_dW_once(V, fold, monkeypatch):
-    """bf16 W, 40 row chunks: dW is accumulated in fp32 and rounded once (cast at the
-    end, or with ``FOLD_LAST_DW`` the last chunk's GEMM adds the fp32 sum in its
-    epilogue; the V mod 8 tail rows in torch), so it equals
-    the one-chunk dW (one GEMM over all rows) within one bf16 rounding; a bf16 running sum
-    over the chunks would drift by several."""
-    monkeypatch.setattr(ce_fused, "FOLD_LAST_DW", fold)
+def test_many_row_chunks_round_dW_once(V, monkeypatch):
+    """bf16 W, 40 row chunks: dW is accumulated in fp32 and rounded once (the backward's
+    last dW GEMM adds the fp32 sum of the other chunks in its epilogue; the V mod 8 tail
+    rows in torch), so it equals the one-chunk dW (one GEMM over all rows) within one
+    bf16 rounding; a bf16 running sum over the chunks would drift by several."""
     calls = Calls(monkeypatch)
     g = torch.Generator().manual_seed(1)
     M, H = 40, 16
@@ -223,8 +226,8 @@ def test_many_row_chunks_round_dW_once(V, fold, monkeypatch):
         hl, Wl = leaves((h, W), BF16)
         loss = linear_cross_entropy(hl, Wl, target, reduction="sum", chunk_rows=rows)
         grads.append(torch.autograd.grad(loss, Wl)[0])
-        if rows == 1:
-            assert calls.take()["fused.run_epilogue"] == M + fold
+        if rows == 1:  # the forward's 40 logits GEMMs, the backward's dh and dW GEMMs
+            assert calls.take()["fused.run_epilogue"] == M + 2
         else:
             calls.take()
     one, many = grads
@@ -238,35 +241,31 @@ def test_many_row_chunks_round_dW_once(V, fold, monkeypatch):
     assert ((running.float() - one.float()).abs() > ulp).any()
 
 
-def test_backward_scales_in_place_unless_the_graph_is_kept(monkeypatch):
-    """A plain ``backward()`` scales the saved gradients in place and returns them (no new
-    dh / dW allocated); a retained graph (a second backward will read them) and
-    ``create_graph`` through the upstream gradient get new tensors. The values are the
-    same either way (test_saved_gradients_scale_with_the_upstream_gradient)."""
+@pytest.mark.parametrize("rows", [7, 64], ids=["several_chunks", "one_chunk"])
+def test_backward_folds_the_upstream_gradient_into_the_gemms(monkeypatch, rows):
+    """The backward scales only the small gradients (dbias, drstd) by a separate product:
+    dh and dW come out of ``lce_fused_finish`` already times g (its GEMM epilogues), and
+    equal g times the gradients of g = 1 (one bf16 rounding apart: each is rounded once
+    from fp32)."""
     seen = []
     real = ce_fused._scaled
 
-    def spy(tensors, g, in_place=False):
-        seen.append(in_place)
-        out = real(tensors, g, in_place)
-        for t, o in zip(tensors, out, strict=True):
-            if t is not None:
-                assert (o.data_ptr() == t.data_ptr()) == in_place
-        return out
+    def spy(tensors, g):
+        seen.append([None if t is None else tuple(t.shape) for t in tensors])
+        return real(tensors, g)
 
     monkeypatch.setattr(ce_fused, "_scaled", spy)
-    (h, W, _, _), target = _inputs()
-    loss = linear_cross_entropy(h, W, target, chunk_rows=7)
-    (2 * loss).backward(retain_graph=True)
-    first = h.grad.clone()
-    (2 * loss).backward()
-    assert seen == [False, True]
-    torch.testing.assert_close(h.grad, 2 * first)
-    g = torch.tensor(3.0, requires_grad=True)
-    loss = linear_cross_entropy(h, W, target, chunk_rows=7)
-    (dh,) = torch.autograd.grad(loss * g, h, create_graph=True)
-    assert seen == [False, True, False]
-    assert dh.requires_grad
+    (h, W, b, r), target = _inputs(grad=(True, True, True, True))
+    h16, W16 = (t.detach().to(BF16).requires_grad_() for t in (h, W))
+    kw = dict(bias=b, rstd=r, chunk_rows=rows)
+    unit = torch.autograd.grad(linear_cross_entropy(h16, W16, target, **kw), (h16, W16))
+    seen.clear()
+    scaled = torch.autograd.grad(0.3 * linear_cross_entropy(h16, W16, target, **kw), (h16, W16))
+    assert seen == [[(W.shape[0],), (h.shape[0],)]]  # dbias, drstd only
+    for s, u in zip(scaled, unit, strict=True):
+        want = 0.3 * u.float()
+        ulp = want.abs() * 2.0**-7 + 1e-6
+        assert s.dtype == BF16 and ((s.float() - want).abs() <= ulp).all()
 
 
 def test_scaled_gradients_are_new_tensors_in_their_dtypes():
@@ -302,17 +301,21 @@ def test_create_graph_differentiates_through_the_upstream_gradient():
     torch.testing.assert_close(ds, (dh1 * ch).sum() + (dW1 * cW).sum())
 
 
-def test_final_sum_epilogue_adds_the_fp32_sum_and_rounds_once():
-    """The last row chunk's dW epilogue on the dW GEMM's transposed operands: total =
-    (acc + partial sum) rounded once to the output dtype."""
+@pytest.mark.parametrize("partial", [False, True], ids=["dh", "dW_sum"])
+def test_scaled_total_epilogue_scales_and_rounds_once(partial):
+    """The backward's last row chunk on the dW GEMM's transposed operands: total =
+    g * (acc [+ fp32 partial sum]) rounded once to the output dtype, g a column vector."""
     gen = torch.Generator().manual_seed(3)
     dl = torch.randn(6, 16, generator=gen).to(BF16)  # (rows, V') dlogits
     h = torch.randn(6, 8, generator=gen).to(BF16)  # (rows, H)
-    partial = torch.randn(16, 8, generator=gen)
-    out = final_sum_epilogue(BF16).reference(dl.t(), h.t(), **{PARTIAL_SUM: partial})
-    want = (dl.float().T @ h.float() + partial).to(BF16)
+    extra = {GRAD_SCALE: torch.full((8,), 0.7)}
+    want = dl.float().T @ h.float()
+    if partial:
+        extra[PARTIAL_SUM] = torch.randn(16, 8, generator=gen)
+        want = want + extra[PARTIAL_SUM]
+    out = scaled_total_epilogue(BF16, partial).reference(dl.t(), h.t(), **extra)
     assert out[TOTAL].dtype == BF16
-    torch.testing.assert_close(out[TOTAL], want, rtol=0, atol=0)
+    torch.testing.assert_close(out[TOTAL], (0.7 * want).to(BF16), rtol=0, atol=0)
 
 
 def test_row_buffers_one_in_place_by_default():

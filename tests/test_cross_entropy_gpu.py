@@ -154,8 +154,8 @@ def test_matches_float64_no_worse_than_eager_bf16(name, shape, path, monkeypatch
 def test_grad_in_forward_several_row_chunks_ragged_vocab(monkeypatch):
     """V = 50257 (GPT-2: 50256 fused columns + a 1-column tail in torch), 1000 rows in
     chunks of 256 (the last 232): loss and every gradient against float64 by the 2 x
-    eager rule, as close to float64 as the one-chunk run is, and all of it done in the
-    forward (4 map passes; the backward runs none)."""
+    eager rule, as close to float64 as the one-chunk run is (4 map passes, all in the
+    forward; the backward runs the last chunk's dh and dW GEMMs)."""
     M, H, V = 1000, 256, 50257
     opts = dict(softcap=15.0, label_smoothing=0.05, z_loss=1e-4)
     tensors = inputs(M, H, V, seed=7, bias=True, rstd=True)
@@ -229,9 +229,10 @@ def test_workspace_grad_in_forward_path():
     """The gradient-in-forward path (the default in training): workspace at most
     ``ce_chunks.grad_in_forward_workspace`` + 64 MiB: ONE row buffer of rows x V bf16
     (rows = ``grad_rows``: 2048 here, 0.49 GiB; the dlogits overwrite the stored acc in
-    place), the fp32 V x H dW accumulator (more than one row chunk: 0.98 GiB), per-chunk
-    partials and row vectors (a bound of about 1.6 GiB in all, below torch.compile's
-    1.96 GiB of logits; the backward's copy of the gradients is smaller)."""
+    place; the backward's GEMMs read the last chunk's dlogits from it), the fp32 V x H dW
+    accumulator and dh of the rows before the last chunk (more than one row chunk: 0.98
+    + 0.02 GiB), per-chunk partials and row vectors (a bound of about 1.6 GiB in all,
+    below torch.compile's 1.96 GiB of logits)."""
     workspace, M, V, H = _workspace()
     rows = ce_chunks.grad_rows(M, V, 2, dw_hidden=H)
     assert rows == 2048 and len(ce_chunks.row_chunks(M, rows)) == 4

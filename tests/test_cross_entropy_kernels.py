@@ -15,9 +15,9 @@ import torch
 from coda import Elementwise, Epilogue, TileReduce, TileStore, ops
 from coda.fusions._dispatch import MAP_K
 from coda.fusions.ce_epilogues import (
-    final_sum_epilogue,
     grad_epilogue,
     grad_map_epilogue,
+    scaled_total_epilogue,
     stats_epilogue,
     stats_store_epilogue,
 )
@@ -60,9 +60,16 @@ KERNELS = {
         False,
         (16384, 8192, MAP_K),
     ),
-    # the last row chunk's dW = dlogits.T @ h_c + the fp32 sum of the other chunks, in
-    # bf16: V' x H x rows (Llama 3, H = 2048, 2048 rows), A = dl.t() and B = h_c.t()
-    "final_sum_dW": (final_sum_epilogue(bf16), True, (128256, 2048, 2048), ("m", "n")),
+    # the backward's last row chunk: dW = g * (dlogits.T @ h_c + the fp32 sum of the other
+    # chunks) in bf16, V' x H x rows (Llama 3, H = 2048, 2048 rows), A = dl.t() and
+    # B = h_c.t(); and its dh = g * dlogits @ W[:V'], rows x H x V' (B = W.t())
+    "scaled_sum_dW": (
+        scaled_total_epilogue(bf16, True),
+        True,
+        (128256, 2048, 2048),
+        ("m", "n"),
+    ),
+    "scaled_dh": (scaled_total_epilogue(bf16, False), True, (2048, 2048, 128256), ("k", "n")),
     # OneHot at width 1/2 (pairs across lanes) feeding a row and a column reduction
     "onehot_half": (
         Epilogue().add(

@@ -26,10 +26,10 @@ logits and their gradient take 2 x 4 GiB.
 GEMM over its first ``main_cols(V)`` columns per row chunk, the V mod 8 tail columns plain
 torch. Workspace (``grad_in_forward_workspace``): the row buffer (the stored acc, which
 the dlogits overwrite in place; a second buffer only when the acc is stored in another
-dtype), an fp32 V x H dW accumulator when there is more than one row chunk, the per-chunk
-partials of the fused reductions, fp32 rows x H temporaries when V mod 8 != 0, O(M)
-vectors; and, in the backward, one copy of the gradients (the saved ones times the
-upstream scalar).
+dtype), and with more than one row chunk an fp32 V x H dW accumulator and dh of the rows
+before the last chunk, the per-chunk partials of the fused reductions, fp32 rows x H
+temporaries when V mod 8 != 0, O(M) vectors. The backward holds the same (the last
+chunk's dlogits in the row buffer, the accumulators) while its GEMMs write dh and dW.
 """
 
 from __future__ import annotations
@@ -169,20 +169,20 @@ def grad_in_forward_workspace(
 ) -> int:
     """Upper bound (bytes) of the gradient-in-forward path's workspace: its peak memory
     minus inputs, the loss and the gradients (dh, dW, dbias, drstd) it returns, for h of
-    ``elem_bytes`` per element and the acc stored in ``acc_bytes`` (default: the same).
-    The larger of the forward's (the row buffer: one, the dlogits written in place over
-    the stored acc, when ``acc_bytes == elem_bytes``, else two; the fp32 dW accumulator
-    with more than one row chunk, per-chunk partials at the narrowest tile, the tail's
-    fp32 temporaries, 8 fp32 vectors of M) and the backward's (one copy of dh and dW: the
-    saved gradients times the upstream gradient)."""
+    ``elem_bytes`` per element and the acc stored in ``acc_bytes`` (default: the same):
+    the row buffer (one, the dlogits written in place over the stored acc, when
+    ``acc_bytes == elem_bytes``, else two), with more than one row chunk the fp32 dW
+    accumulator and dh of the rows before the last chunk, per-chunk partials at the
+    narrowest tile, the tail's fp32 temporaries, 8 fp32 vectors of M. The backward holds
+    no more: the row buffer (the last chunk's dlogits) and the accumulators while its
+    GEMMs write dh and dW."""
     acc_bytes = elem_bytes if acc_bytes is None else acc_bytes
     m, n = min(rows, M), main_cols(V)
     tiles_n, tiles_m = -(-n // MIN_TILE), -(-m // MIN_TILE)
     in_place = acc_bytes == elem_bytes
     forward = m * n * (acc_bytes if in_place else acc_bytes + elem_bytes)
-    forward += 4 * V * H if len(row_chunks(M, rows)) > 1 else 0
+    forward += 4 * V * H + elem_bytes * M * H if M > rows else 0  # dW sum, dh rows
     forward += 4 * (m * tiles_n * 5 + tiles_m * n)  # lse/zt/zsum/drstd (row), dbias (col)
     forward += 2 * 4 * m * H if V % TMA_COLS else 0
     forward += 8 * 4 * M + 4 * V
-    backward = (M + V) * H * elem_bytes
-    return max(forward, backward)
+    return forward

@@ -30,9 +30,10 @@ then the softcap chain g *= 1 - (z / cap)^2 gives dL/ds; dL/drstd = sum_j g acc 
 that the statistics are those of exactly the stored values); ``grad_map_epilogue`` is the
 backward chain without a GEMM (``run_map``): a ``TileLoad`` of the stored acc in place of
 ``acc`` (``_logits`` and ``_grad`` take the source value's name), drstd summing g times
-that loaded acc. ``final_sum_epilogue`` finishes dW over several row chunks: the last
-chunk's dW GEMM adds the fp32 sum of the earlier chunks (``TileLoad`` of
-``PARTIAL_SUM``) to its acc and stores the total rounded once to W's dtype.
+that loaded acc. ``scaled_total_epilogue`` is the backward's last row chunk: its dh and
+dW GEMMs scale acc (plus, for dW over several row chunks, the fp32 sum of the earlier
+chunks, a ``TileLoad`` of ``PARTIAL_SUM``) by the loss's upstream gradient and store the
+total rounded once to the gradient's dtype.
 
 **The padded tail** (recompute path; the gradient-in-forward path computes the V mod 8
 tail columns in torch). TMA moves M x N tiles in rows of 16 bytes, so every chunk is a
@@ -70,13 +71,14 @@ from coda.primitives import (
 from coda.primitives import math as cm
 
 __all__ = [
+    "GRAD_SCALE",
     "PARTIAL_SUM",
     "STORED_ACC",
     "TOTAL",
     "RoundTo",
     "Softcap",
     "SoftcapGrad",
-    "final_sum_epilogue",
+    "scaled_total_epilogue",
     "grad_epilogue",
     "grad_map_epilogue",
     "stats_epilogue",
@@ -88,9 +90,11 @@ F32 = torch.float32
 TARGET_DTYPE = torch.int32
 #: name of the GEMM result stored by ``stats_store_epilogue`` and loaded by ``grad_map_epilogue``
 STORED_ACC = "stored_acc"
-#: name of the fp32 partial sum that ``final_sum_epilogue`` adds to acc (the input)
+#: name of the fp32 partial sum that ``scaled_total_epilogue`` adds to acc (an input)
 PARTIAL_SUM = "partial_sum"
-#: name of ``final_sum_epilogue``'s output: acc + partial sum in the output dtype
+#: name of ``scaled_total_epilogue``'s fp32 column vector: the loss's upstream gradient
+GRAD_SCALE = "grad_scale"
+#: name of ``scaled_total_epilogue``'s output: (acc + partial sum) * scale, output dtype
 TOTAL = "total"
 
 
@@ -311,14 +315,23 @@ def grad_map_epilogue(
 
 
 @functools.cache
-def final_sum_epilogue(out_dtype: torch.dtype) -> Epilogue:
-    """``TOTAL`` = acc + ``PARTIAL_SUM`` (an fp32 M x N input), rounded once to
-    ``out_dtype``: the last row chunk's dW GEMM of the gradient-in-forward path, adding
-    the earlier chunks' fp32 sum, so dW is written in W's dtype with no separate cast."""
-    return Epilogue(
-        (
+def scaled_total_epilogue(out_dtype: torch.dtype, partial: bool) -> Epilogue:
+    """``TOTAL`` = ``GRAD_SCALE`` * (acc [+ ``PARTIAL_SUM``, an fp32 M x N input]),
+    rounded once to ``out_dtype``; ``GRAD_SCALE`` is an fp32 column vector (the loss's
+    upstream gradient, broadcast). The backward GEMMs of the gradient-in-forward path's
+    last row chunk: dh of its rows (``PARTIAL_SUM``: the V mod 8 tail's fp32 product) and
+    dW (``PARTIAL_SUM``: the earlier chunks' fp32 sum), written scaled and in their
+    dtypes, with no cast or scaling pass."""
+    prims: list = [VecLoad(GRAD_SCALE, per="col", dtype=F32)]
+    src = "acc"
+    if partial:
+        prims += [
             TileLoad(PARTIAL_SUM, F32),
-            Elementwise(TOTAL, ops.add, ins=("acc", PARTIAL_SUM)),
-            TileStore(TOTAL, out_dtype),
-        )
-    )
+            Elementwise("unscaled", ops.add, ins=("acc", PARTIAL_SUM)),
+        ]
+        src = "unscaled"
+    prims += [
+        Elementwise(TOTAL, ops.mul, ins=(src, GRAD_SCALE)),
+        TileStore(TOTAL, out_dtype),
+    ]
+    return Epilogue(tuple(prims))

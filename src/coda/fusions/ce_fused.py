@@ -5,13 +5,18 @@ this path or the recompute one), on ``ce_epilogues`` (the epilogues), ``ce_chunk
 chunks, workspace), ``ce_operands`` (checks, targets) and ``_dispatch`` (fused kernel on
 CUDA, the epilogues' reference on CPU).
 
-One custom op, ``coda::lce_fused_loss(h, W, target, bias, rstd, denom, ...) -> (loss, dh,
-dW, dbias, drstd)``: the scalar loss sum_rows(row loss) / denom and its gradients with
-respect to h, W, bias and rstd for an upstream gradient of 1 (each an empty tensor when
-not asked for). Its autograd formula multiplies the saved gradients by the loss's
-upstream gradient: the backward runs no GEMM. Three logits-sized GEMMs in all (the
-recompute path of ``cross_entropy`` runs four). Per chunk of ``rows`` rows [r0, r1)
-(m rows; V' = ``ce_chunks.main_cols(V)``, V without its V mod 8 tail):
+Two custom ops. ``coda::lce_fused_loss(h, W, target, bias, rstd, denom, ...) -> (loss,
+dh_part, dW_part, dbias, drstd, dl_last, dl_tail)``: the scalar loss sum_rows(row loss) /
+denom, and everything its gradients need for an upstream gradient of 1: dbias and drstd
+whole, dh of the rows before the last row chunk, the fp32 dW sum of the chunks before the
+last, and the last chunk's dlogits (each an empty tensor when not asked for or not
+needed). Its autograd formula calls ``coda::lce_fused_finish``, which runs the last
+chunk's dh and dW GEMMs with the loss's upstream gradient g folded into their epilogue
+(``scaled_total_epilogue``: g * (acc [+ partial]), rounded once) and scales the earlier
+dh rows, dbias and drstd (O(M H + V) elements): no cast or scaling pass over V x H ever
+runs. Three logits-sized GEMMs in all (the recompute path of ``cross_entropy`` runs four).
+Per chunk of ``rows`` rows [r0, r1) (m rows; V' = ``ce_chunks.main_cols(V)``, V without
+its V mod 8 tail):
 
 1. logits GEMM h_c @ W[:V'].T with ``stats_store_epilogue``: acc rounded to h's dtype
    (``ACC_STORE_DTYPE``) stored into row buffer 1 (m x V'), and lse, zt, zsum of the
@@ -25,12 +30,14 @@ recompute path of ``cross_entropy`` runs four). Per chunk of ``rows`` rows [r0, 
    dtype) written IN PLACE over the stored acc when that has h's dtype too (the default;
    a separate buffer 2 when ``ACC_STORE_DTYPE`` differs), and the dbias (column) / drstd
    (row) reductions; the tail's gradient in torch;
-5. dh[r0:r1] = dlogits @ W[:V'] (+ the tail's, in fp32, rounded once), and
-   dW (+)= dlogits.T @ h_c: with one row chunk written directly in W's dtype; with
-   several, the earlier chunks accumulate into an fp32 V x H buffer (``accumulate=True``:
-   TMA reduce-add) and the last chunk's GEMM adds that buffer in its epilogue
-   (``final_sum_epilogue``) and writes dW in W's dtype, rounded once: dW is never summed
-   in bf16 and no separate cast pass runs.
+5. chunks before the last: dh[r0:r1] = dlogits @ W[:V'] (+ the tail's, in fp32, rounded
+   once) into ``dh_part``, and dW (+)= dlogits.T @ h_c into the fp32 V x H ``dW_part``
+   (the first chunk writes, the next add: ``accumulate=True``, TMA reduce-add);
+6. the last chunk's dlogits stay in the row buffer (``dl_last``; the tail's fp32
+   ``dl_tail``) until the backward, whose ``lce_fused_finish`` writes dh[r_last:] =
+   g * dl_last @ W[:V'] and dW = g * (dW_part + dl_last.T @ h_last), each rounded once
+   into the input's dtype (with one row chunk, the backward runs both GEMMs whole).
+   dW is never summed in bf16.
 
 In place (step 4) is safe in the engine: each address of the buffer is in exactly one
 (tile, subtile) box, the same box for the stored-acc TMA load and the dlogits TMA store
@@ -58,16 +65,17 @@ from torch.library import custom_op, register_autograd
 from coda.fusions import ce_chunks
 from coda.fusions._dispatch import matmul, run_epilogue, run_map
 from coda.fusions.ce_epilogues import (
+    GRAD_SCALE,
     PARTIAL_SUM,
     STORED_ACC,
     TOTAL,
-    final_sum_epilogue,
     grad_map_epilogue,
+    scaled_total_epilogue,
     stats_store_epilogue,
 )
 from coda.fusions.ce_operands import check_operands, check_targets, local_targets
 
-__all__ = ["ACC_STORE_DTYPE", "lce_fused_loss"]
+__all__ = ["ACC_STORE_DTYPE", "lce_fused_finish", "lce_fused_loss"]
 
 F32 = torch.float32
 
@@ -77,15 +85,6 @@ F32 = torch.float32
 #: fp32 logits for twice the buffer's bytes and its write + read traffic, plus a second
 #: (h's dtype) buffer for dlogits. Read at call time.
 ACC_STORE_DTYPE: torch.dtype | None = None
-
-#: With several row chunks, how dW reaches W's dtype. False (default): every chunk's dW
-#: GEMM adds into the fp32 accumulator and one cast pass rounds it once at the end, after
-#: the row buffer is freed (peak: row buffer + fp32 accumulator, or accumulator + dW).
-#: True: the last chunk's GEMM adds the fp32 sum in its epilogue (``final_sum_epilogue``)
-#: and writes dW, rounded once: no cast pass (a V x H read + write less), but dW, the
-#: accumulator and the row buffer are alive together (+ V x H x 2 bytes of peak: 0.5 GiB
-#: at V = 128256, H = 2048). Read at call time.
-FOLD_LAST_DW: bool = False
 
 
 @attrs.frozen
@@ -222,17 +221,17 @@ class _Walk:
         self.valid = target != spec.ignore_index
         self._allocate(M, H, W.shape[0], several=len(self.plan) > 1)
         self.bufs = self._buffers(min(rows, M))
+        self.last: tuple = (None, None)
 
     def _allocate(self, M: int, H: int, V: int, several: bool) -> None:
-        """The per-row losses and the gradients asked for: dW in W's dtype, plus an fp32
-        accumulator of the chunks before the last with several row chunks; dbias in fp32."""
+        """The per-row losses; with several row chunks, dh of the rows before the last
+        chunk and the fp32 dW sum of those chunks (the backward finishes both); dbias in
+        fp32."""
         spec, device = self.spec, self.h.device
         self.row_loss = torch.empty(M, dtype=F32, device=device)
-        self.dh = torch.empty_like(self.h) if spec.need_dh else None
-        self.fold = several and FOLD_LAST_DW
-        # without the fold, dW of several chunks is the fp32 sum's cast (made in run())
-        direct = spec.need_dW and (not several or self.fold)
-        self.dW = torch.empty_like(self.W) if direct else None
+        self.dh = None
+        if spec.need_dh and several:  # the rows before the last chunk's
+            self.dh = self.h.new_empty((self.plan[-1][0], H))
         self.dW32 = None
         if spec.need_dW and several:
             self.dW32 = torch.empty((V, H), dtype=F32, device=device)
@@ -247,16 +246,13 @@ class _Walk:
         spec = self.spec
         return row_buffers(m, spec.main, spec.acc_dtype, spec.out_dtype, spec.store, self.h.device)
 
-    def run(self) -> list[torch.Tensor]:
+    def run(self) -> list[torch.Tensor | None]:
+        """[loss, dh_part, dW_part, dbias, drstd, dl_last, dl_tail] (None: not made)."""
         for i, (r0, r1) in enumerate(self.plan):
             self._chunk(i, r0, r1)
-        self.bufs = None  # free the row buffer before dW's cast
-        if self.dW32 is not None and not self.fold:
-            self.dW = self.dW32.to(self.W.dtype)
-        self.dW32 = None
         loss = self.row_loss.sum() / self.denom
         dbias = None if self.dbias is None else self.dbias.to(self.spec.bias_dtype)
-        return [loss, self.dh, self.dW, dbias, self.drstd]
+        return [loss, self.dh, self.dW32, dbias, self.drstd, *self.last]
 
     # ---- one row chunk ------------------------------------------------------------------
     def _chunk(self, i: int, r0: int, r1: int) -> None:
@@ -276,10 +272,15 @@ class _Walk:
         dl_t = None
         if tail is not None:
             dl_t = self._tail_grads(tail, lse, ga, gt, gs, r_c, r0, r1)
+        if not spec.store:
+            return
+        if i == len(self.plan) - 1:  # the backward's GEMMs (lce_fused_finish) read these
+            self.last = (dl, dl_t)
+            return
         if spec.need_dh:
             self._dh(r0, r1, dl, dl_t)
         if spec.need_dW:
-            self._dW(i, h_c, hf, dl, dl_t)
+            self._dW(i, hf, h_c, dl, dl_t)
 
     def _main_stats(self, h_c, tloc, r_c, m: int):
         """Step 1: ((lse, zt, zsum), stored acc) of the fused columns."""
@@ -339,30 +340,10 @@ class _Walk:
             matmul(dl, self.W_main.t(), out=acc, accumulate=True)
         out.copy_(acc)
 
-    def _dW(self, i: int, h_c, hf, dl, dl_t) -> None:
-        """Step 5: dW (+)= dlogits.T @ h_c: directly in W's dtype with one row chunk; with
-        several, into the fp32 accumulator (the first chunk writes, the next ones add;
-        ``run`` casts it once), or with ``FOLD_LAST_DW`` the last chunk writes dW = its
-        product + the accumulator, rounded once."""
+    def _dW(self, i: int, hf, h_c, dl, dl_t) -> None:
+        """Step 5: the fp32 dW sum (+)= dlogits.T @ h_c (the first chunk writes, the next
+        ones add; the backward adds the last chunk's and rounds once)."""
         main = self.spec.main
-        if self.dW32 is None:
-            if dl is not None:
-                matmul(dl.t(), h_c.t(), out=self.dW[:main])
-            if dl_t is not None:
-                self.dW[main:] = (dl_t.T @ hf).to(self.W.dtype)
-            return
-        if self.fold and i == len(self.plan) - 1:
-            if dl is not None:
-                out = self.dW[:main]
-                got = run_epilogue(
-                    final_sum_epilogue(self.W.dtype), dl.t(), h_c.t(), {TOTAL: out},
-                    **{PARTIAL_SUM: self.dW32[:main]},
-                )[TOTAL]  # fmt: skip
-                if got.data_ptr() != out.data_ptr():  # the CPU reference's new tensor
-                    out.copy_(got)
-            if dl_t is not None:
-                self.dW[main:] = (self.dW32[main:] + dl_t.T @ hf).to(self.W.dtype)
-            return
         if dl is not None:
             matmul(dl.t(), h_c.t(), out=self.dW32[:main], accumulate=i > 0)
         if dl_t is not None:
@@ -402,16 +383,44 @@ def _merge(main, tail):
 # ---- the op --------------------------------------------------------------------------------
 
 
-def _outputs_like(h, W, bias, rstd, need_dh, need_dW, need_dbias, need_drstd) -> list:
-    """Empty tensors of the op's outputs: the 0-dim fp32 loss, then dh (M, H), dW (V, H),
-    dbias (V,), drstd (M,) where asked, shape (0,) otherwise."""
+def _chunk_rows(h, W, chunk_rows: int, need_dW: bool) -> int:
+    """Rows per chunk: ``chunk_rows``, or 0 for ``ce_chunks.grad_rows`` (the op and its
+    fake implementation agree: the fake's output shapes depend on it)."""
+    acc_dtype = ACC_STORE_DTYPE or h.dtype
+    return chunk_rows or ce_chunks.grad_rows(
+        h.shape[0], W.shape[0], acc_dtype.itemsize, dw_hidden=W.shape[1] if need_dW else 0
+    )
+
+
+def _last_chunk(M, rows: int) -> tuple[bool, int]:
+    """(several row chunks, rows of the last one) for M rows in chunks of ``rows``, by
+    arithmetic (no Python range: M may be a symbolic size in the fake implementation)."""
+    if M <= rows:
+        return False, M
+    return True, M - ((M - 1) // rows) * rows
+
+
+def _outputs_like(h, W, bias, rstd, rows: int, need: tuple[bool, ...]) -> list:
+    """Empty tensors of the op's outputs, shape (0,) where not made: the 0-dim fp32
+    loss; dh_part (rows before the last chunk, H) and the fp32 dW_part (V, H) with
+    several row chunks; dbias (V,)
+    in bias's dtype, fp32 drstd (M,); the last chunk's dlogits (m_last, V') in h's dtype
+    and its tail's fp32 (m_last, V mod 8) when dh or dW is asked for."""
+    need_dh, need_dW, need_dbias, need_drstd = need
+    M, H = h.shape
+    V = W.shape[0]
+    main = ce_chunks.main_cols(V)
+    several, m_last = _last_chunk(M, rows)
+    store = need_dh or need_dW
     grad_dtype = bias.dtype if bias is not None else h.dtype
     return [
         h.new_empty((), dtype=F32),
-        h.new_empty(tuple(h.shape) if need_dh else (0,)),
-        W.new_empty(tuple(W.shape) if need_dW else (0,)),
-        W.new_empty((W.shape[0],) if need_dbias else (0,), dtype=grad_dtype),
-        h.new_empty((h.shape[0],) if need_drstd else (0,), dtype=F32),
+        h.new_empty((M - m_last, H) if need_dh and several else (0,)),
+        h.new_empty((V, H) if need_dW and several else (0,), dtype=F32),
+        W.new_empty((V,) if need_dbias else (0,), dtype=grad_dtype),
+        h.new_empty((M,) if need_drstd else (0,), dtype=F32),
+        h.new_empty((m_last, main) if store and main and m_last else (0,)),
+        h.new_empty((m_last, V - main) if store and V - main and m_last else (0,), dtype=F32),
     ]
 
 
@@ -433,15 +442,22 @@ def lce_fused_loss(
     need_dW: bool,
     need_dbias: bool,
     need_drstd: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(loss, dh, dW, dbias, drstd): the fp32 scalar loss sum_rows(row loss) / ``denom``
-    (a 0-dim fp32 tensor: the valid-row count, 1, or num_items_in_batch) of the logits
-    softcap(rstd * h @ W.T + bias), and its gradients for an upstream gradient of 1 in
-    the inputs' dtypes (drstd fp32), each shape (0,) when its ``need_*`` is False.
-    ``chunk_rows``: rows per chunk, 0 for ``ce_chunks.grad_rows``. Targets are
-    range-checked on CPU, and on CUDA when ``check`` (a device sync)."""
+) -> tuple[
+    torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+    torch.Tensor,
+]:  # fmt: skip
+    """(loss, dh_part, dW_part, dbias, drstd, dl_last, dl_tail): the fp32 scalar loss
+    sum_rows(row loss) / ``denom`` (a 0-dim fp32 tensor: the valid-row count, 1, or
+    num_items_in_batch) of the logits softcap(rstd * h @ W.T + bias), and for an
+    upstream gradient of 1: dh of the rows before the last row chunk (h's dtype), the
+    fp32 dW sum of the chunks before the last, dbias (bias's dtype), drstd (fp32) and
+    the last chunk's dlogits (h's dtype; the V mod 8 tail's in fp32), which
+    ``lce_fused_finish`` turns into dh and dW. Each is shape (0,) where not asked for
+    (``need_*``) or not needed (one row chunk: no dh_part or dW_part). ``chunk_rows``:
+    rows per chunk, 0 for ``ce_chunks.grad_rows``. Targets are range-checked on CPU,
+    and on CUDA when ``check`` (a device sync)."""
     check_operands(h, W, target, bias, rstd)
-    M, V = h.shape[0], W.shape[0]
+    V = W.shape[0]
     if check or not h.is_cuda:
         check_targets(target, V, ignore_index)
     acc_dtype = ACC_STORE_DTYPE or h.dtype
@@ -450,12 +466,10 @@ def lce_fused_loss(
         None if bias is None else bias.dtype, rstd is not None,
         need_dh, need_dW, bias is not None and need_dbias, rstd is not None and need_drstd,
     )  # fmt: skip
-    rows = chunk_rows or ce_chunks.grad_rows(
-        M, V, acc_dtype.itemsize, dw_hidden=W.shape[1] if need_dW else 0
-    )
+    rows = _chunk_rows(h, W, chunk_rows, need_dW)
     denom = denom.to(device=h.device, dtype=F32)
     got = _Walk(h, W, target, bias, rstd, denom, spec, rows).run()
-    empty = _outputs_like(h, W, bias, rstd, False, False, False, False)
+    empty = _outputs_like(h, W, bias, rstd, rows, (False,) * 4)
     return tuple(e if g is None else g for g, e in zip(got, empty, strict=True))
 
 
@@ -464,29 +478,106 @@ def _(
     h, W, target, bias, rstd, denom, ignore_index, softcap, label_smoothing, z_loss,
     chunk_rows, check, need_dh, need_dW, need_dbias, need_drstd,
 ):  # fmt: skip
-    need_dbias = bias is not None and need_dbias
-    need_drstd = rstd is not None and need_drstd
-    return tuple(_outputs_like(h, W, bias, rstd, need_dh, need_dW, need_dbias, need_drstd))
+    need = (need_dh, need_dW, bias is not None and need_dbias, rstd is not None and need_drstd)
+    rows = _chunk_rows(h, W, chunk_rows, need_dW)
+    return tuple(_outputs_like(h, W, bias, rstd, rows, need))
+
+
+# ---- the backward's GEMMs --------------------------------------------------------------------
+
+
+def _scaled_gemm(out, A, B, gvec, partial) -> None:
+    """out = g * (A @ B.T [+ partial]) rounded once into out's dtype, by
+    ``scaled_total_epilogue`` on the GEMM (or in torch when there is no A: V < 8)."""
+    if A is None:
+        out.copy_(partial * gvec)
+        return
+    tensors = {GRAD_SCALE: gvec}
+    if partial is not None:
+        tensors[PARTIAL_SUM] = partial
+    epi = scaled_total_epilogue(out.dtype, partial is not None)
+    got = run_epilogue(epi, A, B, {TOTAL: out}, **tensors)[TOTAL]
+    if got.data_ptr() != out.data_ptr():  # the CPU reference's new tensor
+        out.copy_(got)
+
+
+@custom_op("coda::lce_fused_finish", mutates_args=())
+def lce_fused_finish(
+    g: torch.Tensor,
+    h: torch.Tensor,
+    W: torch.Tensor,
+    dh_part: torch.Tensor,
+    dW_part: torch.Tensor,
+    dl_last: torch.Tensor,
+    dl_tail: torch.Tensor,
+    need_dh: bool,
+    need_dW: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dh, dW) = g * the loss's gradients, from what ``lce_fused_loss`` left (its
+    outputs 1, 2, 5, 6) and the 0-dim upstream gradient ``g``: the last row chunk's
+    dh and dW GEMMs with g and the fp32 partials folded into their epilogue, each
+    written once in its input's dtype; the earlier dh rows times g (g rounded to h's
+    dtype). Each is shape (0,) unless asked for."""
+    M, H = h.shape
+    V = W.shape[0]
+    main = ce_chunks.main_cols(V)
+    last = dl_last if dl_last.dim() == 2 else dl_tail
+    if last.dim() != 2:  # no rows (M = 0): zero gradients
+        return (
+            torch.zeros_like(h) if need_dh else h.new_empty((0,)),
+            torch.zeros_like(W) if need_dW else W.new_empty((0,)),
+        )
+    row0 = M - last.shape[0]
+    gvec = g.to(device=h.device, dtype=F32).reshape(1).expand(H).contiguous()
+    A = dl_last if main else None
+    h_last = h[row0:]
+    dh = torch.empty_like(h) if need_dh else h.new_empty((0,))
+    if need_dh:
+        if row0:
+            torch.mul(dh_part[:row0], g.to(h.dtype), out=dh[:row0])
+        partial = dl_tail @ W[main:].float() if V - main else None
+        _scaled_gemm(dh[row0:], A, W[:main].t(), gvec, partial)
+    dW = torch.empty_like(W) if need_dW else W.new_empty((0,))
+    if need_dW:
+        several = dW_part.dim() == 2
+        if main:
+            _scaled_gemm(dW[:main], A.t(), h_last.t(), gvec, dW_part[:main] if several else None)
+        if V - main:
+            part = dl_tail.T @ h_last.float()
+            if several:
+                part = part + dW_part[main:]
+            dW[main:] = part * gvec
+    return dh, dW
+
+
+@lce_fused_finish.register_fake
+def _(g, h, W, dh_part, dW_part, dl_last, dl_tail, need_dh, need_dW):
+    return (
+        torch.empty_like(h) if need_dh else h.new_empty((0,)),
+        torch.empty_like(W) if need_dW else W.new_empty((0,)),
+    )
+
+
+# ---- autograd ----------------------------------------------------------------------------------
 
 
 def _fused_setup(ctx, inputs, output) -> None:
     ctx.need = (inputs[12], inputs[13], inputs[3] is not None and inputs[14],
                 inputs[4] is not None and inputs[15])  # fmt: skip
-    ctx.save_for_backward(*output[1:])
+    ctx.save_for_backward(inputs[0], inputs[1], *output[1:])
     ctx.mark_non_differentiable(*output[1:])
-    # the gradient outputs are never differentiated: no zero-filled (V x H for dW!)
-    # gradients materialized for them in the backward
+    # the forward's other outputs are never differentiated: no zero-filled (V x H for
+    # the dW sum!) gradients materialized for them in the backward
     ctx.set_materialize_grads(False)
 
 
-def _scaled(tensors: list, g: torch.Tensor, in_place: bool = False) -> list:
-    """Each tensor (None kept) times the 0-dim ``g``, in its own dtype: one
-    ``torch._foreach_mul`` per dtype with ``g`` cast to that dtype, out of place, or with
-    ``in_place`` (``_foreach_mul_``) into the tensors themselves. The foreach kernel
-    reads the scalar from device memory in a vectorized multi-tensor launch (its fast path
-    wants the scalar in the list's dtype); ``t * g`` would instead broadcast the 0-dim
-    CUDA tensor through TensorIterator's unvectorized dynamic-cast kernel, which rounded g
-    to t's dtype too. Under ``create_graph`` with ``g`` requiring grad, plain ``t * g``
+def _scaled(tensors: list, g: torch.Tensor) -> list:
+    """Each tensor (None kept) times the 0-dim ``g``, out of place in its own dtype: one
+    ``torch._foreach_mul`` per dtype with ``g`` cast to that dtype (the foreach kernel
+    reads the scalar from device memory in a vectorized multi-tensor launch; its fast
+    path wants the scalar in the list's dtype; ``t * g`` would broadcast the 0-dim CUDA
+    tensor through TensorIterator's unvectorized dynamic-cast kernel, which rounds g to
+    t's dtype too). Under ``create_graph`` with ``g`` requiring grad, plain ``t * g``
     (foreach ops cannot be differentiated with respect to a scalar tensor)."""
     if g.requires_grad and torch.is_grad_enabled():
         return [None if t is None else (t * g).to(t.dtype) for t in tensors]
@@ -497,42 +588,33 @@ def _scaled(tensors: list, g: torch.Tensor, in_place: bool = False) -> list:
             groups.setdefault(t.dtype, []).append(i)
     for dtype, idx in groups.items():
         group = [tensors[i] for i in idx]
-        if in_place:
-            torch._foreach_mul_(group, g.to(dtype))
-            continue
         for i, t in zip(idx, torch._foreach_mul(group, g.to(dtype)), strict=True):
             out[i] = t
     return out
 
 
-def _scale_in_place(g: torch.Tensor, saved: list) -> bool:
-    """Whether the backward may scale the saved gradients in place and return them: this
-    backward frees them when it ends (the graph is not retained, so no second backward
-    reads them) and nothing traces it (no compiler, and plain tensors: no fake or
-    functional ones of a tracer); ``_scaled`` itself keeps ``t * g`` out of place when
-    something differentiates through the scaling (``create_graph``).
-    Then no new dh / dW is allocated (at V = 128256, H = 8192 a 2 GiB dW: with the
-    caching allocator fragmented by other large allocations, each such block can cost a
-    cudaMalloc). The op's gradient outputs ARE the saved tensors: a caller of
-    ``coda::lce_fused_loss`` itself who keeps them sees them scaled after the backward."""
-    keep_graph = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
-    if keep_graph is None or torch.compiler.is_compiling():
-        return False
-    if any(type(t) is not torch.Tensor for t in [g, *saved] if t is not None):
-        return False
-    try:
-        return not keep_graph()
-    except RuntimeError:  # not inside a backward
-        return False
-
-
 def _fused_backward(ctx, g_loss, *unused):
-    """The saved gradients times the loss's upstream gradient (no GEMM), in place when
-    ``_scale_in_place`` allows."""
+    """dh and dW by ``lce_fused_finish`` (the last row chunk's GEMMs, g folded into their
+    epilogue), dbias and drstd times g. Under ``create_graph`` with g requiring grad the
+    GEMMs run for g = 1 and plain products by g follow (differentiable in g)."""
     if g_loss is None:
         return (None,) * 16
-    saved = [t if need else None for t, need in zip(ctx.saved_tensors, ctx.need, strict=True)]
-    dh, dW, dbias, drstd = _scaled(saved, g_loss, in_place=_scale_in_place(g_loss, saved))
+    h, W, dh_part, dW_part, dbias, drstd, dl_last, dl_tail = ctx.saved_tensors
+    need_dh, need_dW, need_dbias, need_drstd = ctx.need
+    through_g = g_loss.requires_grad and torch.is_grad_enabled()
+    dh = dW = None
+    if need_dh or need_dW:
+        g = torch.ones_like(g_loss) if through_g else g_loss
+        dh, dW = lce_fused_finish(
+            g.detach(), h.detach(), W.detach(), dh_part, dW_part, dl_last, dl_tail,
+            need_dh, need_dW,
+        )  # fmt: skip
+        dh, dW = (dh if need_dh else None), (dW if need_dW else None)
+    small = [dbias if need_dbias else None, drstd if need_drstd else None]
+    if through_g:
+        dh, dW, dbias, drstd = _scaled([dh, dW, *small], g_loss)
+    else:
+        dbias, drstd = _scaled(small, g_loss)
     return (dh, dW, None, dbias, drstd) + (None,) * 11
 
 
