@@ -5,12 +5,13 @@
   many row chunks, num_items_in_batch) against the textbook float64 loss AND against the
   recompute path (``grad_in_forward=False``), both at fp32 accuracy.
 * The automatic choice: which path runs (counted GEMM / epilogue calls: per row chunk one
-  logits GEMM with its epilogue and one acc-free map pass, the dh and dW GEMMs of every
-  chunk but the last; in the backward the last chunk's dh and dW GEMMs with the upstream
-  gradient in their epilogue, only those asked for), and that no gradient work runs
-  without autograd.
+  logits GEMM with its epilogue and one acc-free map pass; the dh and dW GEMMs of the one
+  chunk, or of every chunk but the last, whose dh and dW GEMMs run in the backward with
+  the upstream gradient in their epilogue; only those asked for), and that no gradient
+  work runs without autograd.
 * The gradients scale with any upstream gradient (in their dtypes, differentiable in the
-  upstream gradient under ``create_graph``; no V x H scaling pass); dW over many row
+  upstream gradient under ``create_graph``; one chunk: the saved gradients scaled, in
+  place unless the graph is kept; several: no V x H scaling pass); dW over many row
   chunks is accumulated in fp32 and rounded once (with a V mod 8 tail too); the op's
   outputs have the inputs' dtypes; the row buffers (one by default: dlogits in place);
   ``run_map``'s cached zero operands.
@@ -98,18 +99,20 @@ def _inputs(M=20, H=16, V=43, grad=(True, True, False, False)):
 
 def _fused_counts(chunks, dh=True, dW=True):
     """The forward's calls: per row chunk the logits GEMM (``run_epilogue``) and the map
-    pass, and the dh and dW GEMMs (``matmul``) of every chunk but the last."""
+    pass; the dh and dW GEMMs (``matmul``) of the one chunk, or of every chunk but the
+    last."""
     out = {"fused.run_epilogue": chunks, "fused.run_map": chunks}
-    gemms = (dh + dW) * (chunks - 1)
+    gemms = (dh + dW) * (chunks - 1 if chunks > 1 else 1)
     if gemms:
         out["fused.matmul"] = gemms
     return out
 
 
-def _backward_counts(dh=True, dW=True):
-    """The backward's calls: the last row chunk's dh and dW GEMMs, each with the upstream
-    gradient (and the fp32 partial) in its epilogue (``scaled_total_epilogue``)."""
-    n = dh + dW
+def _backward_counts(chunks, dh=True, dW=True):
+    """The backward's calls: with several row chunks the last one's dh and dW GEMMs, each
+    with the upstream gradient (and the fp32 sum) in its epilogue
+    (``scaled_total_epilogue``); with one, none (the saved gradients are scaled)."""
+    n = (dh + dW) if chunks > 1 else 0
     return {"fused.run_epilogue": n} if n else {}
 
 
@@ -117,14 +120,15 @@ def test_automatic_choice_runs_the_gradients_in_the_forward(monkeypatch):
     """Grad mode, h and W requiring grad, a mean loss: per row chunk of 8 rows (3 chunks
     of M = 20) the logits GEMM + epilogue and the map pass, the dh and dW GEMMs of the
     first two chunks: 3 logits-sized GEMMs per chunk in all, the last chunk's dh and dW
-    in the backward."""
-    calls = Calls(monkeypatch)
-    (h, W, b, r), target = _inputs()
-    loss = linear_cross_entropy(h, W, target, chunk_rows=8)
-    assert calls.take() == _fused_counts(3)
-    loss.backward()
-    assert calls.take() == _backward_counts()
-    assert h.grad is not None and W.grad is not None
+    in the backward. With one chunk of 64 rows, all three in the forward."""
+    for rows, chunks in ((8, 3), (64, 1)):
+        calls = Calls(monkeypatch)
+        (h, W, b, r), target = _inputs()
+        loss = linear_cross_entropy(h, W, target, chunk_rows=rows)
+        assert calls.take() == _fused_counts(chunks)
+        loss.backward()
+        assert calls.take() == _backward_counts(chunks)
+        assert h.grad is not None and W.grad is not None
 
 
 @pytest.mark.parametrize(
@@ -141,7 +145,7 @@ def test_only_the_gradients_asked_for(monkeypatch, grad):
     loss = linear_cross_entropy(h, W, target, bias=b, rstd=r, chunk_rows=8)
     assert calls.take() == _fused_counts(3, dh=grad[0], dW=grad[1])
     loss.backward()
-    assert calls.take() == _backward_counts(dh=grad[0], dW=grad[1])
+    assert calls.take() == _backward_counts(3, dh=grad[0], dW=grad[1])
     for t, flag in zip((h, W, b, r), grad, strict=True):
         assert (t.grad is not None) == flag
 
@@ -188,12 +192,13 @@ def test_no_gradient_work_without_autograd(monkeypatch, grad_in_forward):
 # ---- the saved gradients ------------------------------------------------------------------
 
 
-def test_saved_gradients_scale_with_the_upstream_gradient():
+@pytest.mark.parametrize("rows", [7, 64], ids=["several_chunks", "one_chunk"])
+def test_saved_gradients_scale_with_the_upstream_gradient(rows):
     """Any function of the loss: d f(loss) = f'(loss) * saved gradients; a second backward
     through a retained graph adds the same again."""
     (h, W, b, r), target = _inputs(grad=(True, True, True, True))
     opts = dict(label_smoothing=0.1, z_loss=1e-2, softcap=5.0)
-    loss = linear_cross_entropy(h, W, target, bias=b, rstd=r, chunk_rows=7, **opts)
+    loss = linear_cross_entropy(h, W, target, bias=b, rstd=r, chunk_rows=rows, **opts)
     f = 3.0 * loss**2 - loss
     f.backward(retain_graph=True)
     first = [t.grad.clone() for t in (h, W, b, r)]
@@ -241,23 +246,22 @@ def test_many_row_chunks_round_dW_once(V, monkeypatch):
     assert ((running.float() - one.float()).abs() > ulp).any()
 
 
-@pytest.mark.parametrize("rows", [7, 64], ids=["several_chunks", "one_chunk"])
-def test_backward_folds_the_upstream_gradient_into_the_gemms(monkeypatch, rows):
-    """The backward scales only the small gradients (dbias, drstd) by a separate product:
-    dh and dW come out of ``lce_fused_finish`` already times g (its GEMM epilogues), and
-    equal g times the gradients of g = 1 (one bf16 rounding apart: each is rounded once
-    from fp32)."""
+def test_several_chunks_fold_the_upstream_gradient_into_the_backward_gemms(monkeypatch):
+    """With several row chunks the backward scales only the small gradients (dbias,
+    drstd) by a separate product: dh and dW come out of ``lce_fused_finish`` already
+    times g (its GEMM epilogues), and equal g times the gradients of g = 1 (one bf16
+    rounding apart: each is rounded once from fp32)."""
     seen = []
     real = ce_fused._scaled
 
-    def spy(tensors, g):
+    def spy(tensors, g, in_place=False):
         seen.append([None if t is None else tuple(t.shape) for t in tensors])
-        return real(tensors, g)
+        return real(tensors, g, in_place)
 
     monkeypatch.setattr(ce_fused, "_scaled", spy)
     (h, W, b, r), target = _inputs(grad=(True, True, True, True))
     h16, W16 = (t.detach().to(BF16).requires_grad_() for t in (h, W))
-    kw = dict(bias=b, rstd=r, chunk_rows=rows)
+    kw = dict(bias=b, rstd=r, chunk_rows=7)
     unit = torch.autograd.grad(linear_cross_entropy(h16, W16, target, **kw), (h16, W16))
     seen.clear()
     scaled = torch.autograd.grad(0.3 * linear_cross_entropy(h16, W16, target, **kw), (h16, W16))
@@ -266,6 +270,37 @@ def test_backward_folds_the_upstream_gradient_into_the_gemms(monkeypatch, rows):
         want = 0.3 * u.float()
         ulp = want.abs() * 2.0**-7 + 1e-6
         assert s.dtype == BF16 and ((s.float() - want).abs() <= ulp).all()
+
+
+def test_one_chunk_backward_scales_in_place_unless_the_graph_is_kept(monkeypatch):
+    """One row chunk: a plain ``backward()`` scales the saved gradients in place and
+    returns them (no new dh / dW allocated); a retained graph (a second backward will
+    read them) and ``create_graph`` through the upstream gradient get new tensors. The
+    values are the same either way (test_saved_gradients_scale_with_the_upstream_gradient)."""
+    seen = []
+    real = ce_fused._scaled
+
+    def spy(tensors, g, in_place=False):
+        seen.append(in_place)
+        out = real(tensors, g, in_place)
+        for t, o in zip(tensors, out, strict=True):
+            if t is not None:
+                assert (o.data_ptr() == t.data_ptr()) == in_place
+        return out
+
+    monkeypatch.setattr(ce_fused, "_scaled", spy)
+    (h, W, _, _), target = _inputs()
+    loss = linear_cross_entropy(h, W, target, chunk_rows=64)
+    (2 * loss).backward(retain_graph=True)
+    first = h.grad.clone()
+    (2 * loss).backward()
+    assert seen == [False, True]
+    torch.testing.assert_close(h.grad, 2 * first)
+    g = torch.tensor(3.0, requires_grad=True)
+    loss = linear_cross_entropy(h, W, target, chunk_rows=64)
+    (dh,) = torch.autograd.grad(loss * g, h, create_graph=True)
+    assert seen == [False, True, False]
+    assert dh.requires_grad
 
 
 def test_scaled_gradients_are_new_tensors_in_their_dtypes():
@@ -288,15 +323,17 @@ def test_scaled_gradients_are_new_tensors_in_their_dtypes():
         torch.testing.assert_close(o, want, rtol=2.0**-8, atol=0)
 
 
-def test_create_graph_differentiates_through_the_upstream_gradient():
+@pytest.mark.parametrize("rows", [7, 64], ids=["several_chunks", "one_chunk"])
+def test_create_graph_differentiates_through_the_upstream_gradient(rows):
     """With create_graph the gradients stay functions of the upstream gradient:
     d/ds <c, d(s loss)/dx> = <c, d loss/dx>."""
     (h, W, _, _), target = _inputs()
-    loss = linear_cross_entropy(h, W, target, chunk_rows=7)
+    loss = linear_cross_entropy(h, W, target, chunk_rows=rows)
     s = torch.tensor(2.0, requires_grad=True)
     dh, dW = torch.autograd.grad(s * loss, (h, W), create_graph=True)
     ch, cW = torch.randn_like(dh), torch.randn_like(dW)
     (ds,) = torch.autograd.grad((dh * ch).sum() + (dW * cW).sum(), s)
+    loss = linear_cross_entropy(h, W, target, chunk_rows=rows)
     dh1, dW1 = torch.autograd.grad(loss, (h, W))
     torch.testing.assert_close(ds, (dh1 * ch).sum() + (dW1 * cW).sum())
 

@@ -28,8 +28,10 @@ torch. Workspace (``grad_in_forward_workspace``): the row buffer (the stored acc
 the dlogits overwrite in place; a second buffer only when the acc is stored in another
 dtype), and with more than one row chunk an fp32 V x H dW accumulator and dh of the rows
 before the last chunk, the per-chunk partials of the fused reductions, fp32 rows x H
-temporaries when V mod 8 != 0, O(M) vectors. The backward holds the same (the last
-chunk's dlogits in the row buffer, the accumulators) while its GEMMs write dh and dW.
+temporaries when V mod 8 != 0, O(M) vectors. With several chunks the backward holds the
+same (the last chunk's dlogits in the row buffer, the accumulators) while its GEMMs
+write dh and dW; with one, it scales the saved dh and dW (a copy of them when the graph
+is kept).
 """
 
 from __future__ import annotations
@@ -173,9 +175,10 @@ def grad_in_forward_workspace(
     the row buffer (one, the dlogits written in place over the stored acc, when
     ``acc_bytes == elem_bytes``, else two), with more than one row chunk the fp32 dW
     accumulator and dh of the rows before the last chunk, per-chunk partials at the
-    narrowest tile, the tail's fp32 temporaries, 8 fp32 vectors of M. The backward holds
-    no more: the row buffer (the last chunk's dlogits) and the accumulators while its
-    GEMMs write dh and dW."""
+    narrowest tile, the tail's fp32 temporaries, 8 fp32 vectors of M; with several chunks
+    the backward holds no more (the row buffer with the last chunk's dlogits and the
+    accumulators while its GEMMs write dh and dW), with one it may copy dh and dW (the
+    saved gradients times the upstream gradient, out of place when the graph is kept)."""
     acc_bytes = elem_bytes if acc_bytes is None else acc_bytes
     m, n = min(rows, M), main_cols(V)
     tiles_n, tiles_m = -(-n // MIN_TILE), -(-m // MIN_TILE)
@@ -185,4 +188,6 @@ def grad_in_forward_workspace(
     forward += 4 * (m * tiles_n * 5 + tiles_m * n)  # lse/zt/zsum/drstd (row), dbias (col)
     forward += 2 * 4 * m * H if V % TMA_COLS else 0
     forward += 8 * 4 * M + 4 * V
-    return forward
+    # one chunk: the backward's out-of-place copy of the saved dh and dW (graph kept)
+    backward = (M + V) * H * elem_bytes if M <= rows else 0
+    return max(forward, backward)

@@ -6,15 +6,25 @@ chunks, workspace), ``ce_operands`` (checks, targets) and ``_dispatch`` (fused k
 CUDA, the epilogues' reference on CPU).
 
 Two custom ops. ``coda::lce_fused_loss(h, W, target, bias, rstd, denom, ...) -> (loss,
-dh_part, dW_part, dbias, drstd, dl_last, dl_tail)``: the scalar loss sum_rows(row loss) /
-denom, and everything its gradients need for an upstream gradient of 1: dbias and drstd
-whole, dh of the rows before the last row chunk, the fp32 dW sum of the chunks before the
-last, and the last chunk's dlogits (each an empty tensor when not asked for or not
-needed). Its autograd formula calls ``coda::lce_fused_finish``, which runs the last
-chunk's dh and dW GEMMs with the loss's upstream gradient g folded into their epilogue
-(``scaled_total_epilogue``: g * (acc [+ partial]), rounded once) and scales the earlier
-dh rows, dbias and drstd (O(M H + V) elements): no cast or scaling pass over V x H ever
-runs. Three logits-sized GEMMs in all (the recompute path of ``cross_entropy`` runs four).
+dh, dW, dbias, drstd, dl_last, dl_tail)``: the scalar loss sum_rows(row loss) / denom and
+its gradients for an upstream gradient of 1, three logits-sized GEMMs in all (the
+recompute path of ``cross_entropy`` runs four). How the upstream gradient g reaches them
+depends on the row chunks (measured on the H200, 2026-11-26, ``docs/cross-entropy.md``):
+
+* one row chunk (``ce_chunks.grad_rows`` takes one whenever the fp32 dW sum would cost
+  more memory, e.g. M = 8192 from H = 4096 on): the forward computes dh and dW whole
+  with plain GEMMs (``coda.gemm``'s tiles, 256-row cooperative ones on these
+  long-running problems) and the backward multiplies them by g (``_foreach_mul_``, in
+  place unless the graph is kept);
+* several row chunks: the forward computes dh of every chunk but the last and their fp32
+  dW sum; the last chunk's dlogits stay in the row buffer (``dl_last``, the tail's
+  ``dl_tail``) and the backward's ``coda::lce_fused_finish`` runs that chunk's dh and dW
+  GEMMs with g folded into their epilogue (``scaled_total_epilogue``: g * (acc [+ the
+  fp32 sum]), rounded once into the input's dtype) and multiplies the earlier dh rows,
+  dbias and drstd (O(M H + V) elements) by g: no cast or scaling pass over V x H runs.
+  (The same deferral with one row chunk ran its two GEMMs on the fused 128 x 128 tiles:
+  1.11-1.19x torch.compile's fwd+bwd where the forward-GEMM path is 1.02-1.05x.)
+
 Per chunk of ``rows`` rows [r0, r1) (m rows; V' = ``ce_chunks.main_cols(V)``, V without
 its V mod 8 tail):
 
@@ -30,13 +40,10 @@ its V mod 8 tail):
    dtype) written IN PLACE over the stored acc when that has h's dtype too (the default;
    a separate buffer 2 when ``ACC_STORE_DTYPE`` differs), and the dbias (column) / drstd
    (row) reductions; the tail's gradient in torch;
-5. chunks before the last: dh[r0:r1] = dlogits @ W[:V'] (+ the tail's, in fp32, rounded
-   once) into ``dh_part``, and dW (+)= dlogits.T @ h_c into the fp32 V x H ``dW_part``
-   (the first chunk writes, the next add: ``accumulate=True``, TMA reduce-add);
-6. the last chunk's dlogits stay in the row buffer (``dl_last``; the tail's fp32
-   ``dl_tail``) until the backward, whose ``lce_fused_finish`` writes dh[r_last:] =
-   g * dl_last @ W[:V'] and dW = g * (dW_part + dl_last.T @ h_last), each rounded once
-   into the input's dtype (with one row chunk, the backward runs both GEMMs whole).
+5. dh[r0:r1] = dlogits @ W[:V'] (+ the tail's, in fp32, rounded once), and with one
+   chunk dW = dlogits.T @ h_c in W's dtype; with several, for every chunk but the last,
+   dW (+)= dlogits.T @ h_c into the fp32 V x H sum (the first chunk writes, the next add:
+   ``accumulate=True``, TMA reduce-add), the last chunk's left to the backward (above).
    dW is never summed in bf16.
 
 In place (step 4) is safe in the engine: each address of the buffer is in exactly one
@@ -219,22 +226,25 @@ class _Walk:
         if bias is not None:
             self.b_main, self.b_tail = bias[:main], bias[main:]
         self.valid = target != spec.ignore_index
-        self._allocate(M, H, W.shape[0], several=len(self.plan) > 1)
+        self.several = len(self.plan) > 1
+        self._allocate(M, H, W.shape[0])
         self.bufs = self._buffers(min(rows, M))
         self.last: tuple = (None, None)
 
-    def _allocate(self, M: int, H: int, V: int, several: bool) -> None:
-        """The per-row losses; with several row chunks, dh of the rows before the last
+    def _allocate(self, M: int, H: int, V: int) -> None:
+        """The per-row losses and the gradients asked for: with one row chunk dh and dW
+        whole (in h's and W's dtypes); with several, dh of the rows before the last
         chunk and the fp32 dW sum of those chunks (the backward finishes both); dbias in
         fp32."""
         spec, device = self.spec, self.h.device
         self.row_loss = torch.empty(M, dtype=F32, device=device)
-        self.dh = None
-        if spec.need_dh and several:  # the rows before the last chunk's
-            self.dh = self.h.new_empty((self.plan[-1][0], H))
-        self.dW32 = None
-        if spec.need_dW and several:
+        self.dh = self.dW = self.dW32 = None
+        if spec.need_dh:  # with several chunks, the rows before the last chunk's
+            self.dh = self.h.new_empty((self.plan[-1][0] if self.several else M, H))
+        if spec.need_dW and self.several:
             self.dW32 = torch.empty((V, H), dtype=F32, device=device)
+        elif spec.need_dW:
+            self.dW = torch.empty_like(self.W)
         self.dbias = torch.zeros(V, dtype=F32, device=device) if spec.need_dbias else None
         self.drstd = torch.empty(M, dtype=F32, device=device) if spec.need_drstd else None
 
@@ -252,7 +262,8 @@ class _Walk:
             self._chunk(i, r0, r1)
         loss = self.row_loss.sum() / self.denom
         dbias = None if self.dbias is None else self.dbias.to(self.spec.bias_dtype)
-        return [loss, self.dh, self.dW32, dbias, self.drstd, *self.last]
+        dW = self.dW32 if self.several else self.dW
+        return [loss, self.dh, dW, dbias, self.drstd, *self.last]
 
     # ---- one row chunk ------------------------------------------------------------------
     def _chunk(self, i: int, r0: int, r1: int) -> None:
@@ -274,7 +285,7 @@ class _Walk:
             dl_t = self._tail_grads(tail, lse, ga, gt, gs, r_c, r0, r1)
         if not spec.store:
             return
-        if i == len(self.plan) - 1:  # the backward's GEMMs (lce_fused_finish) read these
+        if self.several and i == len(self.plan) - 1:  # lce_fused_finish's GEMMs read these
             self.last = (dl, dl_t)
             return
         if spec.need_dh:
@@ -341,9 +352,16 @@ class _Walk:
         out.copy_(acc)
 
     def _dW(self, i: int, hf, h_c, dl, dl_t) -> None:
-        """Step 5: the fp32 dW sum (+)= dlogits.T @ h_c (the first chunk writes, the next
-        ones add; the backward adds the last chunk's and rounds once)."""
+        """Step 5: dW = dlogits.T @ h_c in W's dtype with one row chunk; with several, the
+        fp32 dW sum (+)= it (the first chunk writes, the next ones add; the backward adds
+        the last chunk's and rounds once)."""
         main = self.spec.main
+        if self.dW32 is None:
+            if dl is not None:
+                matmul(dl.t(), h_c.t(), out=self.dW[:main])
+            if dl_t is not None:
+                self.dW[main:] = (dl_t.T @ hf).to(self.W.dtype)
+            return
         if dl is not None:
             matmul(dl.t(), h_c.t(), out=self.dW32[:main], accumulate=i > 0)
         if dl_t is not None:
@@ -402,25 +420,26 @@ def _last_chunk(M, rows: int) -> tuple[bool, int]:
 
 def _outputs_like(h, W, bias, rstd, rows: int, need: tuple[bool, ...]) -> list:
     """Empty tensors of the op's outputs, shape (0,) where not made: the 0-dim fp32
-    loss; dh_part (rows before the last chunk, H) and the fp32 dW_part (V, H) with
-    several row chunks; dbias (V,)
-    in bias's dtype, fp32 drstd (M,); the last chunk's dlogits (m_last, V') in h's dtype
-    and its tail's fp32 (m_last, V mod 8) when dh or dW is asked for."""
+    loss; with one row chunk dh (M, H) and dW (V, H) in h's and W's dtypes, with several
+    dh_part (rows before the last chunk, H) and the fp32 dW_part (V, H); dbias (V,) in
+    bias's dtype, fp32 drstd (M,); with several row chunks, when dh or dW is asked for,
+    the last chunk's dlogits (m_last, V') in h's dtype and its tail's fp32 (m_last, V mod
+    8)."""
     need_dh, need_dW, need_dbias, need_drstd = need
     M, H = h.shape
     V = W.shape[0]
     main = ce_chunks.main_cols(V)
     several, m_last = _last_chunk(M, rows)
-    store = need_dh or need_dW
+    last = several and (need_dh or need_dW)
     grad_dtype = bias.dtype if bias is not None else h.dtype
     return [
         h.new_empty((), dtype=F32),
-        h.new_empty((M - m_last, H) if need_dh and several else (0,)),
-        h.new_empty((V, H) if need_dW and several else (0,), dtype=F32),
+        h.new_empty(((M - m_last) if several else M, H) if need_dh else (0,)),
+        W.new_empty((V, H) if need_dW else (0,), dtype=F32 if several else W.dtype),
         W.new_empty((V,) if need_dbias else (0,), dtype=grad_dtype),
         h.new_empty((M,) if need_drstd else (0,), dtype=F32),
-        h.new_empty((m_last, main) if store and main and m_last else (0,)),
-        h.new_empty((m_last, V - main) if store and V - main and m_last else (0,), dtype=F32),
+        h.new_empty((m_last, main) if last and main else (0,)),
+        h.new_empty((m_last, V - main) if last and V - main else (0,), dtype=F32),
     ]
 
 
@@ -446,16 +465,16 @@ def lce_fused_loss(
     torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
     torch.Tensor,
 ]:  # fmt: skip
-    """(loss, dh_part, dW_part, dbias, drstd, dl_last, dl_tail): the fp32 scalar loss
+    """(loss, dh, dW, dbias, drstd, dl_last, dl_tail): the fp32 scalar loss
     sum_rows(row loss) / ``denom`` (a 0-dim fp32 tensor: the valid-row count, 1, or
-    num_items_in_batch) of the logits softcap(rstd * h @ W.T + bias), and for an
-    upstream gradient of 1: dh of the rows before the last row chunk (h's dtype), the
-    fp32 dW sum of the chunks before the last, dbias (bias's dtype), drstd (fp32) and
-    the last chunk's dlogits (h's dtype; the V mod 8 tail's in fp32), which
+    num_items_in_batch) of the logits softcap(rstd * h @ W.T + bias), and its gradients
+    for an upstream gradient of 1: dbias (bias's dtype) and drstd (fp32); with one row
+    chunk dh and dW whole (h's and W's dtypes; dl_last and dl_tail empty); with several,
+    dh of the rows before the last chunk, the fp32 dW sum of the chunks before the last
+    and the last chunk's dlogits (h's dtype; the V mod 8 tail's in fp32), which
     ``lce_fused_finish`` turns into dh and dW. Each is shape (0,) where not asked for
-    (``need_*``) or not needed (one row chunk: no dh_part or dW_part). ``chunk_rows``:
-    rows per chunk, 0 for ``ce_chunks.grad_rows``. Targets are range-checked on CPU,
-    and on CUDA when ``check`` (a device sync)."""
+    (``need_*``). ``chunk_rows``: rows per chunk, 0 for ``ce_chunks.grad_rows``.
+    Targets are range-checked on CPU, and on CUDA when ``check`` (a device sync)."""
     check_operands(h, W, target, bias, rstd)
     V = W.shape[0]
     if check or not h.is_cuda:
@@ -571,13 +590,14 @@ def _fused_setup(ctx, inputs, output) -> None:
     ctx.set_materialize_grads(False)
 
 
-def _scaled(tensors: list, g: torch.Tensor) -> list:
-    """Each tensor (None kept) times the 0-dim ``g``, out of place in its own dtype: one
-    ``torch._foreach_mul`` per dtype with ``g`` cast to that dtype (the foreach kernel
-    reads the scalar from device memory in a vectorized multi-tensor launch; its fast
-    path wants the scalar in the list's dtype; ``t * g`` would broadcast the 0-dim CUDA
-    tensor through TensorIterator's unvectorized dynamic-cast kernel, which rounds g to
-    t's dtype too). Under ``create_graph`` with ``g`` requiring grad, plain ``t * g``
+def _scaled(tensors: list, g: torch.Tensor, in_place: bool = False) -> list:
+    """Each tensor (None kept) times the 0-dim ``g``, in its own dtype: one
+    ``torch._foreach_mul`` per dtype with ``g`` cast to that dtype, out of place, or with
+    ``in_place`` (``_foreach_mul_``) into the tensors themselves. The foreach kernel
+    reads the scalar from device memory in a vectorized multi-tensor launch (its fast path
+    wants the scalar in the list's dtype); ``t * g`` would instead broadcast the 0-dim
+    CUDA tensor through TensorIterator's unvectorized dynamic-cast kernel, which rounded g
+    to t's dtype too. Under ``create_graph`` with ``g`` requiring grad, plain ``t * g``
     (foreach ops cannot be differentiated with respect to a scalar tensor)."""
     if g.requires_grad and torch.is_grad_enabled():
         return [None if t is None else (t * g).to(t.dtype) for t in tensors]
@@ -588,33 +608,62 @@ def _scaled(tensors: list, g: torch.Tensor) -> list:
             groups.setdefault(t.dtype, []).append(i)
     for dtype, idx in groups.items():
         group = [tensors[i] for i in idx]
+        if in_place:
+            torch._foreach_mul_(group, g.to(dtype))
+            continue
         for i, t in zip(idx, torch._foreach_mul(group, g.to(dtype)), strict=True):
             out[i] = t
     return out
 
 
+def _scale_in_place(g: torch.Tensor, saved: list) -> bool:
+    """Whether the backward may scale the saved gradients in place and return them: this
+    backward frees them when it ends (the graph is not retained, so no second backward
+    reads them) and nothing traces it (no compiler, and plain tensors: no fake or
+    functional ones of a tracer); ``_scaled`` itself keeps ``t * g`` out of place when
+    something differentiates through the scaling (``create_graph``).
+    Then no new dh / dW is allocated (at V = 128256, H = 8192 a 2 GiB dW: with the
+    caching allocator fragmented by other large allocations, each such block can cost a
+    cudaMalloc). The op's gradient outputs ARE the saved tensors: a caller of
+    ``coda::lce_fused_loss`` itself who keeps them sees them scaled after the backward."""
+    keep_graph = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
+    if keep_graph is None or torch.compiler.is_compiling():
+        return False
+    if any(type(t) is not torch.Tensor for t in [g, *saved] if t is not None):
+        return False
+    try:
+        return not keep_graph()
+    except RuntimeError:  # not inside a backward
+        return False
+
+
 def _fused_backward(ctx, g_loss, *unused):
-    """dh and dW by ``lce_fused_finish`` (the last row chunk's GEMMs, g folded into their
-    epilogue), dbias and drstd times g. Under ``create_graph`` with g requiring grad the
-    GEMMs run for g = 1 and plain products by g follow (differentiable in g)."""
+    """With one row chunk, the saved gradients times g (in place when ``_scale_in_place``
+    allows); with several, dh and dW by ``lce_fused_finish`` (the last row chunk's GEMMs,
+    g folded into their epilogue) and dbias, drstd times g. Under ``create_graph`` with g
+    requiring grad the GEMMs run for g = 1 and plain products by g follow (differentiable
+    in g)."""
     if g_loss is None:
         return (None,) * 16
-    h, W, dh_part, dW_part, dbias, drstd, dl_last, dl_tail = ctx.saved_tensors
+    h, W, dh, dW, dbias, drstd, dl_last, dl_tail = ctx.saved_tensors
     need_dh, need_dW, need_dbias, need_drstd = ctx.need
+    dh, dW = (dh if need_dh else None), (dW if need_dW else None)
+    dbias, drstd = (dbias if need_dbias else None), (drstd if need_drstd else None)
+    if dl_last.dim() != 2 and dl_tail.dim() != 2:  # one row chunk: the gradients are whole
+        saved = [dh, dW, dbias, drstd]
+        dh, dW, dbias, drstd = _scaled(saved, g_loss, in_place=_scale_in_place(g_loss, saved))
+        return (dh, dW, None, dbias, drstd) + (None,) * 11
     through_g = g_loss.requires_grad and torch.is_grad_enabled()
-    dh = dW = None
-    if need_dh or need_dW:
-        g = torch.ones_like(g_loss) if through_g else g_loss
-        dh, dW = lce_fused_finish(
-            g.detach(), h.detach(), W.detach(), dh_part, dW_part, dl_last, dl_tail,
-            need_dh, need_dW,
-        )  # fmt: skip
-        dh, dW = (dh if need_dh else None), (dW if need_dW else None)
-    small = [dbias if need_dbias else None, drstd if need_drstd else None]
+    g = torch.ones_like(g_loss) if through_g else g_loss
+    dh, dW = lce_fused_finish(
+        g.detach(), h.detach(), W.detach(), ctx.saved_tensors[2], ctx.saved_tensors[3],
+        dl_last, dl_tail, need_dh, need_dW,
+    )  # fmt: skip
+    dh, dW = (dh if need_dh else None), (dW if need_dW else None)
     if through_g:
-        dh, dW, dbias, drstd = _scaled([dh, dW, *small], g_loss)
+        dh, dW, dbias, drstd = _scaled([dh, dW, dbias, drstd], g_loss)
     else:
-        dbias, drstd = _scaled(small, g_loss)
+        dbias, drstd = _scaled([dbias, drstd], g_loss)
     return (dh, dW, None, dbias, drstd) + (None,) * 11
 
 
