@@ -15,8 +15,9 @@ saved for backward, for "fwd+bwd" the gradients).
 * coda: ``coda.fusions.linear_cross_entropy`` as called by default (fused epilogues,
   logits never whole; in training the automatic choice is the gradient-in-forward path,
   3 logits-sized GEMMs: its "fwd" pass computes the logits, their statistics and
-  gradient, and dh, dW of every row chunk but the last; its backward runs the last
-  chunk's dh and dW GEMMs with the upstream gradient folded into their epilogue).
+  gradient, and dh, dW (with one row chunk, all of them, and the backward scales them;
+  with several, those of every chunk but the last, whose dh and dW GEMMs the backward
+  runs with the upstream gradient folded into their epilogue).
 * coda_recompute: the same with ``grad_in_forward=False``, the low-memory path (forward
   statistics, the backward recomputes the logits: 4 GEMMs). Reported in the workspace
   and sweep sections only, so the issue's row schema stays as it is.

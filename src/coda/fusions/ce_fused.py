@@ -257,7 +257,8 @@ class _Walk:
         return row_buffers(m, spec.main, spec.acc_dtype, spec.out_dtype, spec.store, self.h.device)
 
     def run(self) -> list[torch.Tensor | None]:
-        """[loss, dh_part, dW_part, dbias, drstd, dl_last, dl_tail] (None: not made)."""
+        """[loss, dh, dW, dbias, drstd, dl_last, dl_tail] as ``lce_fused_loss`` returns
+        them (with several row chunks dh and dW are the partial ones; None: not made)."""
         for i, (r0, r1) in enumerate(self.plan):
             self._chunk(i, r0, r1)
         loss = self.row_loss.sum() / self.denom
@@ -645,19 +646,18 @@ def _fused_backward(ctx, g_loss, *unused):
     in g)."""
     if g_loss is None:
         return (None,) * 16
-    h, W, dh, dW, dbias, drstd, dl_last, dl_tail = ctx.saved_tensors
+    h, W, dh_saved, dW_saved, dbias, drstd, dl_last, dl_tail = ctx.saved_tensors
     need_dh, need_dW, need_dbias, need_drstd = ctx.need
-    dh, dW = (dh if need_dh else None), (dW if need_dW else None)
     dbias, drstd = (dbias if need_dbias else None), (drstd if need_drstd else None)
     if dl_last.dim() != 2 and dl_tail.dim() != 2:  # one row chunk: the gradients are whole
-        saved = [dh, dW, dbias, drstd]
+        saved = [dh_saved if need_dh else None, dW_saved if need_dW else None, dbias, drstd]
         dh, dW, dbias, drstd = _scaled(saved, g_loss, in_place=_scale_in_place(g_loss, saved))
         return (dh, dW, None, dbias, drstd) + (None,) * 11
     through_g = g_loss.requires_grad and torch.is_grad_enabled()
     g = torch.ones_like(g_loss) if through_g else g_loss
     dh, dW = lce_fused_finish(
-        g.detach(), h.detach(), W.detach(), ctx.saved_tensors[2], ctx.saved_tensors[3],
-        dl_last, dl_tail, need_dh, need_dW,
+        g.detach(), h.detach(), W.detach(), dh_saved, dW_saved, dl_last, dl_tail,
+        need_dh, need_dW,
     )  # fmt: skip
     dh, dW = (dh if need_dh else None), (dW if need_dW else None)
     if through_g:
