@@ -66,6 +66,29 @@ def test_catalogue_epilogue_sass_with_concurrent_epilogues(name, tmp_path):
     assert "BAR.ARV 0x5" not in sass
 
 
+@pytest.mark.parametrize("layout", ["fwd", "wgrad"])
+@pytest.mark.parametrize("name", list(EPILOGUES))
+def test_catalogue_epilogue_sass_on_cooperative_tiles(name, layout, tmp_path):
+    """Cooperative 256 x 128 tiles run every catalogue epilogue (M x N loads, reductions,
+    vectors and states included): each warpgroup runs it on its 128-row half at once
+    with the other, on its own store buffers, load-ring half and scratch. It compiles
+    with HGMMA, no local memory, and the epilogue loads' TMA where it loads."""
+    if find_nvdisasm() is None:
+        pytest.skip("nvdisasm not installed")
+    epi = EPILOGUES[name]
+    cfg = GemmConfig(tile_m=256, tile_n=128, cluster_m=2)
+    major = LAYOUTS[layout]
+    key = gemm_kernels.GemmKernelKey(
+        cfg, torch.bfloat16, FusedVisitor(epi), a_major=major[0], b_major=major[1]
+    )
+    _, cubin = gemm_kernels.compile_artifacts(key, str(tmp_path))
+    ops = opcode_counts(disassemble(cubin))
+    assert count_prefix(ops, "HGMMA") > 0
+    assert count_prefix(ops, "LDL") == 0 and count_prefix(ops, "STL") == 0, "spills"
+    loads = FusedVisitor(epi).load_dtypes
+    assert count_prefix(ops, "UTMALDG") >= 2 + (1 if loads else 0)
+
+
 @settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck))
 @given(epilogues(), st.sampled_from(sorted(LAYOUTS.values())))
 def test_drawn_compositions_compile_for_sm90_without_spills(tmp_path_factory, epi, layout):

@@ -300,12 +300,22 @@ def test_wide_subtile_concurrent_epilogues_match_reference(name, shape):
 
 
 @pytest.mark.parametrize(
-    "shape", [(300, 520, 264), (1000, 776, 136), (4096, 1024, 512)],
+    "shape", [(300, 520, 264), (1000, 776, 136), (4096, 1024, 512), (100, 264, 72)],
     ids=lambda s: "x".join(map(str, s)),
 )  # fmt: skip
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_store_only_epilogue_on_cooperative_tiles(shape, layout):
-    """A store-only catalogue epilogue (SwiGLU forward: width-2 acc -> width-1/2 store) with
-    an explicit cooperative config: both warpgroups store their 128-row halves of each
-    256-row tile at once (the others, with loads or reductions, are refused)."""
-    _check(EPILOGUES["swiglu_fwd"], shape, layout, config=GemmConfig(tile_m=256, tile_n=128))
+@pytest.mark.parametrize("name", list(EPILOGUES))
+def test_catalogue_epilogue_on_cooperative_tiles(name, shape, layout):
+    """Every catalogue epilogue (M x N loads, row and column reductions, vectors) with
+    an explicit cooperative config: both warpgroups run it on their 128-row halves of
+    each 256-row tile at once, their loads alternating in one ring; ragged M, N, K (a
+    half past the last row: M = 300, 100; a 2 x 1 cluster past it: M = 100)."""
+    _check(EPILOGUES[name], shape, layout, config=GemmConfig(tile_m=256, tile_n=128))
+
+
+@pytest.mark.parametrize("name", ["rmsnorm_fwd", "swiglu_bwd", "lse_target", "dgamma_colsum"])
+def test_catalogue_epilogue_on_wide_cooperative_tiles(name):
+    """256 x 192 tiles (the plain GEMM's pick for long runs) with 1 x 2 clusters."""
+    cfg = GemmConfig(tile_m=256, tile_n=192, cluster_m=1, cluster_n=2)
+    _check(EPILOGUES[name], (1000, 1160, 200), "wgrad", config=cfg)
+    _check(EPILOGUES[name], (600, 776, 520), "fwd", config=cfg)

@@ -201,18 +201,29 @@ def test_split_k_refuses_visitors_that_do_not_only_accumulate():
         )
 
 
-def test_cooperative_tiles_refuse_visitors_that_load_or_reduce():
-    """256-row (cooperative) tiles run plain GEMMs and store-only epilogues; an epilogue
-    with M x N loads or reductions is refused before compiling."""
+def test_cooperative_tiles_plan_loads_and_scratch_per_warpgroup():
+    """256-row (cooperative) tiles run every epilogue: the warpgroups' epilogues run at
+    once, so the load ring alternates the two 128-row halves' subtiles (an even ring,
+    one consumer per stage) and each warpgroup has its own scratch, sized for its
+    128-row half."""
     from coda.mainloop.dtypes import to_cutlass
     from coda.mainloop.kernel import PingPongGemm
     from coda.runtime.fused import FusedVisitor
     from coda.testing.catalog import EPILOGUES
 
     cfg = GemmConfig(tile_m=256, tile_n=128)
-    for name in ("rmsnorm_fwd", "residual_store", "lse_target"):
-        with pytest.raises(ValueError, match="tile_m=256"):
-            PingPongGemm(cfg, to_cutlass(torch.bfloat16), FusedVisitor(EPILOGUES[name]))
+    half = cfg.warpgroup_config
+    for name in ("rmsnorm_fwd", "residual_store", "lse_target", "swiglu_bwd"):
+        visitor = FusedVisitor(EPILOGUES[name])
+        kernel = PingPongGemm(cfg, to_cutlass(torch.bfloat16), visitor)
+        assert kernel.cooperative and kernel.concurrent and kernel.config.tile_m == 128
+        assert kernel.scratch_copies == 2
+        assert kernel.scratch_floats == visitor.smem_bytes(half) // 4
+        if visitor.load_dtypes:
+            assert kernel.load_stages % 2 == 0 and kernel.load_stages >= 2
+        else:
+            assert kernel.load_stages == 0
+        assert kernel.ab_stages >= 3
     kernel = PingPongGemm(cfg, to_cutlass(torch.bfloat16), AccStore(torch.float32, True))
     assert kernel.cooperative and kernel.concurrent and kernel.config.tile_m == 128
     assert kernel.ab_stages >= 4  # 256 x 128 x 64 A/B stages beside fp32 store buffers

@@ -64,6 +64,14 @@ PRODUCER_WARP = NUM_CONSUMER_WGS * 4  # first warp of warpgroup 2: A/B loads
 EPI_LOAD_WARP = PRODUCER_WARP + 1  # second warp of warpgroup 2: epilogue operand loads
 REGS_PRODUCER = 40
 REGS_CONSUMER = 232
+#: Cooperative tiles run the epilogue of both consumer warpgroups at once after a long
+#: mainloop; with 232 registers the log-sum-exp and SiLU + max epilogues spilled 1-3
+#: registers there (their 128 x 128 accumulator half plus the per-warpgroup buffer,
+#: scratch and A-descriptor offsets). The producer warps run a loop of TMA issues and
+#: fit in 24 (the split FlashAttention-3 uses for two consumer warpgroups):
+#: 24 x 128 + 240 x 256 = 64512 of the SM's 65536.
+REGS_PRODUCER_COOPERATIVE = 24
+REGS_CONSUMER_COOPERATIVE = 240
 
 
 class _Barrier:
@@ -137,14 +145,8 @@ class PingPongGemm(Producers, EpilogueIO):
                 f"visitor that only stores acc through reduce-add (AccStore(accumulate=True)), "
                 f"no M x N loads and no tile reductions"
             )
-        self.scratch_floats = self.visitor.smem_bytes(config) // 4
-        if self.cooperative and (
-            self.load_dtypes or self.scratch_floats or getattr(self.visitor, "extras_specs", ())
-        ):
-            raise ValueError(
-                "tile_m=256 (cooperative) runs plain GEMMs and store-only epilogues: this "
-                "visitor loads M x N operands, reduces or takes extra tensors; use tile_m=128"
-            )
+        # a warpgroup's scratch: its 128-row tile's (a cooperative tile's half)
+        self.scratch_floats = self.visitor.smem_bytes(self.config) // 4
         # concurrent epilogues (when they fit): each consumer warpgroup has its own scratch
         fit = None
         if self.config.concurrent_epilogues:
@@ -173,9 +175,13 @@ class PingPongGemm(Producers, EpilogueIO):
         to one warpgroup (ring position = tile parity * subtiles + subtile). A stage the
         two shared would break the mbarrier phase-parity wait: a warpgroup a whole tile
         ahead would wait for the parity of a fill two fills ahead and pass on the one
-        between, meant for the other warpgroup. None when that ring does not fit."""
+        between, meant for the other warpgroup. Cooperative tiles (both warpgroups on one
+        tile at once) alternate the warpgroups stage by stage instead, so any even ring
+        keeps one consumer per stage. None when that ring does not fit."""
         sub = config.epi_m * config.epi_n
-        n_sub = config.subtiles_per_tile[0] * config.subtiles_per_tile[1]
+        # subtiles of one warpgroup's tile (a cooperative tile's 128-row half)
+        sub_m, sub_n = config.warpgroup_config.subtiles_per_tile
+        n_sub = sub_m * sub_n
         store_bytes = sum(
             int(sub * w) * _nbytes(d)
             for d, w in zip(self.visitor.store_dtypes, self.store_widths, strict=True)
@@ -185,8 +191,11 @@ class PingPongGemm(Producers, EpilogueIO):
             for d, w in zip(self.visitor.load_dtypes, self.load_widths, strict=True)
         )
         if config.cooperative:
-            # a long mainloop per tile: A/B stages first, then 2 store buffers per warpgroup
-            candidates = [(4, 0), (2, 0)]
+            # a long mainloop per tile: A/B stages first, then 2 store buffers per
+            # warpgroup; the load ring alternates the halves subtile by subtile (even
+            # stages warpgroup 0's, odd ones warpgroup 1's: each stage has one consumer)
+            deep = 2 * min(config.load_stages, n_sub)
+            candidates = [(4, deep), (4, 4), (2, 4), (2, 2)] if load_bytes else [(4, 0), (2, 0)]
             min_abs = (4, 3, 2)
         elif concurrent:
             ring = 2 * n_sub
@@ -478,7 +487,9 @@ class PingPongGemm(Producers, EpilogueIO):
 
         if warp_idx >= PRODUCER_WARP:
             # ------------------------------------------------------------ producers
-            cute.arch.setmaxregister_decrease(REGS_PRODUCER)
+            cute.arch.setmaxregister_decrease(
+                REGS_PRODUCER_COOPERATIVE if const_expr(self.cooperative) else REGS_PRODUCER
+            )
             if warp_idx == PRODUCER_WARP:
                 self._produce_ab(
                     tma_a,
@@ -504,7 +515,9 @@ class PingPongGemm(Producers, EpilogueIO):
 
         if warp_idx < PRODUCER_WARP:
             # ------------------------------------------------------------ consumers
-            cute.arch.setmaxregister_increase(REGS_CONSUMER)
+            cute.arch.setmaxregister_increase(
+                REGS_CONSUMER_COOPERATIVE if const_expr(self.cooperative) else REGS_CONSUMER
+            )
             wg = cute.arch.make_warp_uniform(warp_idx // 4)
             wg_tidx = tidx % THREADS_PER_WG
             is_store_warp = warp_idx % 4 == 0
@@ -581,8 +594,11 @@ class PingPongGemm(Producers, EpilogueIO):
                 # warpgroup 1 starts on the second tile: skip warpgroup 0's stages.
                 if wg == 1:
                     read.advance(k_tiles)
-                    if const_expr(n_loads > 0):
-                        lread.advance(n_sub)
+            if const_expr(n_loads > 0):
+                # the load ring's stages of warpgroup 1 come after warpgroup 0's first:
+                # a whole tile's (PingPong) or one subtile's (cooperative: they alternate)
+                if wg == 1:
+                    lread.advance(1 if const_expr(cooperative) else n_sub)
 
             # PingPong: the warpgroups take alternate tiles; cooperative: both take each
             t = Int32(bidz) if const_expr(cooperative) else Int32(bidz) + wg * num_clusters
@@ -653,7 +669,7 @@ class PingPongGemm(Producers, EpilogueIO):
                             loaded.append(loads[i](lread.index))
                         cute.arch.fence_view_async_shared()
                         self._release(load_pipe, lread, 1)
-                        lread.advance()
+                        lread.advance(2 if const_expr(cooperative) else 1)
                     coords = thr_coord.partition_S(
                         cute.local_tile(tile_ids, cfg.epi_tile, (sm, sn))
                     )

@@ -109,40 +109,47 @@ class Producers:
     @cute.jit
     def _produce_epilogue_loads(self, tma_c, mC, sC, load_pipe, sched, cta_mn, bidz, num_clusters):
         """Second producer warp: TMA loads of the visitor's M x N operands, subtile by
-        subtile in the epilogue's order, for every tile of this CTA (both warpgroups')."""
-        cfg = self.config
+        subtile in the epilogue's order, for every tile of this CTA (both warpgroups'; of
+        a cooperative tile, its two 128-row halves' subtiles alternately)."""
         n_loads = len(self.load_dtypes)
-        sub_m, sub_n = cfg.subtiles_per_tile
+        sub_m, sub_n = self.config.subtiles_per_tile
+        halves = 2 if const_expr(self.cooperative) else 1
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.load_stages)
         t = Int32(bidz)
         while t < sched.num_work:
-            tm, tn = sched.tile_coord(t, cta_mn)
+            cta_tm, tn = sched.tile_coord(t, cta_mn)
+            # (TMA view of the ring, of the warpgroup tile's subtiles) per half and load
             parts = []
-            for i in cutlass.range_constexpr(n_loads):
-                w = self.load_widths[i]
-                gC = cute.local_tile(mC[i], self._tile(w), (tm, tn))
-                parts.append(
-                    cpasync.tma_partition(
-                        tma_c[i],
-                        0,
-                        cute.make_layout(1),
-                        cute.group_modes(sC[i], 0, 2),
-                        cute.zipped_divide(gC, self._box(w)),
+            for h in cutlass.range_constexpr(halves):
+                tm = halves * cta_tm + h  # the warpgroup tile's row of tiles
+                for i in cutlass.range_constexpr(n_loads):
+                    w = self.load_widths[i]
+                    gC = cute.local_tile(mC[i], self._tile(w), (tm, tn))
+                    parts.append(
+                        cpasync.tma_partition(
+                            tma_c[i],
+                            0,
+                            cute.make_layout(1),
+                            cute.group_modes(sC[i], 0, 2),
+                            cute.zipped_divide(gC, self._box(w)),
+                        )
                     )
-                )
             for s in cutlass.range_constexpr(sub_m * sub_n):
                 sm, sn = s // sub_n, s % sub_n
-                load_pipe.producer_acquire(state)
-                bar = load_pipe.producer_get_barrier(state)
-                for i in cutlass.range_constexpr(n_loads):
-                    cute.copy(
-                        tma_c[i],
-                        parts[i][1][(None, (sm, sn))],
-                        parts[i][0][(None, state.index)],
-                        tma_bar_ptr=bar,
-                        **l2_hint(EPILOGUE_L2_HINT),
-                    )
-                load_pipe.producer_commit(state)
-                state.advance()
+                # a cooperative tile's halves alternate, subtile by subtile
+                for h in cutlass.range_constexpr(halves):
+                    load_pipe.producer_acquire(state)
+                    bar = load_pipe.producer_get_barrier(state)
+                    for i in cutlass.range_constexpr(n_loads):
+                        part = parts[h * n_loads + i]
+                        cute.copy(
+                            tma_c[i],
+                            part[1][(None, (sm, sn))],
+                            part[0][(None, state.index)],
+                            tma_bar_ptr=bar,
+                            **l2_hint(EPILOGUE_L2_HINT),
+                        )
+                    load_pipe.producer_commit(state)
+                    state.advance()
             t += num_clusters
         load_pipe.producer_tail(state)

@@ -1,16 +1,19 @@
-"""Store-only fused epilogues (no M x N loads, no reductions) on long-running problems:
-PingPong 128-row tiles against cooperative 256-row tiles, beside the plain GEMM.
+"""Fused epilogues on long-running problems: PingPong 128-row tiles against cooperative
+256-row tiles, beside the plain GEMM.
 
-    python benchmarks/store_epilogue_tiles.py [--shapes 16384x44032x8192,...] [--out FILE]
+    python benchmarks/epilogue_tiles.py [--shapes 16384x44032x8192,...]
+        [--epilogues swiglu_fwd,lse_target,...] [--configs pp128x128,coop256x128]
+        [--out FILE]
 
 ``choose_epilogue_config`` gives every fused epilogue 128 x 128 PingPong tiles; plain GEMMs
 of ``LONG_RUN_FLOPS`` or more take cooperative 256-row tiles (fewer operand bytes per
-FLOP, which at the power limit is clock). A store-only epilogue (the SwiGLU forward, a
-plain stored acc) can run on cooperative tiles too. This times, in interleaved rounds,
-each named epilogue under each candidate config and the plain GEMM under the
-heuristic's config (``--epilogues``: store-only catalogue epilogues; default the SwiGLU
-forward). Rows ``{"epilogue", "M", "N", "K", "config", "ms", "plain_ms",
-"ratio"}`` (ratio: ms / plain_ms).
+FLOP, which at the power limit is clock), where both warpgroups run their epilogues at
+once after the tile's mainloop (nothing to hide behind) and every epilogue runs (M x N
+loads, reductions, vectors). This times, in interleaved rounds, each named catalogue
+epilogue under each candidate config and the plain GEMM under the heuristic's config.
+Rows ``{"epilogue", "M", "N", "K", "config", "ms", "plain_ms", "ratio"}`` (ratio: ms /
+plain_ms). (Until 2026-11-26 this was ``store_epilogue_tiles.py``, for store-only
+epilogues: ``results/store_epilogue_tiles_h200.json``.)
 """
 
 from __future__ import annotations
@@ -39,10 +42,12 @@ CONFIGS = {
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shapes", default="16384x44032x8192,16384x22016x4096,16384x11264x2048")
-    p.add_argument("--epilogues", default="swiglu_fwd")
+    p.add_argument("--epilogues", default="swiglu_fwd,rmsnorm_fwd,lse_target,swiglu_bwd")
+    p.add_argument("--configs", default=",".join(CONFIGS), help="labels of CONFIGS")
     p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--out", default="benchmarks/results/store_epilogue_tiles_h200.json")
+    p.add_argument("--out", default="benchmarks/results/epilogue_tiles_h200.json")
     args = p.parse_args(argv)
+    configs = {label: CONFIGS[label] for label in args.configs.split(",")}
     rows = []
     for shape in args.shapes.split(","):
         m, n, k = map(int, shape.split("x"))
@@ -52,11 +57,11 @@ def main(argv=None) -> None:
             out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
             plain_cfg = choose_config(m, n, k)
             fns = {"plain": lambda: gemm(A, B, out=out, config=plain_cfg)}  # noqa: B023
-            for label, cfg in CONFIGS.items():
+            for label, cfg in configs.items():
                 fns[label] = lambda cfg=cfg: epi(A, B, config=cfg, **tensors)  # noqa: B023
             times = common.interleaved(fns, rounds=args.rounds, reps=5, warmup=2)
             plain = common.median(times["plain"])
-            for label in CONFIGS:
+            for label in configs:
                 ms = common.median(times[label])
                 rows.append({"epilogue": name, "M": m, "N": n, "K": k, "config": label,
                              "ms": ms, "plain_ms": plain, "ratio": ms / plain,
