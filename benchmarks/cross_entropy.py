@@ -21,6 +21,11 @@ saved for backward, for "fwd+bwd" the gradients).
 * coda_recompute: the same with ``grad_in_forward=False``, the low-memory path (forward
   statistics, the backward recomputes the logits: 4 GEMMs). Reported in the workspace
   and sweep sections only, so the issue's row schema stays as it is.
+* coda_defer_one_chunk, coda_fused_tiles, coda_fwd_gemm_tiles: coda with ``ce_fused``
+  knobs set (A/B candidates, in the workspace section): the last row chunk's GEMMs
+  deferred to the backward with one row chunk too; the deferred GEMMs on the fused
+  default tiles instead of the plain GEMM's (``BACKWARD_TILES``); and both deferral and
+  the forward's logits GEMM on the plain GEMM's cooperative tiles (``FORWARD_TILES``).
 * eager: ``F.cross_entropy((h @ W.T).float(), t)``, Hugging Face's formulation.
 * compile: ``torch.compile`` of the same function.
 * liger: Liger-Kernel's ``LigerFusedLinearCrossEntropyLoss`` (``liger-kernel``).
@@ -50,6 +55,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
 
+from coda.fusions import ce_fused  # noqa: E402
 from coda.fusions.cross_entropy import linear_cross_entropy  # noqa: E402
 from coda.matmul import gemm  # noqa: E402
 
@@ -57,17 +63,28 @@ GiB = 2**30
 CONTENDERS = ("coda", "eager", "compile", "liger", "cce")
 PEAKS = ("coda", "compile", "liger", "cce")
 #: measured beside the contenders, reported in the workspace section (not in the rows)
-EXTRA = ("coda_recompute",)
+EXTRA = ("coda_recompute", "coda_defer_one_chunk")
 
 
 def eager_loss(h: torch.Tensor, W: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy((h @ W.T).float(), t, ignore_index=-100)
 
 
+def _defer_one_chunk(h: torch.Tensor, W: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """coda with ``ce_fused.DEFER_ONE_CHUNK``: the last row chunk's GEMMs in the backward
+    with one row chunk too (on ``ce_fused.BACKWARD_TILES``)."""
+    ce_fused.DEFER_ONE_CHUNK = True
+    try:
+        return linear_cross_entropy(h, W, t)
+    finally:
+        ce_fused.DEFER_ONE_CHUNK = False
+
+
 def loss_functions() -> dict[str, Callable | None]:
     fns: dict[str, Callable | None] = {
         "coda": lambda h, W, t: linear_cross_entropy(h, W, t),
         "coda_recompute": lambda h, W, t: linear_cross_entropy(h, W, t, grad_in_forward=False),
+        "coda_defer_one_chunk": _defer_one_chunk,
         "eager": eager_loss,
         "compile": torch.compile(eager_loss),
     }

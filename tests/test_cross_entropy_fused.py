@@ -459,3 +459,25 @@ def test_backward_materializes_no_zero_gradients_for_the_saved_gradient_outputs(
         loss.backward()
     assert fills.shapes == []
     assert h.grad is not None and W.grad is not None
+
+
+def test_defer_one_chunk_option(monkeypatch):
+    """``ce_fused.DEFER_ONE_CHUNK``: with one row chunk too, the forward runs the logits
+    GEMM and the map pass only, the backward the dh and dW GEMMs with the upstream
+    gradient folded in; the gradients equal the default path's (fp32: one rounding of
+    g apart), and the op agrees with its fake implementation (opcheck)."""
+    calls = Calls(monkeypatch)
+    (h, W, b, r), target = _inputs(grad=(True, True, True, True))
+    opts = dict(bias=b, rstd=r, chunk_rows=64, label_smoothing=0.1)
+    want = torch.autograd.grad(0.7 * linear_cross_entropy(h, W, target, **opts), (h, W, b, r))
+    calls.take()
+    monkeypatch.setattr(ce_fused, "DEFER_ONE_CHUNK", True)
+    loss = linear_cross_entropy(h, W, target, **opts)
+    assert calls.take() == {"fused.run_epilogue": 1, "fused.run_map": 1}
+    got = torch.autograd.grad(0.7 * loss, (h, W, b, r))
+    assert calls.take() == {"fused.run_epilogue": 2}
+    for g_, w_ in zip(got, want, strict=True):
+        torch.testing.assert_close(g_, w_, rtol=1e-5, atol=1e-7)
+    hd, Wd, bd, rd = (t.detach() for t in (h, W, b, r))
+    args = (hd, Wd, target, bd, rd, torch.tensor(17.0), -100, None, 0.1, 0.0, 64, False)
+    torch.library.opcheck(ce_fused.lce_fused_loss, (*args, True, True, True, True))

@@ -238,3 +238,41 @@ def test_workspace_grad_in_forward_path():
     assert rows == 2048 and len(ce_chunks.row_chunks(M, rows)) == 4
     bound = ce_chunks.grad_in_forward_workspace(M, V, H, 2, rows) + 64 * 2**20
     assert workspace <= bound, (workspace / GiB, bound / GiB)
+
+
+@pytest.mark.parametrize("partial", [False, True], ids=["dh", "dW_sum"])
+def test_backward_gemm_with_plain_gemm_tiles_matches_reference(partial):
+    """The backward's scaled GEMM (``scaled_total_epilogue``) with ``config="gemm"`` on a
+    long-running problem (6.6 TFLOP, where ``coda.gemm`` and so the fused call take a
+    256-row cooperative tile): g * (A @ B.T [+ fp32 partial]) in bf16,
+    within bf16 rounding of the fp32 product, in the dW layout (A M-major, B N-major) and
+    the dh layout (B N-major)."""
+    from coda.fusions.ce_epilogues import GRAD_SCALE, PARTIAL_SUM, TOTAL
+    from coda.fusions.ce_epilogues import scaled_total_epilogue as scaled
+    from coda.mainloop.config import choose_config
+    from coda.runtime import epilogue_kernels as ek
+
+    g = torch.Generator(device="cuda").manual_seed(11)
+    if partial:  # dW: (V', rows) @ (rows, H), both transposed views
+        m, n, k = 98304, 4096, 8192
+        A = torch.randn(k, m, device="cuda", generator=g).to(BF16).t()
+        B = torch.randn(k, n, device="cuda", generator=g).to(BF16).t()
+    else:  # dh: (rows, V') @ (V', H), B transposed
+        m, n, k = 8192, 4096, 98304
+        A = torch.randn(m, k, device="cuda", generator=g).to(BF16)
+        B = torch.randn(k, n, device="cuda", generator=g).to(BF16).t()
+    assert choose_config(
+        m, n, k, torch.cuda.get_device_properties(0).multi_processor_count
+    ).cooperative
+    tensors = {GRAD_SCALE: torch.full((n,), 0.37, device="cuda")}
+    want = A.float() @ B.float().T
+    if partial:
+        tensors[PARTIAL_SUM] = torch.randn(m, n, device="cuda", generator=g) * 50
+        want = want + tensors[PARTIAL_SUM]
+    epi = scaled(BF16, partial)
+    got = epi(A, B, config="gemm", **tensors)[TOTAL]
+    plan = next(p for key, p in ek._plans.items() if key[0] is epi and key[4] == "gemm")
+    assert plan.config.cooperative and plan.config.tile_n >= 128, plan.config
+    want = (0.37 * want).to(BF16).float()
+    err = (got.float() - want).abs()
+    assert (err <= want.abs() * 2.0**-7 + 1e-2).all(), float(err.max())

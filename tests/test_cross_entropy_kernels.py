@@ -115,3 +115,31 @@ def test_gradient_map_loads_its_row_vectors_once_per_band(tmp_path):
     _, cubin = gemm_kernels.compile_artifacts(key, str(tmp_path))
     opcodes = opcode_counts(disassemble(cubin))
     assert count_prefix(opcodes, "LDG") <= 16, opcodes
+
+
+@pytest.mark.parametrize(
+    "partial, mnk, majors",
+    [
+        (False, (8192, 8192, 128256), ("k", "n")),  # dh = g * dl @ W[:V'] (one chunk)
+        (False, (128256, 8192, 8192), ("m", "n")),  # dW = g * dl.T @ h (one chunk)
+        (True, (128256, 4096, 16384), ("m", "n")),  # dW with the earlier chunks' fp32 sum
+    ],
+    ids=["dh", "dW", "dW_sum"],
+)
+def test_backward_gemms_take_the_plain_gemm_tile(partial, mnk, majors):
+    """The cross-entropy backward's GEMMs run ``config="gemm"`` (``ce_fused.BACKWARD_TILES``):
+    the plain heuristic's tile, here a 256-row cooperative one (both warpgroups store
+    their scaled halves at once), and that kernel does not spill (``epilogue_choice``
+    keeps it)."""
+    from coda.fusions import ce_fused
+    from coda.mainloop.config import choose_config
+    from coda.runtime.epilogue_kernels import gemm_tiles
+
+    assert ce_fused.BACKWARD_TILES == "gemm"
+    plain = choose_config(*mnk, 132)
+    assert plain.cooperative and plain.tile_n >= 128, plain
+    epi = scaled_total_epilogue(bf16, partial)
+    base = gemm_tiles(*mnk, 132)
+    assert base == plain
+    cfg, _ = epilogue_choice(epi, bf16, *mnk, num_sms=132, majors=majors, base=base)
+    assert cfg == base

@@ -130,7 +130,11 @@ class Epilogue:
         Unchecked, a target that is neither a column nor ``ignore_index`` selects 0.
         A and B may each be row-major or a transposed view (see ``coda.gemm``).
         ``outputs`` maps output names to caller-owned tensors to write into (shapes and
-        dtypes as declared), e.g. buffers reused across steps or captured in a CUDA graph."""
+        dtypes as declared), e.g. buffers reused across steps or captured in a CUDA graph.
+        ``config``: None for the fused heuristic (128 x 128 PingPong tiles, narrower when
+        those spill), ``"gemm"`` for the tile ``coda.gemm`` picks for the shape (e.g.
+        256-row cooperative tiles on long-running problems; narrower when that spills:
+        for light epilogues on long mainloops), or a ``GemmConfig``, run as given."""
         if _runner is None:  # `import coda` installs it; only a partial import lacks it
             raise RuntimeError("no GPU runner installed: `import coda` installs it")
         return _runner(

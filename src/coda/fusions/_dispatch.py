@@ -5,9 +5,10 @@ epilogues and GEMMs through these helpers, never ``epi(...)`` / ``coda.gemm`` /
 ``epi.reference`` directly, so the SAME ``Epilogue`` objects define the GPU path and the
 CPU path, and CI (CPU) tests exactly the algebra the GPU runs.
 
-* ``run_epilogue(epi, A, B, outputs=None, **tensors)``: on CUDA tensors the fused kernel
-  ``epi(A, B, **tensors)`` (A, B row-major or transposed views; ``outputs``: caller
-  buffers it writes its M x N outputs into); on CPU tensors ``epi.reference(A, B,
+* ``run_epilogue(epi, A, B, outputs=None, *, config=None, **tensors)``: on CUDA tensors
+  the fused kernel ``epi(A, B, **tensors)`` (A, B row-major or transposed views;
+  ``outputs``: caller buffers it writes its M x N outputs into; ``config``: as
+  ``Epilogue.__call__`` takes it); on CPU tensors ``epi.reference(A, B,
   **tensors)`` (fp32 inside, outputs in their declared dtypes, new tensors). Finalized
   results are under their names either way (the GPU returns per-tile partials only
   when ``outputs`` is given).
@@ -41,11 +42,16 @@ def run_epilogue(
     A: torch.Tensor,
     B: torch.Tensor,
     outputs: dict[str, torch.Tensor] | None = None,
+    *,
+    config: Any = None,
     **tensors: Any,
 ) -> dict:
-    """``epi`` after acc = A @ B.T: fused on CUDA (into ``outputs`` where given),
-    ``epi.reference`` on CPU (``outputs`` ignored: the reference returns new tensors)."""
+    """``epi`` after acc = A @ B.T: fused on CUDA (into ``outputs`` where given; with
+    ``config``, e.g. ``"gemm"``: the plain GEMM's tile), ``epi.reference`` on CPU
+    (``outputs`` and ``config`` ignored: the reference returns new tensors)."""
     if A.is_cuda:
+        if config is not None:
+            return epi(A, B, outputs=outputs, config=config, **tensors)
         if outputs:
             return epi(A, B, outputs=outputs, **tensors)
         return epi(A, B, **tensors)

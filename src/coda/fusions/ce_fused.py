@@ -86,6 +86,27 @@ __all__ = ["ACC_STORE_DTYPE", "lce_fused_finish", "lce_fused_loss"]
 
 F32 = torch.float32
 
+#: ``config`` of the backward's two GEMMs (``scaled_total_epilogue``): "gemm", the plain
+#: GEMM's tile (``coda.gemm``'s pick: 256-row cooperative tiles on these long-running
+#: GEMMs, both warpgroups storing their scaled halves at once). Their epilogue is next to
+#: nothing beside a mainloop of K = V or K = tokens; on the fused default 128 x 128 tiles
+#: (None) the one-chunk deferral ran 1.11-1.19x torch.compile's fwd+bwd on the H200
+#: (2026-11-26).
+BACKWARD_TILES: str | None = "gemm"
+
+#: ``config`` of the forward's logits GEMM (``stats_store_epilogue``: the acc stored,
+#: row log-sum-exp and target partials): None, the fused default (128 x 128 PingPong:
+#: the epilogue hides behind the other warpgroup's mainloop), or "gemm" (the plain
+#: GEMM's cooperative tiles: fewer operand bytes per FLOP, the epilogue exposed).
+FORWARD_TILES: str | None = None
+
+#: Defer the last row chunk's dh and dW GEMMs to the backward with ONE row chunk too
+#: (with several they always are). Off: on the fused 128 x 128 tiles it measured slower
+#: than the forward GEMMs on coda.gemm's cooperative tiles; ``BACKWARD_TILES = "gemm"``
+#: is to be measured against it (``benchmarks/cross_entropy.py``'s
+#: ``coda_defer_one_chunk``). Read at call time, by the op and its fake alike.
+DEFER_ONE_CHUNK: bool = False
+
 #: dtype of the stored acc (row buffer 1): None stores it in h's dtype (the default: loss
 #: and gradient from logits rounded once, as a materialized-logits loss has them; dlogits
 #: then overwrite it in place, one row buffer); torch.float32 keeps the recompute path's
@@ -227,6 +248,7 @@ class _Walk:
             self.b_main, self.b_tail = bias[:main], bias[main:]
         self.valid = target != spec.ignore_index
         self.several = len(self.plan) > 1
+        self.defer = self.several or DEFER_ONE_CHUNK
         self._allocate(M, H, W.shape[0])
         self.bufs = self._buffers(min(rows, M))
         self.last: tuple = (None, None)
@@ -239,11 +261,12 @@ class _Walk:
         spec, device = self.spec, self.h.device
         self.row_loss = torch.empty(M, dtype=F32, device=device)
         self.dh = self.dW = self.dW32 = None
-        if spec.need_dh:  # with several chunks, the rows before the last chunk's
-            self.dh = self.h.new_empty((self.plan[-1][0] if self.several else M, H))
+        if spec.need_dh:  # deferred: the rows before the last chunk's
+            row0 = self.plan[-1][0] if self.plan else 0
+            self.dh = self.h.new_empty((row0 if self.defer else M, H))
         if spec.need_dW and self.several:
             self.dW32 = torch.empty((V, H), dtype=F32, device=device)
-        elif spec.need_dW:
+        elif spec.need_dW and not self.defer:
             self.dW = torch.empty_like(self.W)
         self.dbias = torch.zeros(V, dtype=F32, device=device) if spec.need_dbias else None
         self.drstd = torch.empty(M, dtype=F32, device=device) if spec.need_drstd else None
@@ -286,7 +309,7 @@ class _Walk:
             dl_t = self._tail_grads(tail, lse, ga, gt, gs, r_c, r0, r1)
         if not spec.store:
             return
-        if self.several and i == len(self.plan) - 1:  # lce_fused_finish's GEMMs read these
+        if self.defer and i == len(self.plan) - 1:  # lce_fused_finish's GEMMs read these
             self.last = (dl, dl_t)
             return
         if spec.need_dh:
@@ -301,8 +324,8 @@ class _Walk:
             spec.acc_dtype, spec.bias_dtype, spec.rstd, spec.softcap, spec.with_sum
         )
         out = run_epilogue(
-            epi, h_c, self.W_main, self._out(STORED_ACC, 0, m), tloc=tloc,
-            **self._vectors(r_c),
+            epi, h_c, self.W_main, self._out(STORED_ACC, 0, m), config=FORWARD_TILES,
+            tloc=tloc, **self._vectors(r_c),
         )  # fmt: skip
         zsum = out["zsum"] if spec.with_sum else None
         return (out["lse"], out["zt"], zsum), out[STORED_ACC]
@@ -431,12 +454,16 @@ def _outputs_like(h, W, bias, rstd, rows: int, need: tuple[bool, ...]) -> list:
     V = W.shape[0]
     main = ce_chunks.main_cols(V)
     several, m_last = _last_chunk(M, rows)
-    last = several and (need_dh or need_dW)
+    defer = several or DEFER_ONE_CHUNK
+    last = defer and (need_dh or need_dW)
     grad_dtype = bias.dtype if bias is not None else h.dtype
     return [
         h.new_empty((), dtype=F32),
-        h.new_empty(((M - m_last) if several else M, H) if need_dh else (0,)),
-        W.new_empty((V, H) if need_dW else (0,), dtype=F32 if several else W.dtype),
+        h.new_empty(((M - m_last) if defer else M, H) if need_dh else (0,)),
+        W.new_empty(
+            (V, H) if need_dW and (several or not defer) else (0,),
+            dtype=F32 if several else W.dtype,
+        ),  # fmt: skip
         W.new_empty((V,) if need_dbias else (0,), dtype=grad_dtype),
         h.new_empty((M,) if need_drstd else (0,), dtype=F32),
         h.new_empty((m_last, main) if last and main else (0,)),
@@ -516,7 +543,7 @@ def _scaled_gemm(out, A, B, gvec, partial) -> None:
     if partial is not None:
         tensors[PARTIAL_SUM] = partial
     epi = scaled_total_epilogue(out.dtype, partial is not None)
-    got = run_epilogue(epi, A, B, {TOTAL: out}, **tensors)[TOTAL]
+    got = run_epilogue(epi, A, B, {TOTAL: out}, config=BACKWARD_TILES, **tensors)[TOTAL]
     if got.data_ptr() != out.data_ptr():  # the CPU reference's new tensor
         out.copy_(got)
 

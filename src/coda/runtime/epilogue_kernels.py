@@ -42,7 +42,12 @@ import torch
 from ..binding import bind
 from ..epilogue import Epilogue, set_runner
 from ..errors import InputError
-from ..mainloop.config import GemmConfig, choose_epilogue_config, epilogue_size_class
+from ..mainloop.config import (
+    GemmConfig,
+    choose_config,
+    choose_epilogue_config,
+    epilogue_size_class,
+)
 from . import checks, finalize, gemm_kernels
 from .fused import FusedVisitor, counter_slots, n_multiple, unsupported
 from .operands import cached_problem
@@ -73,14 +78,18 @@ def epilogue_choice(
     k: int,
     num_sms: int,
     majors: tuple[str, str] = ("k", "k"),
+    base: GemmConfig | None = None,
 ) -> tuple[GemmConfig, bool]:
     """(config, finalize in the GEMM kernel) that ``epi(A, B, ...)`` runs with when no
-    config is given: the heuristic's tile (128 x 128), or a narrower one when that kernel
-    would spill registers; at each width the kernel's own finalize first
+    config is given: the heuristic's tile (128 x 128; ``base`` instead when given, e.g.
+    the plain GEMM's for ``config="gemm"``), or a narrower one when that kernel would
+    spill registers; at each width the kernel's own finalize first
     (:func:`coda.runtime.finalize.in_gemm`), then the finalize kernel. The first
     kernel with no local memory wins. Compiles (or loads from the caches) the candidates
     it inspects; the answer is cached with them."""
-    for cfg in tile_candidates(choose_epilogue_config(m, n, k, num_sms)):
+    if base is None:
+        base = choose_epilogue_config(m, n, k, num_sms)
+    for cfg in tile_candidates(base):
         for in_kernel in (True, False) if finalize.in_gemm(epi, cfg, m, n, num_sms) else (False,):
             visitor = FusedVisitor(epi, in_kernel)
             key = gemm_kernels.kernel_key(cfg, ab_dtype, visitor, num_sms, *majors)
@@ -340,18 +349,28 @@ def _scratch(device: torch.device) -> StreamScratch:
 _plans: dict[tuple, EpiloguePlan] = {}
 
 
+#: ``config`` value of a fused call that takes the plain GEMM's heuristic tile
+GEMM_TILES = "gemm"
+
+
+def gemm_tiles(m: int, n: int, k: int, num_sms: int, short_groups: bool = False) -> GemmConfig:
+    """The tile of ``config="gemm"``: the one ``coda.gemm`` picks for (m, n, k) (e.g. a
+    256-row cooperative tile on long-running problems, whose warpgroups run the
+    epilogue at once after the mainloop: for light epilogues on long mainloops).
+    ``epilogue_choice`` then narrows it if that spills."""
+    return choose_config(m, n, k, num_sms, short_groups=short_groups)
+
+
 def _plan(epi, A, B, majors, config, m, n, k) -> EpiloguePlan:
     device = A.device
     num_sms = checks.hopper_device(device)
-    pkey = (
-        epi,
-        A.dtype,
-        majors,
-        device,
-        config,
-        epilogue_size_class(m, n, k),
-        finalize.size_class(m, n, num_sms),
-    )
+    if config == GEMM_TILES:  # the plain heuristic reads the whole shape
+        size: tuple = (m, n, k)
+    elif config is None or isinstance(config, GemmConfig):
+        size = (epilogue_size_class(m, n, k), finalize.size_class(m, n, num_sms))
+    else:
+        raise TypeError(f"config must be a GemmConfig, None or 'gemm'; got {config!r}")
+    pkey = (epi, A.dtype, majors, device, config, *size)
     plan = _plans.get(pkey)
     if plan is None:
         reason = unsupported(epi)
@@ -359,6 +378,9 @@ def _plan(epi, A, B, majors, config, m, n, k) -> EpiloguePlan:
             raise NotImplementedError(f"this epilogue cannot be fused yet: {reason}")
         if config is None:
             cfg, in_kernel = epilogue_choice(epi, A.dtype, m, n, k, num_sms, majors)
+        elif config == GEMM_TILES:
+            base = gemm_tiles(m, n, k, num_sms, checks.short_swizzle_groups(device))
+            cfg, in_kernel = epilogue_choice(epi, A.dtype, m, n, k, num_sms, majors, base)
         else:  # the caller's config, as given
             cfg, in_kernel = config, finalize.in_gemm(epi, config, m, n, num_sms)
         plan = _plans[pkey] = EpiloguePlan(epi, A.dtype, majors, device, num_sms, cfg, in_kernel)
@@ -370,7 +392,7 @@ def run(
     A: torch.Tensor,
     B: torch.Tensor,
     tensors: Mapping[str, Any],
-    config: GemmConfig | None = None,
+    config: GemmConfig | str | None = None,
     outputs: Mapping[str, torch.Tensor] | None = None,
     check_contents: bool = False,
 ) -> dict[str, torch.Tensor]:
