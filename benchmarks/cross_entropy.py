@@ -63,28 +63,46 @@ GiB = 2**30
 CONTENDERS = ("coda", "eager", "compile", "liger", "cce")
 PEAKS = ("coda", "compile", "liger", "cce")
 #: measured beside the contenders, reported in the workspace section (not in the rows)
-EXTRA = ("coda_recompute", "coda_defer_one_chunk")
+EXTRA = ("coda_recompute", "coda_defer_one_chunk", "coda_fused_tiles")
 
 
 def eager_loss(h: torch.Tensor, W: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy((h @ W.T).float(), t, ignore_index=-100)
 
 
-def _defer_one_chunk(h: torch.Tensor, W: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-    """coda with ``ce_fused.DEFER_ONE_CHUNK``: the last row chunk's GEMMs in the backward
-    with one row chunk too (on ``ce_fused.BACKWARD_TILES``)."""
-    ce_fused.DEFER_ONE_CHUNK = True
-    try:
+def _with_knobs(**knobs) -> Callable:
+    """coda's loss run with ``ce_fused`` module knobs set (e.g. ``DEFER_ONE_CHUNK=True``:
+    the last row chunk's GEMMs in the backward with one row chunk too;
+    ``BACKWARD_TILES=None``: those GEMMs on the fused default tiles). ``make_pass`` keeps
+    them set over the backward too."""
+
+    def run(h: torch.Tensor, W: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         return linear_cross_entropy(h, W, t)
-    finally:
-        ce_fused.DEFER_ONE_CHUNK = False
+
+    run.knobs = knobs
+    return run
+
+
+def _knobs_set(knobs: dict, inner: Callable[[], object]) -> Callable[[], object]:
+    def run():
+        saved = {k: getattr(ce_fused, k) for k in knobs}
+        for k, v in knobs.items():
+            setattr(ce_fused, k, v)
+        try:
+            return inner()
+        finally:
+            for k, v in saved.items():
+                setattr(ce_fused, k, v)
+
+    return run
 
 
 def loss_functions() -> dict[str, Callable | None]:
     fns: dict[str, Callable | None] = {
         "coda": lambda h, W, t: linear_cross_entropy(h, W, t),
         "coda_recompute": lambda h, W, t: linear_cross_entropy(h, W, t, grad_in_forward=False),
-        "coda_defer_one_chunk": _defer_one_chunk,
+        "coda_defer_one_chunk": _with_knobs(DEFER_ONE_CHUNK=True),
+        "coda_fused_tiles": _with_knobs(BACKWARD_TILES=None),
         "eager": eager_loss,
         "compile": torch.compile(eager_loss),
     }
@@ -108,8 +126,11 @@ def loss_functions() -> dict[str, Callable | None]:
 
 def make_pass(fn: Callable, kind: str, h, W, t) -> Callable[[], object]:
     if kind == "fwd":
-        return lambda: fn(h, W, t)
-    return lambda: torch.autograd.grad(fn(h, W, t), (h, W))
+        run = lambda: fn(h, W, t)  # noqa: E731
+    else:
+        run = lambda: torch.autograd.grad(fn(h, W, t), (h, W))  # noqa: E731
+    knobs = getattr(fn, "knobs", None)
+    return _knobs_set(knobs, run) if knobs else run
 
 
 def peak_gib(run: Callable[[], object]) -> tuple[float, float]:
