@@ -63,7 +63,12 @@ GiB = 2**30
 CONTENDERS = ("coda", "eager", "compile", "liger", "cce")
 PEAKS = ("coda", "compile", "liger", "cce")
 #: measured beside the contenders, reported in the workspace section (not in the rows)
-EXTRA = ("coda_recompute", "coda_defer_one_chunk", "coda_fused_tiles")
+EXTRA = (
+    "coda_recompute",
+    "coda_defer_one_chunk",
+    "coda_fused_tiles",
+    "coda_fwd_gemm_tiles",
+)
 
 
 def eager_loss(h: torch.Tensor, W: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
@@ -103,6 +108,7 @@ def loss_functions() -> dict[str, Callable | None]:
         "coda_recompute": lambda h, W, t: linear_cross_entropy(h, W, t, grad_in_forward=False),
         "coda_defer_one_chunk": _with_knobs(DEFER_ONE_CHUNK=True),
         "coda_fused_tiles": _with_knobs(BACKWARD_TILES=None),
+        "coda_fwd_gemm_tiles": _with_knobs(FORWARD_TILES="gemm", DEFER_ONE_CHUNK=True),
         "eager": eager_loss,
         "compile": torch.compile(eager_loss),
     }
