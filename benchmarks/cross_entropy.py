@@ -21,11 +21,10 @@ saved for backward, for "fwd+bwd" the gradients).
 * coda_recompute: the same with ``grad_in_forward=False``, the low-memory path (forward
   statistics, the backward recomputes the logits: 4 GEMMs). Reported in the workspace
   and sweep sections only, so the issue's row schema stays as it is.
-* coda_defer_one_chunk, coda_fused_tiles, coda_fwd_gemm_tiles: coda with ``ce_fused``
-  knobs set (A/B candidates, in the workspace section): the last row chunk's GEMMs
-  deferred to the backward with one row chunk too; the deferred GEMMs on the fused
-  default tiles instead of the plain GEMM's (``BACKWARD_TILES``); and both deferral and
-  the forward's logits GEMM on the plain GEMM's cooperative tiles (``FORWARD_TILES``).
+* coda_defer_one_chunk, coda_fused_tiles: coda with ``ce_fused`` knobs set (A/B
+  candidates, in the workspace section): the last row chunk's GEMMs deferred to the
+  backward with one row chunk too (``DEFER_ONE_CHUNK``); the deferred GEMMs on the fused
+  default tiles instead of the plain GEMM's (``BACKWARD_TILES=None``).
 * eager: ``F.cross_entropy((h @ W.T).float(), t)``, Hugging Face's formulation.
 * compile: ``torch.compile`` of the same function.
 * liger: Liger-Kernel's ``LigerFusedLinearCrossEntropyLoss`` (``liger-kernel``).
@@ -67,7 +66,6 @@ EXTRA = (
     "coda_recompute",
     "coda_defer_one_chunk",
     "coda_fused_tiles",
-    "coda_fwd_gemm_tiles",
 )
 
 
@@ -108,7 +106,6 @@ def loss_functions() -> dict[str, Callable | None]:
         "coda_recompute": lambda h, W, t: linear_cross_entropy(h, W, t, grad_in_forward=False),
         "coda_defer_one_chunk": _with_knobs(DEFER_ONE_CHUNK=True),
         "coda_fused_tiles": _with_knobs(BACKWARD_TILES=None),
-        "coda_fwd_gemm_tiles": _with_knobs(FORWARD_TILES="gemm", DEFER_ONE_CHUNK=True),
         "eager": eager_loss,
         "compile": torch.compile(eager_loss),
     }

@@ -94,12 +94,6 @@ F32 = torch.float32
 #: (2026-11-26).
 BACKWARD_TILES: str | None = "gemm"
 
-#: ``config`` of the forward's logits GEMM (``stats_store_epilogue``: the acc stored,
-#: row log-sum-exp and target partials): None, the fused default (128 x 128 PingPong:
-#: the epilogue hides behind the other warpgroup's mainloop), or "gemm" (the plain
-#: GEMM's cooperative tiles: fewer operand bytes per FLOP, the epilogue exposed).
-FORWARD_TILES: str | None = None
-
 #: Defer the last row chunk's dh and dW GEMMs to the backward with ONE row chunk too
 #: (with several they always are). Off: on the fused 128 x 128 tiles it measured slower
 #: than the forward GEMMs on coda.gemm's cooperative tiles; ``BACKWARD_TILES = "gemm"``
@@ -324,8 +318,8 @@ class _Walk:
             spec.acc_dtype, spec.bias_dtype, spec.rstd, spec.softcap, spec.with_sum
         )
         out = run_epilogue(
-            epi, h_c, self.W_main, self._out(STORED_ACC, 0, m), config=FORWARD_TILES,
-            tloc=tloc, **self._vectors(r_c),
+            epi, h_c, self.W_main, self._out(STORED_ACC, 0, m), tloc=tloc,
+            **self._vectors(r_c),
         )  # fmt: skip
         zsum = out["zsum"] if spec.with_sum else None
         return (out["lse"], out["zt"], zsum), out[STORED_ACC]

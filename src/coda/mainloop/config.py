@@ -146,6 +146,13 @@ class GemmConfig:
         return attrs.evolve(self, tile_m=128, concurrent_epilogues=True)
 
     @property
+    def partials_tile(self) -> tuple[int, int]:
+        """(rows, columns) of the tile an epilogue's per-tile partials (``TileReduce``,
+        log-sum-exp, ...) are taken over: one warpgroup's, i.e. a cooperative tile's
+        128-row half."""
+        return (self.warpgroup_config.tile_m, self.tile_n)
+
+    @property
     def tile_shape_mnk(self) -> tuple[int, int, int]:
         return (self.tile_m, self.tile_n, self.tile_k)
 

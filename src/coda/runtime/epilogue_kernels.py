@@ -114,8 +114,7 @@ class EpiloguePlan:
         self.epi = epi
         self.device = device
         self.config = config
-        # the tile of the partials: one warpgroup's (a cooperative tile's 128-row half)
-        self.tile = (config.warpgroup_config.tile_m, config.tile_n)
+        self.tile = config.partials_tile
         self.visitor = FusedVisitor(epi, finalize_in_kernel)
         self.key = gemm_kernels.kernel_key(config, ab_dtype, self.visitor, num_sms, *majors)
         self.kernel = gemm_kernels.launcher(self.key)

@@ -47,7 +47,7 @@ def check_example(epi, A, B, tensors, config=None) -> dict[str, Any]:
     outputs = {}
     m, n, k = A.shape[0], B.shape[0], A.shape[1]
     cfg = config or choose_epilogue_config(m, n, k)
-    cfg_tile = (cfg.tile_m, cfg.tile_n)
+    cfg_tile = cfg.partials_tile  # a cooperative tile's partials are per 128-row half
     for spec in epi.outputs:  # every output NaN-poisoned: an unwritten element fails
         if spec.role != "scalar":
             outputs[spec.name] = torch.full(
