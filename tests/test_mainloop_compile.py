@@ -285,3 +285,22 @@ def test_stage_release_arrives_on_the_ctas_that_multicast_into_it(sass_of, clust
     multicast = [op for op in opcode_counts(sass) if op.startswith("UTMALDG") and "MULTICAST" in op]
     ops = opcode_counts(sass)
     assert sum(ops[op] for op in multicast) >= (2 if cluster == (2, 2) else 1)  # A and B
+
+
+def test_fuzz_cooperative_config_takes_what_fits():
+    """``python -m coda.testing.fuzz --cooperative`` runs a drawn composition on 256 x 128
+    tiles when its buffers fit shared memory there, and on the default config when not
+    (four width-2 fp32 loads and stores: 32 KB per subtile stage)."""
+    from coda import Epilogue
+    from coda.primitives import TileLoad, TileStore
+    from coda.testing.catalog import EPILOGUES
+    from coda.testing.fuzz import cooperative_config
+
+    cfg = cooperative_config(EPILOGUES["swiglu_bwd"], 1000, torch.bfloat16)
+    assert cfg is not None and cfg.cooperative and cfg.cluster_m == 2
+    assert cooperative_config(EPILOGUES["rmsnorm_fwd"], 200, torch.float16).cluster_m == 1
+    heavy = Epilogue()
+    for i in range(4):
+        heavy = heavy.add(TileLoad(f"x{i}", torch.float32, width=2))
+        heavy = heavy.add(TileStore(f"x{i}", torch.float32, name=f"y{i}"))
+    assert cooperative_config(heavy, 1000, torch.bfloat16) is None

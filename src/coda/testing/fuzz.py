@@ -1,7 +1,7 @@
 """GPU fuzzer: random compositions run fused on the GPU against eager references.
 
     python -m coda.testing.fuzz --examples 300 [--seed 0] [--workers 8] [--out fuzz.json]
-                                [--staggered]
+                                [--staggered] [--cooperative]
 
 Sits in ``coda.testing``; the same property the CPU suite checks, on the real kernel.
 Each example draws an epilogue (``epilogues()``), a ragged problem size, an operand
@@ -19,7 +19,9 @@ rounding of the stored value, which flips when coda's fp32 math and torch's diff
 the last fp32 bit at a rounding boundary), or holds NaN/inf where the truth is finite. Examples are
 drawn from one seeded hypothesis run; ``--workers`` processes split them (each compiles
 its own kernels) and the parent merges their JSON into one summary. ``--staggered`` runs
-every example with ``GemmConfig.staggered_copies`` on.
+every example with ``GemmConfig.staggered_copies`` on; ``--cooperative`` on cooperative
+256 x 128 tiles (both warpgroups' epilogues at once on 128-row halves), where the
+composition's buffers fit shared memory there (the record says which config ran).
 """
 
 from __future__ import annotations
@@ -70,8 +72,30 @@ def check_example(epi, A, B, tensors, config=None) -> dict[str, Any]:
     return record
 
 
+def cooperative_config(epi, m: int, dtype: torch.dtype):
+    """A cooperative 256 x 128 config for ``epi`` at ``m`` rows (a 2 x 1 cluster when
+    there are two 256-row tiles), or None when its buffers do not fit shared memory."""
+    from ..mainloop.config import GemmConfig
+    from ..mainloop.dtypes import to_cutlass
+    from ..mainloop.kernel import PingPongGemm
+    from ..runtime.fused import FusedVisitor
+
+    cfg = GemmConfig(tile_m=256, tile_n=128, cluster_m=2 if m > 256 else 1)
+    try:
+        PingPongGemm(cfg, to_cutlass(dtype), FusedVisitor(epi))
+    except ValueError:
+        return None
+    return cfg
+
+
 def _draw_and_run(
-    seed: int, examples: int, worker: int, workers: int, out_path: str, staggered: bool = False
+    seed: int,
+    examples: int,
+    worker: int,
+    workers: int,
+    out_path: str,
+    staggered: bool = False,
+    cooperative: bool = False,
 ) -> None:
     import attrs
     from hypothesis import HealthCheck, Phase, given, settings
@@ -127,6 +151,9 @@ def _draw_and_run(
         if staggered:
             config = attrs.evolve(choose_epilogue_config(m, n, k), staggered_copies=True)
             rec["staggered"] = True
+        if cooperative:
+            config = cooperative_config(epi, m, dtype)
+            rec["config"] = "cooperative 256x128" if config else "default (does not fit)"
         t0 = time.time()
         try:
             rec.update(check_example(epi, A, B, tensors, config=config))
@@ -161,6 +188,7 @@ def coverage(records: list[dict[str, Any]]) -> dict[str, int]:
     """How many examples used each feature, and how many had ragged M or N."""
     out = {f: sum(marker in r["epilogue"] for r in records) for f, marker in _FEATURES.items()}
     out["ragged_M_or_N"] = sum(r["M"] % 128 != 0 or r["N"] % 128 != 0 for r in records)
+    out["cooperative_tiles"] = sum(r.get("config", "").startswith("coop") for r in records)
     for layout in sorted({r.get("layout", "fwd") for r in records}):
         out[f"layout_{layout}"] = sum(r.get("layout", "fwd") == layout for r in records)
     return out
@@ -177,10 +205,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--staggered", action="store_true", help="run with GemmConfig.staggered_copies on"
     )
+    p.add_argument("--cooperative", action="store_true", help="run on cooperative 256-row tiles")
     args = p.parse_args(argv)
     if args.worker is not None:
         _draw_and_run(
-            args.seed, args.examples, args.worker, args.workers, args.part, args.staggered
+            args.seed,
+            args.examples,
+            args.worker,
+            args.workers,
+            args.part,
+            args.staggered,
+            args.cooperative,
         )
         return 0
     t0 = time.time()
@@ -203,6 +238,7 @@ def main(argv: list[str] | None = None) -> int:
                 "--part",
                 part,
                 *(["--staggered"] if args.staggered else []),
+                *(["--cooperative"] if args.cooperative else []),
             ]
             procs.append((subprocess.Popen(cmd), part))
         records = []
@@ -220,6 +256,7 @@ def main(argv: list[str] | None = None) -> int:
         "failures": len(failures),
         "seed": args.seed,
         "staggered_copies": args.staggered,
+        "cooperative": args.cooperative,
         "command": " ".join(["python -m coda.testing.fuzz", *(argv or sys.argv[1:])]),
         "versions": {
             "torch": torch.__version__,
