@@ -97,22 +97,24 @@ def _inputs(M=20, H=16, V=43, grad=(True, True, False, False)):
     return tensors, target
 
 
-def _fused_counts(chunks, dh=True, dW=True):
+def _fused_counts(chunks, dh=True, dW=True, defer=True):
     """The forward's calls: per row chunk the logits GEMM (``run_epilogue``) and the map
-    pass; the dh and dW GEMMs (``matmul``) of the one chunk, or of every chunk but the
-    last."""
+    pass; the dh and dW GEMMs (``matmul``) of every chunk but the last (of the one
+    chunk too when the last chunk's are not deferred: ``ce_fused.DEFER_ONE_CHUNK``
+    off)."""
     out = {"fused.run_epilogue": chunks, "fused.run_map": chunks}
-    gemms = (dh + dW) * (chunks - 1 if chunks > 1 else 1)
+    gemms = (dh + dW) * (chunks - 1 if chunks > 1 or defer else 1)
     if gemms:
         out["fused.matmul"] = gemms
     return out
 
 
-def _backward_counts(chunks, dh=True, dW=True):
-    """The backward's calls: with several row chunks the last one's dh and dW GEMMs, each
-    with the upstream gradient (and the fp32 sum) in its epilogue
-    (``scaled_total_epilogue``); with one, none (the saved gradients are scaled)."""
-    n = (dh + dW) if chunks > 1 else 0
+def _backward_counts(chunks, dh=True, dW=True, defer=True):
+    """The backward's calls: the last row chunk's dh and dW GEMMs, each with the upstream
+    gradient (and, with several chunks, the fp32 sum) in its epilogue
+    (``scaled_total_epilogue``); none with one chunk not deferred (the saved gradients
+    are scaled)."""
+    n = (dh + dW) if chunks > 1 or defer else 0
     return {"fused.run_epilogue": n} if n else {}
 
 
@@ -120,7 +122,8 @@ def test_automatic_choice_runs_the_gradients_in_the_forward(monkeypatch):
     """Grad mode, h and W requiring grad, a mean loss: per row chunk of 8 rows (3 chunks
     of M = 20) the logits GEMM + epilogue and the map pass, the dh and dW GEMMs of the
     first two chunks: 3 logits-sized GEMMs per chunk in all, the last chunk's dh and dW
-    in the backward. With one chunk of 64 rows, all three in the forward."""
+    in the backward. With one chunk of 64 rows, the same: the logits GEMM and the map
+    pass in the forward, dh and dW in the backward."""
     for rows, chunks in ((8, 3), (64, 1)):
         calls = Calls(monkeypatch)
         (h, W, b, r), target = _inputs()
@@ -273,7 +276,8 @@ def test_several_chunks_fold_the_upstream_gradient_into_the_backward_gemms(monke
 
 
 def test_one_chunk_backward_scales_in_place_unless_the_graph_is_kept(monkeypatch):
-    """One row chunk: a plain ``backward()`` scales the saved gradients in place and
+    """One row chunk, not deferred (``ce_fused.DEFER_ONE_CHUNK`` off: dh and dW computed
+    in the forward): a plain ``backward()`` scales the saved gradients in place and
     returns them (no new dh / dW allocated); a retained graph (a second backward will
     read them) and ``create_graph`` through the upstream gradient get new tensors. The
     values are the same either way (test_saved_gradients_scale_with_the_upstream_gradient)."""
@@ -289,6 +293,7 @@ def test_one_chunk_backward_scales_in_place_unless_the_graph_is_kept(monkeypatch
         return out
 
     monkeypatch.setattr(ce_fused, "_scaled", spy)
+    monkeypatch.setattr(ce_fused, "DEFER_ONE_CHUNK", False)
     (h, W, _, _), target = _inputs()
     loss = linear_cross_entropy(h, W, target, chunk_rows=64)
     (2 * loss).backward(retain_graph=True)
@@ -462,15 +467,18 @@ def test_backward_materializes_no_zero_gradients_for_the_saved_gradient_outputs(
 
 
 def test_defer_one_chunk_option(monkeypatch):
-    """``ce_fused.DEFER_ONE_CHUNK``: with one row chunk too, the forward runs the logits
-    GEMM and the map pass only, the backward the dh and dW GEMMs with the upstream
-    gradient folded in; the gradients equal the default path's (fp32: one rounding of
-    g apart), and the op agrees with its fake implementation (opcheck)."""
+    """``ce_fused.DEFER_ONE_CHUNK`` (on by default): with one row chunk too, the forward
+    runs the logits GEMM and the map pass only, the backward the dh and dW GEMMs with
+    the upstream gradient folded in; off, the forward runs dh and dW too and the
+    backward scales them. The gradients agree (fp32: one rounding of g apart), and the
+    op agrees with its fake implementation either way (opcheck)."""
     calls = Calls(monkeypatch)
     (h, W, b, r), target = _inputs(grad=(True, True, True, True))
     opts = dict(bias=b, rstd=r, chunk_rows=64, label_smoothing=0.1)
+    assert ce_fused.DEFER_ONE_CHUNK
+    monkeypatch.setattr(ce_fused, "DEFER_ONE_CHUNK", False)
     want = torch.autograd.grad(0.7 * linear_cross_entropy(h, W, target, **opts), (h, W, b, r))
-    calls.take()
+    assert calls.take() == {**_fused_counts(1, defer=False)}
     monkeypatch.setattr(ce_fused, "DEFER_ONE_CHUNK", True)
     loss = linear_cross_entropy(h, W, target, **opts)
     assert calls.take() == {"fused.run_epilogue": 1, "fused.run_map": 1}
@@ -480,4 +488,6 @@ def test_defer_one_chunk_option(monkeypatch):
         torch.testing.assert_close(g_, w_, rtol=1e-5, atol=1e-7)
     hd, Wd, bd, rd = (t.detach() for t in (h, W, b, r))
     args = (hd, Wd, target, bd, rd, torch.tensor(17.0), -100, None, 0.1, 0.0, 64, False)
+    torch.library.opcheck(ce_fused.lce_fused_loss, (*args, True, True, True, True))
+    monkeypatch.setattr(ce_fused, "DEFER_ONE_CHUNK", False)
     torch.library.opcheck(ce_fused.lce_fused_loss, (*args, True, True, True, True))

@@ -24,7 +24,6 @@ if not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 
 from coda.errors import InputError  # noqa: E402
 from coda.fusions import ce_chunks, ce_fused  # noqa: E402
 from coda.fusions.cross_entropy import linear_cross_entropy  # noqa: E402
-from coda.matmul import gemm  # noqa: E402
 from coda.testing.tolerance import assert_close_to_reference  # noqa: E402
 
 BF16, F64 = torch.bfloat16, torch.float64
@@ -246,8 +245,8 @@ def test_backward_gemm_with_plain_gemm_tiles_matches_reference(partial):
     """The backward's scaled GEMM (``scaled_total_epilogue``) with ``config="gemm"`` on a
     long-running problem (6.6 TFLOP, where ``coda.gemm`` and so the fused call take a
     256-row cooperative tile): g * (A @ B.T [+ fp32 partial]) in bf16,
-    within bf16 rounding of the fp32 product, in the dW layout (A M-major, B N-major) and
-    the dh layout (B N-major)."""
+    against float64 within twice eager bf16's error, in the dW layout (A M-major, B
+    N-major) and the dh layout (B N-major)."""
     from coda.fusions.ce_epilogues import GRAD_SCALE, PARTIAL_SUM, TOTAL
     from coda.fusions.ce_epilogues import scaled_total_epilogue as scaled
     from coda.mainloop.config import choose_config
@@ -266,23 +265,21 @@ def test_backward_gemm_with_plain_gemm_tiles_matches_reference(partial):
         m, n, k, torch.cuda.get_device_properties(0).multi_processor_count
     ).cooperative
     tensors = {GRAD_SCALE: torch.full((n,), 0.37, device="cuda")}
-    want = A.float() @ B.float().T
+    truth = A.double() @ B.double().T
+    eager = (A @ B.T).float()  # cuBLAS on the same tensor cores, rounded to bf16
     if partial:
         tensors[PARTIAL_SUM] = torch.randn(m, n, device="cuda", generator=g) * 50
-        want = want + tensors[PARTIAL_SUM]
+        truth = truth + tensors[PARTIAL_SUM].double()
+        eager = eager + tensors[PARTIAL_SUM]
     epi = scaled(BF16, partial)
     got = epi(A, B, config="gemm", **tensors)[TOTAL]
-    plan = next(p for key, p in ek._plans.items() if key[0] is epi and key[4:] == ("gemm", m, n, k))
+    plan = next(
+        p for key, p in ek._plans.items() if key[0] is epi and key[4:] == ("gemm", m, n, k)
+    )
     assert plan.config.cooperative and plan.config.tile_n >= 128, plan.config
-    want = (0.37 * want).to(BF16).float()
-    err = (got.float() - want).abs()
-    bad = err > want.abs() * 2.0**-7 + 1e-2
-    if bad.any():  # where and by how much, against float64 and the plain GEMM's fp32 acc
-        i, j = divmod(int(torch.argmax(err * bad)), n)
-        exact = float(A[i].double() @ B[j].double())
-        acc = gemm(A, B, out_dtype=torch.float32)[i, j]
-        pytest.fail(
-            f"{int(bad.sum())} of {m * n} outside bf16 rounding; worst [{i}, {j}]: got "
-            f"{float(got[i, j])}, want {float(want[i, j])}, 0.37 x float64 {0.37 * exact}, "
-            f"0.37 x coda.gemm fp32 {0.37 * float(acc)}"
-        )
+    # Over K = 98304 the tensor cores' fp32 accumulation (cuBLAS's too) drifts from exact
+    # by ~1e-3 of the partial sums, more than a bf16 rounding of small results: the rule
+    # is the one of every fused test, against float64 beside eager bf16.
+    assert_close_to_reference(
+        got, 0.37 * truth, baseline=(0.37 * eager).to(BF16), atol=2.0**-8, floor=1.0
+    )

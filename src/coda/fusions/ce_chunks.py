@@ -133,7 +133,12 @@ def main_cols(V: int) -> int:
 
 
 def grad_rows(
-    M: int, V: int, elem_bytes: int, budget: int | None = None, dw_hidden: int = 0
+    M: int,
+    V: int,
+    elem_bytes: int,
+    budget: int | None = None,
+    dw_hidden: int = 0,
+    deferred: bool = True,
 ) -> int:
     """Rows per chunk: rows * main_cols(V) * elem_bytes <= budget (one row buffer; default
     ``GRAD_ROWS_BYTES``, read at call time), a multiple of ``ROW_STEP`` (at least one
@@ -144,17 +149,19 @@ def grad_rows(
     (``grad_in_forward_workspace``) is no larger than the budget chunks': less peak
     memory, and dW one GEMM over all tokens, rounded once, with no accumulator pass (e.g.
     M = 8192, V = 128256: one chunk from H = 4096 on, a 2.0 GiB buffer where four chunks
-    take 0.5 GiB + a 2.0 GiB accumulator)."""
+    take 0.5 GiB + a 2.0 GiB accumulator). ``deferred``: as ``grad_in_forward_workspace``
+    takes it."""
     budget = GRAD_ROWS_BYTES if budget is None else budget
     per_row = max(main_cols(V), 1) * elem_bytes
     rows = max(ROW_STEP, budget // per_row // ROW_STEP * ROW_STEP)
     whole = round_up(max(M, 1), ROW_STEP)
     if rows >= whole:
         return whole
-    ws = grad_in_forward_workspace
-    if dw_hidden and ws(M, V, dw_hidden, elem_bytes, whole) <= ws(
-        M, V, dw_hidden, elem_bytes, rows
-    ):
+
+    def ws(r: int) -> int:
+        return grad_in_forward_workspace(M, V, dw_hidden, elem_bytes, r, deferred=deferred)
+
+    if dw_hidden and ws(whole) <= ws(rows):
         return whole
     return rows
 
@@ -167,7 +174,13 @@ def row_chunks(M: int, rows: int) -> tuple[tuple[int, int], ...]:
 
 
 def grad_in_forward_workspace(
-    M: int, V: int, H: int, elem_bytes: int, rows: int, acc_bytes: int | None = None
+    M: int,
+    V: int,
+    H: int,
+    elem_bytes: int,
+    rows: int,
+    acc_bytes: int | None = None,
+    deferred: bool = True,
 ) -> int:
     """Upper bound (bytes) of the gradient-in-forward path's workspace: its peak memory
     minus inputs, the loss and the gradients (dh, dW, dbias, drstd) it returns, for h of
@@ -177,8 +190,10 @@ def grad_in_forward_workspace(
     accumulator and dh of the rows before the last chunk, per-chunk partials at the
     narrowest tile, the tail's fp32 temporaries, 8 fp32 vectors of M; with several chunks
     the backward holds no more (the row buffer with the last chunk's dlogits and the
-    accumulators while its GEMMs write dh and dW), with one it may copy dh and dW (the
-    saved gradients times the upstream gradient, out of place when the graph is kept)."""
+    accumulators while its GEMMs write dh and dW); with one chunk likewise when its GEMMs
+    are ``deferred`` to the backward (``ce_fused.DEFER_ONE_CHUNK``, the default), else the
+    backward may copy dh and dW (the saved gradients times the upstream gradient, out of
+    place when the graph is kept)."""
     acc_bytes = elem_bytes if acc_bytes is None else acc_bytes
     m, n = min(rows, M), main_cols(V)
     tiles_n, tiles_m = -(-n // MIN_TILE), -(-m // MIN_TILE)
@@ -188,6 +203,6 @@ def grad_in_forward_workspace(
     forward += 4 * (m * tiles_n * 5 + tiles_m * n)  # lse/zt/zsum/drstd (row), dbias (col)
     forward += 2 * 4 * m * H if V % TMA_COLS else 0
     forward += 8 * 4 * M + 4 * V
-    # one chunk: the backward's out-of-place copy of the saved dh and dW (graph kept)
-    backward = (M + V) * H * elem_bytes if M <= rows else 0
+    # one chunk, not deferred: the backward's out-of-place copy of the saved dh and dW
+    backward = (M + V) * H * elem_bytes if M <= rows and not deferred else 0
     return max(forward, backward)

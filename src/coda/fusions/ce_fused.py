@@ -9,21 +9,20 @@ Two custom ops. ``coda::lce_fused_loss(h, W, target, bias, rstd, denom, ...) -> 
 dh, dW, dbias, drstd, dl_last, dl_tail)``: the scalar loss sum_rows(row loss) / denom and
 its gradients for an upstream gradient of 1, three logits-sized GEMMs in all (the
 recompute path of ``cross_entropy`` runs four). How the upstream gradient g reaches them
-depends on the row chunks (measured on the H200, 2026-11-26, ``docs/cross-entropy.md``):
+(measured on the H200, 2026-11-26, ``docs/cross-entropy.md``):
 
-* one row chunk (``ce_chunks.grad_rows`` takes one whenever the fp32 dW sum would cost
-  more memory, e.g. M = 8192 from H = 4096 on): the forward computes dh and dW whole
-  with plain GEMMs (``coda.gemm``'s tiles, 256-row cooperative ones on these
-  long-running problems) and the backward multiplies them by g (``_foreach_mul_``, in
-  place unless the graph is kept);
-* several row chunks: the forward computes dh of every chunk but the last and their fp32
-  dW sum; the last chunk's dlogits stay in the row buffer (``dl_last``, the tail's
-  ``dl_tail``) and the backward's ``coda::lce_fused_finish`` runs that chunk's dh and dW
-  GEMMs with g folded into their epilogue (``scaled_total_epilogue``: g * (acc [+ the
-  fp32 sum]), rounded once into the input's dtype) and multiplies the earlier dh rows,
-  dbias and drstd (O(M H + V) elements) by g: no cast or scaling pass over V x H runs.
-  (The same deferral with one row chunk ran its two GEMMs on the fused 128 x 128 tiles:
-  1.11-1.19x torch.compile's fwd+bwd where the forward-GEMM path is 1.02-1.05x.)
+* every chunk but the last: the forward computes its dh rows and, with several row
+  chunks, the fp32 dW sum;
+* the last (with one row chunk, the only) chunk: its dlogits stay in the row buffer
+  (``dl_last``, the tail's ``dl_tail``) and the backward's ``coda::lce_fused_finish``
+  runs that chunk's dh and dW GEMMs with g folded into their epilogue
+  (``scaled_total_epilogue``: g * (acc [+ the fp32 sum]), rounded once into the input's
+  dtype) on the plain GEMM's tiles (``BACKWARD_TILES``: 256-row cooperative ones on these
+  long-running problems) and multiplies the earlier dh rows, dbias and drstd (O(M H + V)
+  elements) by g: no cast or scaling pass over V x H runs.
+* ``DEFER_ONE_CHUNK = False`` keeps the earlier one-chunk path for A/B: the forward
+  computes dh and dW whole with plain GEMMs and the backward multiplies them by g
+  (``_foreach_mul_``, in place unless the graph is kept); measured slower (below).
 
 Per chunk of ``rows`` rows [r0, r1) (m rows; V' = ``ce_chunks.main_cols(V)``, V without
 its V mod 8 tail):
@@ -95,11 +94,14 @@ F32 = torch.float32
 BACKWARD_TILES: str | None = "gemm"
 
 #: Defer the last row chunk's dh and dW GEMMs to the backward with ONE row chunk too
-#: (with several they always are). Off: on the fused 128 x 128 tiles it measured slower
-#: than the forward GEMMs on coda.gemm's cooperative tiles; ``BACKWARD_TILES = "gemm"``
-#: is to be measured against it (``benchmarks/cross_entropy.py``'s
-#: ``coda_defer_one_chunk``). Read at call time, by the op and its fake alike.
-DEFER_ONE_CHUNK: bool = False
+#: (with several they always are). On: with the backward's GEMMs on the plain GEMM's
+#: cooperative tiles (``BACKWARD_TILES``) it measured 1.020 / 1.040 / 1.005x
+#: torch.compile's fwd+bwd at (H, M) = (4096, 8192) / (8192, 8192) / (8192, 16384)
+#: where the forward-GEMM path (False: dh and dW in the forward on ``coda.gemm``, the
+#: backward scaling them in place) took 1.044 / 1.064 / 1.054x in the same run, with a
+#: lower forward peak (H200, 2026-11-26, ``results/cross_entropy_h200.json``). Read at
+#: call time, by the op and its fake alike.
+DEFER_ONE_CHUNK: bool = True
 
 #: dtype of the stored acc (row buffer 1): None stores it in h's dtype (the default: loss
 #: and gradient from logits rounded once, as a materialized-logits loss has them; dlogits
@@ -424,7 +426,11 @@ def _chunk_rows(h, W, chunk_rows: int, need_dW: bool) -> int:
     fake implementation agree: the fake's output shapes depend on it)."""
     acc_dtype = ACC_STORE_DTYPE or h.dtype
     return chunk_rows or ce_chunks.grad_rows(
-        h.shape[0], W.shape[0], acc_dtype.itemsize, dw_hidden=W.shape[1] if need_dW else 0
+        h.shape[0],
+        W.shape[0],
+        acc_dtype.itemsize,
+        dw_hidden=W.shape[1] if need_dW else 0,
+        deferred=DEFER_ONE_CHUNK,
     )
 
 
