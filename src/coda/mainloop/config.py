@@ -29,7 +29,7 @@ SMEM_RESERVED = 2048
 DEFAULT_NUM_SMS = 132
 
 #: 256: the cooperative schedule (``GemmConfig.cooperative``): both consumer warpgroups
-#: work on one 256-row tile, 128 rows each, for plain GEMMs and store-only epilogues.
+#: work on one 256-row tile, 128 rows each, then run the epilogue on their halves at once.
 _TILE_M = (128, 256)
 # PingPong gives each consumer warpgroup a whole tile, so the fp32 accumulator of a
 # 128 x tile_n tile lives in one warpgroup's registers: tile_n <= 192 keeps it below
@@ -68,9 +68,11 @@ class GemmConfig:
     warpgroups take turns on the tensor cores, one tile each); ``tile_m=256`` is the
     cooperative schedule instead: one CTA tile of 256 rows, both warpgroups on it at
     once, 128 rows each (one B tile per 256 rows instead of per 128: fewer operand bytes
-    per FLOP, which at the power limit is clock), for plain GEMMs and store-only
-    epilogues (no M x N loads, no reductions; their epilogue is not hidden behind the
-    other warpgroup's mainloop). tile_k is the K depth of one pipeline stage;
+    per FLOP, which at the power limit is clock). Every epilogue runs there, each
+    warpgroup on its 128-row half at once with the other's (``partials_tile``), but
+    not hidden behind the other warpgroup's mainloop: the fused heuristics keep
+    PingPong tiles, and ``config="gemm"`` takes the plain GEMM's for light epilogues on
+    long mainloops. tile_k is the K depth of one pipeline stage;
     cluster_m x cluster_n CTAs form a cluster (B is multicast to the CTAs that share an
     N tile, A to those that share an M tile; 2x2 multicasts both, and is opt-in: the
     heuristics never pick it); epi_m x epi_n is the epilogue subtile the visitor sees;
