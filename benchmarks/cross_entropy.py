@@ -15,16 +15,17 @@ saved for backward, for "fwd+bwd" the gradients).
 * coda: ``coda.fusions.linear_cross_entropy`` as called by default (fused epilogues,
   logits never whole; in training the automatic choice is the gradient-in-forward path,
   3 logits-sized GEMMs: its "fwd" pass computes the logits, their statistics and
-  gradient, and dh, dW (with one row chunk, all of them, and the backward scales them;
-  with several, those of every chunk but the last, whose dh and dW GEMMs the backward
-  runs with the upstream gradient folded into their epilogue).
+  gradient, and dh, dW of every row chunk but the last, whose dh and dW GEMMs the
+  backward runs with the upstream gradient folded into their epilogue; with one row
+  chunk the forward runs no dh / dW GEMM).
 * coda_recompute: the same with ``grad_in_forward=False``, the low-memory path (forward
   statistics, the backward recomputes the logits: 4 GEMMs). Reported in the workspace
   and sweep sections only, so the issue's row schema stays as it is.
-* coda_defer_one_chunk, coda_fused_tiles: coda with ``ce_fused`` knobs set (A/B
-  candidates, in the workspace section): the last row chunk's GEMMs deferred to the
-  backward with one row chunk too (``DEFER_ONE_CHUNK``); the deferred GEMMs on the fused
-  default tiles instead of the plain GEMM's (``BACKWARD_TILES=None``).
+* coda_forward_gemms, coda_fused_tiles: coda with ``ce_fused`` knobs set (A/B
+  candidates, in the workspace section): with one row chunk, dh and dW in the forward
+  and scaled in the backward instead of deferred (``DEFER_ONE_CHUNK=False``); the
+  deferred GEMMs on the fused default tiles instead of the plain GEMM's
+  (``BACKWARD_TILES=None``).
 * eager: ``F.cross_entropy((h @ W.T).float(), t)``, Hugging Face's formulation.
 * compile: ``torch.compile`` of the same function.
 * liger: Liger-Kernel's ``LigerFusedLinearCrossEntropyLoss`` (``liger-kernel``).
@@ -64,7 +65,7 @@ PEAKS = ("coda", "compile", "liger", "cce")
 #: measured beside the contenders, reported in the workspace section (not in the rows)
 EXTRA = (
     "coda_recompute",
-    "coda_defer_one_chunk",
+    "coda_forward_gemms",
     "coda_fused_tiles",
 )
 
@@ -74,10 +75,10 @@ def eager_loss(h: torch.Tensor, W: torch.Tensor, t: torch.Tensor) -> torch.Tenso
 
 
 def _with_knobs(**knobs) -> Callable:
-    """coda's loss run with ``ce_fused`` module knobs set (e.g. ``DEFER_ONE_CHUNK=True``:
-    the last row chunk's GEMMs in the backward with one row chunk too;
-    ``BACKWARD_TILES=None``: those GEMMs on the fused default tiles). ``make_pass`` keeps
-    them set over the backward too."""
+    """coda's loss run with ``ce_fused`` module knobs set (e.g. ``DEFER_ONE_CHUNK=False``:
+    with one row chunk, dh and dW in the forward; ``BACKWARD_TILES=None``: the deferred
+    GEMMs on the fused default tiles). ``make_pass`` keeps them set over the backward
+    too."""
 
     def run(h: torch.Tensor, W: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         return linear_cross_entropy(h, W, t)
@@ -104,7 +105,7 @@ def loss_functions() -> dict[str, Callable | None]:
     fns: dict[str, Callable | None] = {
         "coda": lambda h, W, t: linear_cross_entropy(h, W, t),
         "coda_recompute": lambda h, W, t: linear_cross_entropy(h, W, t, grad_in_forward=False),
-        "coda_defer_one_chunk": _with_knobs(DEFER_ONE_CHUNK=True),
+        "coda_forward_gemms": _with_knobs(DEFER_ONE_CHUNK=False),
         "coda_fused_tiles": _with_knobs(BACKWARD_TILES=None),
         "eager": eager_loss,
         "compile": torch.compile(eager_loss),
