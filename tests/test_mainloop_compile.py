@@ -304,3 +304,34 @@ def test_fuzz_cooperative_config_takes_what_fits():
         heavy = heavy.add(TileLoad(f"x{i}", torch.float32, width=2))
         heavy = heavy.add(TileStore(f"x{i}", torch.float32, name=f"y{i}"))
     assert cooperative_config(heavy, 1000, torch.bfloat16) is None
+
+
+def test_concurrent_config_falls_back_to_one_store_buffer_taking_turns(tmp_path):
+    """A map-pass config (concurrent epilogues, 64 x 64 subtiles) whose epilogue's
+    buffers fit neither split per warpgroup nor doubled: the kernel takes turns with one
+    store buffer (drawn by the GPU fuzzer, seed 9: a width-2 fp32 load and store, a
+    half-width fp16 pair and an fp32 store, 53 KB stored per subtile) and compiles."""
+    from coda import Epilogue
+    from coda.mainloop.config import choose_epilogue_config
+    from coda.mainloop.dtypes import to_cutlass
+    from coda.mainloop.kernel import PingPongGemm
+    from coda.primitives import Elementwise, TileLoad, TileStore
+    from coda.primitives.math import maximum
+    from coda.runtime.fused import FusedVisitor
+
+    epi = (
+        Epilogue()
+        .add(Elementwise("v1", maximum, ins=("acc", "acc")))
+        .add(TileLoad("t2", torch.float16, width=0.5))
+        .add(TileLoad("t3", torch.float32, width=2))
+        .add(TileStore("v1", torch.float32, name="v1_out4"))
+        .add(TileStore("t2", torch.float16, name="t2_out5"))
+        .add(TileStore("t3", torch.float32, name="t3_out6"))
+    )
+    cfg = choose_epilogue_config(2, 16, 8)
+    assert cfg.concurrent_epilogues and cfg.epi_n == 64
+    kernel = PingPongGemm(cfg, to_cutlass(torch.bfloat16), FusedVisitor(epi))
+    assert not kernel.concurrent and kernel.epi_stages == 1 and kernel.ab_stages >= 2
+    key = gemm_kernels.GemmKernelKey(cfg, torch.bfloat16, FusedVisitor(epi))
+    ptx, cubin = gemm_kernels.compile_artifacts(key, str(tmp_path))
+    assert "wgmma.mma_async" in ptx and len(cubin) > 0

@@ -213,8 +213,14 @@ class PingPongGemm(Producers, EpilogueIO):
         for min_ab in min_abs:
             for epi_st, load_st in candidates:
                 try:
+                    # (a concurrent config's fallback to taking turns may take 1 store
+                    # buffer, which a config that says concurrent refuses to describe)
                     plan = plan_smem(
-                        attrs.evolve(config, epi_stages=epi_st),
+                        attrs.evolve(
+                            config,
+                            epi_stages=epi_st,
+                            concurrent_epilogues=concurrent and config.concurrent_epilogues,
+                        ),
                         _nbytes(torch.bfloat16),
                         store_bytes,
                         load_bytes * load_st + scratch_bytes,
