@@ -9,8 +9,12 @@ The fused epilogues run twice: with the finalize in the GEMM kernel (arrival cou
 what this size gets) and with it forced into the finalize kernel. Then 64-column epilogue
 subtiles (``GemmConfig.epi_n=64``), plain and fused. Last, a map pass (one k-tile: the
 two warpgroups' epilogues run at once) over a ragged problem where every CTA runs
-several tiles.
+several tiles. Cooperative 256-row tiles run three catalogue epilogues in every layout
+(loads alternating the two 128-row halves in one ring, row and column reductions, a
+half past the last row); ``--cooperative-only`` runs just those (a quicker racecheck).
 """
+
+import sys
 
 import torch
 
@@ -29,7 +33,20 @@ m, n, k = 333, 520, 200  # ragged in M, N and K; several tiles and both warpgrou
 a0 = torch.randn(m, k, device="cuda").to(torch.bfloat16)
 b0 = torch.randn(n, k, device="cuda").to(torch.bfloat16)
 ref = a0.float() @ b0.float().t()
+COOPERATIVE = GemmConfig(tile_m=256, tile_n=128)
+mc, nc = 1000, 4104  # 2 clusters of 256-row tiles x 33 columns: CTAs run several tiles
+a1 = torch.randn(mc, k, device="cuda").to(torch.bfloat16)
+b1 = torch.randn(nc, k, device="cuda").to(torch.bfloat16)
 for layout in LAYOUTS:
+    a, b = operands(a1, b1, layout)
+    for name in ("rmsnorm_fwd", "dgamma_colsum", "swiglu_bwd"):
+        other = EPILOGUES[name]
+        _, _, more = make_inputs(other, mc, nc, k, torch.bfloat16, seed=3)
+        got = other(a, b, config=COOPERATIVE, **{key: v.cuda() for key, v in more.items()})
+        assert all(torch.isfinite(t).all() for t in got.values() if t.is_floating_point())
+    torch.cuda.synchronize()
+    print(f"sanitize_gemm {layout} {mc}x{nc}x{k}: cooperative epilogues ran")
+for layout in [] if "--cooperative-only" in sys.argv else LAYOUTS:
     a, b = operands(a0, b0, layout)
     out = gemm(a, b)
     acc = torch.ones(m, n, device="cuda")
@@ -60,6 +77,8 @@ for layout in LAYOUTS:
     assert err < 0.5 and err_acc < 0.05
     assert torch.isfinite(fused["rstd"]).all()
 
+if "--cooperative-only" in sys.argv:
+    sys.exit(0)
 mm, nn = 1000, 8200  # ~4 cluster tiles per cluster: both warpgroups run several epilogues
 x = torch.randn(mm, nn, device="cuda").to(torch.bfloat16)
 copy = Epilogue((TileLoad("x", torch.bfloat16), TileStore("x", torch.bfloat16, name="y")))
