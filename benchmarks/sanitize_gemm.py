@@ -34,7 +34,7 @@ a0 = torch.randn(m, k, device="cuda").to(torch.bfloat16)
 b0 = torch.randn(n, k, device="cuda").to(torch.bfloat16)
 ref = a0.float() @ b0.float().t()
 COOPERATIVE = GemmConfig(tile_m=256, tile_n=128)
-mc, nc = 1000, 4104  # 2 clusters of 256-row tiles x 33 columns: CTAs run several tiles
+mc, nc = 1000, 8200  # 2 clusters of 256-row tiles x 65 columns: CTAs run two tiles
 a1 = torch.randn(mc, k, device="cuda").to(torch.bfloat16)
 b1 = torch.randn(nc, k, device="cuda").to(torch.bfloat16)
 for layout in LAYOUTS:
