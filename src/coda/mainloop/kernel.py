@@ -713,6 +713,11 @@ class PingPongGemm(Producers, EpilogueIO):
                     self.visitor.after_tile(tctx, vstate)
 
                 if const_expr(cooperative):
+                    if const_expr(self.scratch_floats > 0):
+                        # No turn barrier orders this warpgroup's tiles: its warps must all
+                        # have read the scratch (e.g. a column reduction's flush) before
+                        # any writes the next tile's (compute-sanitizer racecheck).
+                        epi_bar.arrive_and_wait()
                     t += num_clusters
                 else:
                     read.advance(k_tiles)  # skip the other warpgroup's tile
