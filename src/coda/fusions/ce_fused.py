@@ -95,12 +95,13 @@ BACKWARD_TILES: str | None = "gemm"
 
 #: Defer the last row chunk's dh and dW GEMMs to the backward with ONE row chunk too
 #: (with several they always are). On: with the backward's GEMMs on the plain GEMM's
-#: cooperative tiles (``BACKWARD_TILES``) it measured 1.020 / 1.040 / 1.005x
+#: cooperative tiles (``BACKWARD_TILES``) it measured 0.998 / 1.010 / 1.002x
 #: torch.compile's fwd+bwd at (H, M) = (4096, 8192) / (8192, 8192) / (8192, 16384)
 #: where the forward-GEMM path (False: dh and dW in the forward on ``coda.gemm``, the
-#: backward scaling them in place) took 1.044 / 1.064 / 1.054x in the same run, with a
-#: lower forward peak (H200, 2026-11-26, ``results/cross_entropy_h200.json``). Read at
-#: call time, by the op and its fake alike.
+#: backward scaling them in place) took 1.018 / 1.028 / 1.026x in the same run
+#: (``results/cross_entropy_h200.json``; 1.020 / 1.040 / 1.005 against 1.044 / 1.064 /
+#: 1.054 in an earlier one), with a lower forward peak (H200, 2026-11-26). Read at call
+#: time, by the op and its fake alike.
 DEFER_ONE_CHUNK: bool = True
 
 #: dtype of the stored acc (row buffer 1): None stores it in h's dtype (the default: loss
