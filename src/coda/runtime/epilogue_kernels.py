@@ -382,6 +382,8 @@ def _plan(epi, A, B, majors, config, m, n, k) -> EpiloguePlan:
             cfg, in_kernel = epilogue_choice(epi, A.dtype, m, n, k, num_sms, majors, base)
         else:  # the caller's config, as given
             cfg, in_kernel = config, finalize.in_gemm(epi, config, m, n, num_sms)
+        if len(_plans) > 4096:  # bounded: config="gemm" keys whole shapes
+            _plans.clear()
         plan = _plans[pkey] = EpiloguePlan(epi, A.dtype, majors, device, num_sms, cfg, in_kernel)
     return plan
 
