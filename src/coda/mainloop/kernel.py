@@ -600,11 +600,12 @@ class PingPongGemm(Producers, EpilogueIO):
                 # warpgroup 1 starts on the second tile: skip warpgroup 0's stages.
                 if wg == 1:
                     read.advance(k_tiles)
-            if const_expr(n_loads > 0):
-                # the load ring's stages of warpgroup 1 come after warpgroup 0's first:
-                # a whole tile's (PingPong) or one subtile's (cooperative: they alternate)
+                    if const_expr(n_loads > 0):
+                        lread.advance(n_sub)
+            elif const_expr(n_loads > 0):
+                # cooperative: the halves' subtiles alternate in the load ring
                 if wg == 1:
-                    lread.advance(1 if const_expr(cooperative) else n_sub)
+                    lread.advance(1)
 
             # PingPong: the warpgroups take alternate tiles; cooperative: both take each
             t = Int32(bidz) if const_expr(cooperative) else Int32(bidz) + wg * num_clusters
