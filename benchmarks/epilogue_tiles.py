@@ -3,7 +3,7 @@
 
     python benchmarks/epilogue_tiles.py [--shapes 16384x44032x8192,...]
         [--epilogues swiglu_fwd,lse_target,...] [--configs pp128x128,coop256x128]
-        [--out FILE]
+        [--same-tile] [--out FILE]
 
 ``choose_epilogue_config`` gives every fused epilogue 128 x 128 PingPong tiles; plain GEMMs
 of ``LONG_RUN_FLOPS`` or more take cooperative 256-row tiles (fewer operand bytes per
@@ -12,7 +12,9 @@ once after the tile's mainloop (nothing to hide behind) and every epilogue runs 
 loads, reductions, vectors). This times, in interleaved rounds, each named catalogue
 epilogue under each candidate config and the plain GEMM under the heuristic's config.
 Rows ``{"epilogue", "M", "N", "K", "config", "ms", "plain_ms", "ratio"}`` (ratio: ms /
-plain_ms). (Until 2026-11-26 this was ``store_epilogue_tiles.py``, for store-only
+plain_ms); with ``--same-tile`` also ``plain_same_tile_ms`` (the plain GEMM in the row's
+config) and ``same_tile_ratio``: how much of the ratio is the tile, how much the
+epilogue. (Until 2026-11-26 this was ``store_epilogue_tiles.py``, for store-only
 epilogues: ``results/store_epilogue_tiles_h200.json``.)
 """
 
@@ -45,6 +47,11 @@ def main(argv=None) -> None:
     p.add_argument("--epilogues", default="swiglu_fwd,rmsnorm_fwd,lse_target,swiglu_bwd")
     p.add_argument("--configs", default=",".join(CONFIGS), help="labels of CONFIGS")
     p.add_argument("--rounds", type=int, default=5)
+    p.add_argument(
+        "--same-tile",
+        action="store_true",
+        help="also time the plain GEMM in each fused config (splits tile from epilogue)",
+    )
     p.add_argument("--out", default="benchmarks/results/epilogue_tiles_h200.json")
     args = p.parse_args(argv)
     configs = {label: CONFIGS[label] for label in args.configs.split(",")}
@@ -59,6 +66,8 @@ def main(argv=None) -> None:
             fns = {"plain": lambda: gemm(A, B, out=out, config=plain_cfg)}  # noqa: B023
             for label, cfg in configs.items():
                 fns[label] = lambda cfg=cfg: epi(A, B, config=cfg, **tensors)  # noqa: B023
+                if args.same_tile:  # the plain GEMM on the fused call's tile too
+                    fns[f"plain {label}"] = lambda cfg=cfg: gemm(A, B, out=out, config=cfg)  # noqa: B023
             times = common.interleaved(fns, rounds=args.rounds, reps=5, warmup=2)
             plain = common.median(times["plain"])
             for label in configs:
@@ -66,10 +75,16 @@ def main(argv=None) -> None:
                 rows.append({"epilogue": name, "M": m, "N": n, "K": k, "config": label,
                              "ms": ms, "plain_ms": plain, "ratio": ms / plain,
                              "plain_config": str(plain_cfg)})  # fmt: skip
+                if args.same_tile:
+                    same = common.median(times[f"plain {label}"])
+                    rows[-1].update(plain_same_tile_ms=same, same_tile_ratio=ms / same)
                 print(rows[-1])
     payload = {**common.environment(), "command": " ".join(sys.argv), "rows": rows}
     common.write_json(args.out, payload)
-    common.print_table(rows, ["epilogue", "M", "N", "K", "config", "ms", "plain_ms", "ratio"])
+    cols = ["epilogue", "M", "N", "K", "config", "ms", "plain_ms", "ratio"]
+    if args.same_tile:
+        cols += ["plain_same_tile_ms", "same_tile_ratio"]
+    common.print_table(rows, cols)
 
 
 if __name__ == "__main__":
