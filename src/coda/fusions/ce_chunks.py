@@ -30,8 +30,9 @@ dtype), and with more than one row chunk an fp32 V x H dW accumulator and dh of 
 before the last chunk, the per-chunk partials of the fused reductions, fp32 rows x H
 temporaries when V mod 8 != 0, O(M) vectors. With several chunks the backward holds the
 same (the last chunk's dlogits in the row buffer, the accumulators) while its GEMMs
-write dh and dW; with one, it scales the saved dh and dW (a copy of them when the graph
-is kept).
+write dh and dW, with one chunk likewise (``ce_fused.DEFER_ONE_CHUNK``, the default;
+with it off, the backward scales the saved dh and dW, a copy of them when the graph is
+kept).
 """
 
 from __future__ import annotations
