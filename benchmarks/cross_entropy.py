@@ -74,17 +74,12 @@ def eager_loss(h: torch.Tensor, W: torch.Tensor, t: torch.Tensor) -> torch.Tenso
     return F.cross_entropy((h @ W.T).float(), t, ignore_index=-100)
 
 
-def _with_knobs(**knobs) -> Callable:
-    """coda's loss run with ``ce_fused`` module knobs set (e.g. ``DEFER_ONE_CHUNK=False``:
-    with one row chunk, dh and dW in the forward; ``BACKWARD_TILES=None``: the deferred
-    GEMMs on the fused default tiles). ``make_pass`` keeps them set over the backward
-    too."""
-
-    def run(h: torch.Tensor, W: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-        return linear_cross_entropy(h, W, t)
-
-    run.knobs = knobs
-    return run
+#: contenders that are coda's default loss with ``ce_fused`` module knobs set over the
+#: whole pass, forward and backward (A/B candidates)
+KNOBS = {
+    "coda_forward_gemms": {"DEFER_ONE_CHUNK": False},  # one row chunk: dh, dW in the forward
+    "coda_fused_tiles": {"BACKWARD_TILES": None},  # deferred GEMMs on fused 128 x 128 tiles
+}
 
 
 def _knobs_set(knobs: dict, inner: Callable[[], object]) -> Callable[[], object]:
@@ -105,8 +100,7 @@ def loss_functions() -> dict[str, Callable | None]:
     fns: dict[str, Callable | None] = {
         "coda": lambda h, W, t: linear_cross_entropy(h, W, t),
         "coda_recompute": lambda h, W, t: linear_cross_entropy(h, W, t, grad_in_forward=False),
-        "coda_forward_gemms": _with_knobs(DEFER_ONE_CHUNK=False),
-        "coda_fused_tiles": _with_knobs(BACKWARD_TILES=None),
+        **{name: linear_cross_entropy for name in KNOBS},
         "eager": eager_loss,
         "compile": torch.compile(eager_loss),
     }
@@ -128,12 +122,11 @@ def loss_functions() -> dict[str, Callable | None]:
     return fns
 
 
-def make_pass(fn: Callable, kind: str, h, W, t) -> Callable[[], object]:
+def make_pass(fn: Callable, kind: str, h, W, t, knobs: dict | None = None) -> Callable[[], object]:
     if kind == "fwd":
         run = lambda: fn(h, W, t)  # noqa: E731
     else:
         run = lambda: torch.autograd.grad(fn(h, W, t), (h, W))  # noqa: E731
-    knobs = getattr(fn, "knobs", None)
     return _knobs_set(knobs, run) if knobs else run
 
 
@@ -210,7 +203,7 @@ def bench_shape(
         for name, fn in fns.items():
             if fn is None:
                 continue
-            run = make_pass(fn, kind, h, W, t)
+            run = make_pass(fn, kind, h, W, t, KNOBS.get(name))
             try:
                 peak, work = peak_gib(run)
             except torch.cuda.OutOfMemoryError:

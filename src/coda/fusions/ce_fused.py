@@ -251,10 +251,10 @@ class _Walk:
         self.last: tuple = (None, None)
 
     def _allocate(self, M: int, H: int, V: int) -> None:
-        """The per-row losses and the gradients asked for: with one row chunk dh and dW
-        whole (in h's and W's dtypes); with several, dh of the rows before the last
-        chunk and the fp32 dW sum of those chunks (the backward finishes both); dbias in
-        fp32."""
+        """The per-row losses and the gradients asked for: dh of the rows before the last
+        chunk and, with several chunks, the fp32 dW sum of those chunks (the backward
+        finishes both); with the last chunk not deferred (one chunk, ``DEFER_ONE_CHUNK``
+        off) dh and dW whole in h's and W's dtypes; dbias in fp32."""
         spec, device = self.spec, self.h.device
         self.row_loss = torch.empty(M, dtype=F32, device=device)
         self.dh = self.dW = self.dW32 = None
@@ -278,7 +278,8 @@ class _Walk:
 
     def run(self) -> list[torch.Tensor | None]:
         """[loss, dh, dW, dbias, drstd, dl_last, dl_tail] as ``lce_fused_loss`` returns
-        them (with several row chunks dh and dW are the partial ones; None: not made)."""
+        them (dh and dW the partial ones when the last chunk is deferred; None: not
+        made)."""
         for i, (r0, r1) in enumerate(self.plan):
             self._chunk(i, r0, r1)
         loss = self.row_loss.sum() / self.denom
@@ -373,9 +374,10 @@ class _Walk:
         out.copy_(acc)
 
     def _dW(self, i: int, hf, h_c, dl, dl_t) -> None:
-        """Step 5: dW = dlogits.T @ h_c in W's dtype with one row chunk; with several, the
-        fp32 dW sum (+)= it (the first chunk writes, the next ones add; the backward adds
-        the last chunk's and rounds once)."""
+        """Step 5 of a chunk not deferred: dW = dlogits.T @ h_c in W's dtype with one row
+        chunk (``DEFER_ONE_CHUNK`` off); with several, the fp32 dW sum (+)= it (the first
+        chunk writes, the next ones add; the backward adds the last chunk's and rounds
+        once)."""
         main = self.spec.main
         if self.dW32 is None:
             if dl is not None:
@@ -445,11 +447,11 @@ def _last_chunk(M, rows: int) -> tuple[bool, int]:
 
 def _outputs_like(h, W, bias, rstd, rows: int, need: tuple[bool, ...]) -> list:
     """Empty tensors of the op's outputs, shape (0,) where not made: the 0-dim fp32
-    loss; with one row chunk dh (M, H) and dW (V, H) in h's and W's dtypes, with several
-    dh_part (rows before the last chunk, H) and the fp32 dW_part (V, H); dbias (V,) in
-    bias's dtype, fp32 drstd (M,); with several row chunks, when dh or dW is asked for,
-    the last chunk's dlogits (m_last, V') in h's dtype and its tail's fp32 (m_last, V mod
-    8)."""
+    loss; dh_part (rows before the last chunk, H) in h's dtype; with several row chunks
+    the fp32 dW_part (V, H) of the chunks before the last; dbias (V,) in bias's dtype,
+    fp32 drstd (M,); when dh or dW is asked for, the last chunk's dlogits (m_last, V') in
+    h's dtype and its tail's fp32 (m_last, V mod 8). With the last chunk not deferred
+    (one chunk, ``DEFER_ONE_CHUNK`` off): dh (M, H) and dW (V, H) whole, no dlogits."""
     need_dh, need_dW, need_dbias, need_drstd = need
     M, H = h.shape
     V = W.shape[0]
@@ -497,12 +499,13 @@ def lce_fused_loss(
     """(loss, dh, dW, dbias, drstd, dl_last, dl_tail): the fp32 scalar loss
     sum_rows(row loss) / ``denom`` (a 0-dim fp32 tensor: the valid-row count, 1, or
     num_items_in_batch) of the logits softcap(rstd * h @ W.T + bias), and its gradients
-    for an upstream gradient of 1: dbias (bias's dtype) and drstd (fp32); with one row
-    chunk dh and dW whole (h's and W's dtypes; dl_last and dl_tail empty); with several,
-    dh of the rows before the last chunk, the fp32 dW sum of the chunks before the last
-    and the last chunk's dlogits (h's dtype; the V mod 8 tail's in fp32), which
-    ``lce_fused_finish`` turns into dh and dW. Each is shape (0,) where not asked for
-    (``need_*``). ``chunk_rows``: rows per chunk, 0 for ``ce_chunks.grad_rows``.
+    for an upstream gradient of 1: dbias (bias's dtype) and drstd (fp32); dh of the rows
+    before the last chunk, with several chunks the fp32 dW sum of the chunks before the
+    last, and the last chunk's dlogits (h's dtype; the V mod 8 tail's in fp32), which
+    ``lce_fused_finish`` turns into dh and dW (with ``DEFER_ONE_CHUNK`` off and one row
+    chunk: dh and dW whole in h's and W's dtypes, dl_last and dl_tail empty). Each is
+    shape (0,) where not asked for (``need_*``). ``chunk_rows``: rows per chunk, 0 for
+    ``ce_chunks.grad_rows``.
     Targets are range-checked on CPU, and on CUDA when ``check`` (a device sync)."""
     check_operands(h, W, target, bias, rstd)
     V = W.shape[0]
@@ -667,9 +670,10 @@ def _scale_in_place(g: torch.Tensor, saved: list) -> bool:
 
 
 def _fused_backward(ctx, g_loss, *unused):
-    """With one row chunk, the saved gradients times g (in place when ``_scale_in_place``
-    allows); with several, dh and dW by ``lce_fused_finish`` (the last row chunk's GEMMs,
-    g folded into their epilogue) and dbias, drstd times g. Under ``create_graph`` with g
+    """dh and dW by ``lce_fused_finish`` (the last row chunk's GEMMs, g folded into their
+    epilogue) and dbias, drstd times g; with nothing deferred (one row chunk,
+    ``DEFER_ONE_CHUNK`` off) the saved gradients times g (in place when
+    ``_scale_in_place`` allows). Under ``create_graph`` with g
     requiring grad the GEMMs run for g = 1 and plain products by g follow (differentiable
     in g)."""
     if g_loss is None:
@@ -677,7 +681,7 @@ def _fused_backward(ctx, g_loss, *unused):
     h, W, dh_saved, dW_saved, dbias, drstd, dl_last, dl_tail = ctx.saved_tensors
     need_dh, need_dW, need_dbias, need_drstd = ctx.need
     dbias, drstd = (dbias if need_dbias else None), (drstd if need_drstd else None)
-    if dl_last.dim() != 2 and dl_tail.dim() != 2:  # one row chunk: the gradients are whole
+    if dl_last.dim() != 2 and dl_tail.dim() != 2:  # nothing deferred: the gradients are whole
         saved = [dh_saved if need_dh else None, dW_saved if need_dW else None, dbias, drstd]
         dh, dW, dbias, drstd = _scaled(saved, g_loss, in_place=_scale_in_place(g_loss, saved))
         return (dh, dW, None, dbias, drstd) + (None,) * 11
