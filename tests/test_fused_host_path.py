@@ -200,3 +200,43 @@ def test_non_tensor_operands_get_the_readable_error(rec):
     epi, A, B, tensors = _inputs("rmsnorm_fwd", 300, 520, 64)
     with pytest.raises(TypeError, match="A must be a torch.Tensor"):
         epi(None, B, config=CONFIG, **tensors)
+
+
+def _shape_of(args):
+    """The launch arguments with every tensor as (shape, dtype): comparable across calls."""
+    if isinstance(args, tuple):
+        return tuple(_shape_of(a) for a in args)
+    if isinstance(args, torch.Tensor):
+        return (tuple(args.shape), args.dtype)
+    return args
+
+
+@pytest.mark.parametrize("name", sorted(EPILOGUES))
+@pytest.mark.parametrize("n", [528, -(-(finalize.ROWS_IN_GEMM_MAX_N + 8) // 16) * 16])
+def test_bound_call_launches_what_the_generic_path_does(rec, name, n):
+    """The generated straight-line call (``bound_call``) passes the kernel the arguments
+    the generic path (caller-supplied outputs) passes, the caller's inputs themselves,
+    runs the same finalize and returns the results; its code has no loop."""
+    epi, A, B, tensors = _inputs(name, 64, n, 64)
+    mine = {s.name: torch.empty(s.shape(64, n, (128, 128)), dtype=s.dtype) for s in epi.outputs}
+    generic = epi(A, B, config=CONFIG, outputs=mine, **tensors)
+    bound = epi(A, B, config=CONFIG, **tensors)
+    (call,) = epilogue_kernels._calls.values()
+    assert "for " not in call.__coda_source__ and "while " not in call.__coda_source__
+    first, second = rec.gemm
+    assert _shape_of(first) == _shape_of(second)
+    assert first[0] is second[0] is A and first[1] is second[1] is B
+    for a, b in zip(first[3], second[3], strict=True):  # the loads: the caller's tensors
+        assert a is b
+    for a, b in zip(first[4], second[4], strict=True):  # the extras: inputs, scalars or outputs
+        if isinstance(a, torch.Tensor) and any(a is t for t in tensors.values()):
+            assert a is b
+        elif not isinstance(a, torch.Tensor):
+            assert a == b
+    (plan,) = epilogue_kernels._plans.values()
+    launches = plan.finalizer is not None and plan.finalizer.launch is not None
+    assert len(rec.finalize) == (2 if launches else 0)
+    if launches:
+        assert _shape_of(rec.finalize[0]) == _shape_of(rec.finalize[1])
+    assert set(bound) == {s.name for s in epi.outputs if not s.is_partials}
+    assert set(bound) <= set(generic)

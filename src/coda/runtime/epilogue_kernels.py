@@ -48,7 +48,7 @@ from ..mainloop.config import (
     choose_epilogue_config,
     epilogue_size_class,
 )
-from . import checks, finalize, gemm_kernels
+from . import bound_call, checks, finalize, gemm_kernels
 from .fused import FusedVisitor, counter_slots, n_multiple, unsupported
 from .operands import cached_problem
 
@@ -147,6 +147,7 @@ class EpiloguePlan:
         #: per-tile partials (scratch of the kernel's tiling, see :class:`StreamScratch`)
         self.result_names = tuple(s.name for s in epi.outputs if not s.is_partials)
         self._sizes: dict[tuple[int, int], tuple] = {}
+        self._bound: dict[tuple[int, int], bound_call.BoundCall] = {}
 
     def sizes(self, m: int, n: int) -> tuple:
         """At (M, N), computed once per problem size: ((name, shape, dtype, is_tile) of each
@@ -239,20 +240,44 @@ class EpiloguePlan:
     def launch(self, A, B, tensors: Mapping[str, Any], m: int, n: int) -> dict:
         """The call with every output allocated here (the hot path: no checks). Returns
         the results and M x N outputs; the partials live in the stream's scratch."""
-        outs, work, extent, slots = self.sizes(m, n)
-        device = self.device
-        # sizes as separate ints: torch parses them faster than a tuple
-        out = {
-            name: torch.empty(*shape, dtype=dtype, device=device) for name, shape, dtype, _ in outs
-        }
-        counters = None
-        if work[0] or slots:
-            partials, counters = _scratch(device).get(self, m, n, work, slots)
-            out.update(partials)
-        self._launch(A, B, tensors, out, counters, m, n, extent, {})
-        if work[0]:
-            return {name: out[name] for name in self.result_names}
-        return out
+        got = self.bound(m, n)(A, B, tensors)
+        if got is None:
+            raise InputError("A, B and every M x N tensor must start 16-byte aligned (TMA)")
+        return got
+
+    def bound(self, m: int, n: int) -> bound_call.BoundCall:
+        """The straight-line host code of a call at (M, N) (:mod:`.bound_call`): the
+        allocations, the scratch it borrows, one kernel launch and the finalize, written
+        out once for this plan and size."""
+        fn = self._bound.get((m, n))
+        if fn is None:
+            outs, work, extent, slots = self.sizes(m, n)
+            device = self.device
+
+            def lend():
+                return _scratch(device).get(self, m, n, work, slots)
+
+            def after(out):
+                self.finalizer(out, m, n, extent, {})
+
+            fn = bound_call.bind(
+                kernel=self.kernel,
+                device=device,
+                allocated=tuple((name, shape, dtype) for name, shape, dtype, _ in outs),
+                partials=tuple(v[0] for v in work[1]),
+                counters=bool(slots),
+                lend=lend if work[0] or slots else None,
+                store_names=self.store_names,
+                load_names=self.load_names,
+                tile_inputs=self.tile_inputs,
+                extras=self.extras,
+                finalize=after if self.after else None,
+                returned=self.result_names,
+            )
+            if len(self._bound) > 256:
+                self._bound.clear()
+            self._bound[(m, n)] = fn
+        return fn
 
     def _launch(self, A, B, tensors, out, counters, m, n, extent, given) -> None:
         extras = [
@@ -402,14 +427,11 @@ def run(
     declared shapes and dtypes."""
     sig = None if outputs or check_contents else _signature(epi, config, A, B, tensors)
     if sig is not None:
-        hit = _calls.get(sig)
-        if hit is not None:
-            plan, m, n, tiles = hit
-            ptrs = A.data_ptr() | B.data_ptr()
-            for name in tiles:
-                ptrs |= tensors[name].data_ptr()
-            if not ptrs & 15:  # TMA's base-pointer rule (views may start anywhere)
-                return plan.launch(A, B, tensors, m, n)
+        call = _calls.get(sig)
+        if call is not None:
+            got = call(A, B, tensors)
+            if got is not None:  # else a base pointer breaks TMA's rule: the full path
+                return got
     if not epi.outputs:
         raise InputError("this epilogue has no outputs: add a TileStore, TileReduce or ...")
     m, n, k, a_major, b_major = cached_problem(A, B)
@@ -419,15 +441,16 @@ def run(
     if sig is not None:
         if len(_calls) > 4096:
             _calls.clear()
-        _calls[sig] = (plan, m, n, plan.tile_inputs)
+        _calls[sig] = plan.bound(m, n)
     return plan(A, B, tensors, outputs)
 
 
-#: call signature (:func:`_signature`) -> (plan, M, N, names of the M x N inputs): a call
-#: whose every tensor has the dtype, device, shape and strides of an earlier call that
-#: passed the checks needs only its base pointers checked (fail-closed: any difference,
-#: a new name or a non-tensor in a tensor's place, misses and takes the full path).
-_calls: dict[tuple, tuple] = {}
+#: call signature (:func:`_signature`) -> the plan's bound call at that size
+#: (:meth:`EpiloguePlan.bound`): a call whose every tensor has the dtype, device, shape and
+#: strides of an earlier call that passed the checks needs only its base pointers checked,
+#: which the bound call does (fail-closed: any difference, a new name or a non-tensor in a
+#: tensor's place, misses and takes the full path).
+_calls: dict[tuple, bound_call.BoundCall] = {}
 
 
 def _signature(epi, config, A, B, tensors: Mapping[str, Any]) -> tuple | None:
