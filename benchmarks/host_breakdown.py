@@ -6,7 +6,9 @@ For the RMSNorm-forward, SwiGLU-forward and LSE+target catalogue epilogues (cach
 kernels, GPU kept busy by a sleep kernel so only the host is timed, as in
 ``launch_overhead.py``): the whole ``epi(A, B, **tensors)`` call, ``epilogue_kernels.run``
 alone, the plan's hot path (``EpiloguePlan.launch``: allocations + launches, no
-look-ups), and its pieces: the call signature and its look-up, the cached sizes, the
+look-ups), the bound call alone (``bound``: the generated code a repeated call runs,
+:mod:`coda.runtime.bound_call`) beside the plan's generic code doing the same work
+(``generic``), and its pieces: the call signature and its look-up, the cached sizes, the
 output allocations, the stream scratch, the GEMM launch and the finalize launch (when
 the plan has one), each in a loop of its own. Writes JSON rows ``{"name", "shape", "step", "us"}``.
 """
@@ -35,7 +37,9 @@ def steps(name: str, size: int) -> dict:
     A, B, t = common.cuda_inputs(epi, size, size, size)
     epi(A, B, **t)  # compile / load, build the plan and the call signature's entry
     sig = ek._signature(epi, None, A, B, t)
-    plan, m, n, _ = ek._calls[sig]
+    m, n = A.shape[0], B.shape[0]
+    plan = next(p for key, p in ek._plans.items() if key[0] is epi)
+    bound = ek._calls[sig]
     outs, work, extent, slots = plan.sizes(m, n)
     device = plan.device
     out = {name: torch.empty(*shape, dtype=dtype, device=device) for name, shape, dtype, _ in outs}
@@ -57,11 +61,26 @@ def steps(name: str, size: int) -> dict:
         for _, shape, dtype, _ in outs:
             torch.empty(*shape, dtype=dtype, device=device)
 
+    def generic():
+        """The same call through the plan's generic code (the path of calls that pass
+        ``outputs``, and every repeated call before the bound call): loops over names."""
+        o = {nm: torch.empty(*shape, dtype=dtype, device=device) for nm, shape, dtype, _ in outs}
+        c = None
+        if work[0] or slots:
+            partials, c = ek._scratch(device).get(plan, m, n, work, slots)
+            o.update(partials)
+        plan._launch(A, B, t, o, c, m, n, extent, {})
+        return {nm: o[nm] for nm in plan.result_names}
+
     fns = {
         "call": lambda: epi(A, B, **t),
         # the same call without Epilogue.__call__, then without the signature look-up
         "run": lambda: ek.run(epi, A, B, t),
         "launch": lambda: plan.launch(A, B, t, m, n),
+        # the bound call alone (what a repeated call runs after its look-up) beside the
+        # generic code doing the same work
+        "bound": lambda: bound(A, B, t),
+        "generic": generic,
         "signature": lambda: ek._signature(epi, None, A, B, t),
         "lookup": lambda: ek._calls.get(sig),
         "sizes": lambda: plan.sizes(m, n),

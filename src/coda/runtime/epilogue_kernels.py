@@ -24,7 +24,9 @@ travel to it. A call then does only:
 
 A repeated call -- the same epilogue, config and tensor dtypes, devices, shapes and
 strides as an earlier call that passed the checks -- is recognized by one dictionary
-look-up of that signature (:func:`_signature`) and then checks only its base pointers.
+look-up of that signature (:func:`_signature`) and runs the plan's bound call at that
+size (:mod:`.bound_call`: straight-line code written once, which checks only the base
+pointers, allocates, borrows the scratch and launches).
 
 No host synchronization happens (tensor *values* are checked only with
 ``check_contents=True``) and nothing is allocated that the caller did not ask for, so a
