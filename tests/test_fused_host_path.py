@@ -182,6 +182,16 @@ def test_repeated_calls_skip_the_checks_and_stay_fail_closed(rec, monkeypatch):
     with pytest.raises((InputError, TypeError), match="residual"):
         epi(A, B, config=CONFIG, **{**tensors, "residual": tensors["residual"].float()})
     assert full
+    # so do a missing name, an extra one and a number in a tensor's place
+    missing = {k: v for k, v in tensors.items() if k != "gamma"}
+    with pytest.raises((InputError, TypeError), match="gamma"):
+        epi(A, B, config=CONFIG, **missing)
+    with pytest.raises((InputError, TypeError), match="bogus"):
+        epi(A, B, config=CONFIG, **tensors, bogus=tensors["gamma"])
+    with pytest.raises((InputError, TypeError), match="residual"):
+        epi(A, B, config=CONFIG, **{**tensors, "residual": 1.0})
+    assert epilogue_kernels._signature(epi, CONFIG, A, B, missing) is None
+    assert epilogue_kernels._signature(epi, CONFIG, A, B, {**tensors, "residual": 1.0}) is None
 
 
 def test_large_partials_get_a_workspace_per_call(rec, monkeypatch):

@@ -98,3 +98,37 @@ def bind(
     fn = env["call"]
     fn.__coda_source__ = source
     return fn
+
+
+def signature_of(inputs: tuple[tuple[str, bool], ...]) -> Callable[..., tuple | None]:
+    """The call-signature function of an epilogue whose inputs are ``inputs`` ((name,
+    is_scalar) each): ``sig(epi, config, A, B, tensors)`` returns the tuple that
+    identifies a call -- the epilogue, config, and for A, B and each input tensor its
+    type, shape, strides, dtype and device; for a scalar its type -- or None when the
+    call cannot be identified cheaply (a name missing or extra, a non-tensor where a
+    tensor goes): the full checks then name the problem. Written out per epilogue, as
+    the bound call is, so a call pays no loop over its inputs."""
+    env: dict[str, Any] = {}
+    lines = [
+        "def sig(epi, config, A, B, t):",
+        f"    if len(t) != {len(inputs)}:",
+        "        return None",
+    ]
+    lines.append("    try:")
+    parts = ["epi", "config"]
+    for x in ("A", "B"):
+        parts += [f"type({x})", f"{x}.shape", f"{x}.stride()", f"{x}.dtype", f"{x}.device"]
+    for i, (name, scalar) in enumerate(inputs):
+        lines.append(f"        i{i} = t[{name!r}]")
+        if scalar:
+            parts.append(f"type(i{i})")
+        else:
+            parts += [f"type(i{i})", f"i{i}.shape", f"i{i}.stride()", f"i{i}.dtype", f"i{i}.device"]
+    lines.append("        return (" + ", ".join(parts) + ",)")
+    lines.append("    except (KeyError, AttributeError, TypeError):")
+    lines.append("        return None")
+    source = "\n".join(lines) + "\n"
+    exec(compile(source, "<coda call signature>", "exec"), env)  # noqa: S102 -- see module docstring
+    fn = env["sig"]
+    fn.__coda_source__ = source
+    return fn

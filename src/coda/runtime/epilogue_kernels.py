@@ -455,18 +455,22 @@ def run(
 _calls: dict[tuple, bound_call.BoundCall] = {}
 
 
+#: epilogue -> its call-signature function (:func:`bound_call.signature_of`)
+_signature_fns: dict[Epilogue, Any] = {}
+
+
 def _signature(epi, config, A, B, tensors: Mapping[str, Any]) -> tuple | None:
-    """The call's signature, or None when A or B is no tensor (the full checks say so)."""
-    if not (isinstance(A, torch.Tensor) and isinstance(B, torch.Tensor)):
-        return None
-    parts = [epi, config, A.shape, A.stride(), A.dtype, A.device]
-    parts += (B.shape, B.stride(), B.dtype, B.device)
-    for name, v in tensors.items():
-        if isinstance(v, torch.Tensor):
-            parts += (name, v.shape, v.stride(), v.dtype, v.device)
-        else:  # a scalar: its value travels per call, its type is part of the check
-            parts += (name, type(v))
-    return tuple(parts)
+    """The call's signature, or None when it cannot be identified cheaply (A or B no
+    tensor, a name missing or extra, a non-tensor in a tensor's place: the full checks
+    say which)."""
+    fn = _signature_fns.get(epi)
+    if fn is None:
+        if len(_signature_fns) > 4096:
+            _signature_fns.clear()
+        fn = _signature_fns[epi] = bound_call.signature_of(
+            tuple((s.name, s.role == "scalar") for s in epi.inputs)
+        )
+    return fn(epi, config, A, B, tensors)
 
 
 def _full_checks(epi, A, B, tensors, n, need, check_contents) -> None:
