@@ -105,10 +105,10 @@ def steps(name: str, size: int) -> dict:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shape", type=int, default=512)
-    # 200 as in launch_overhead.py: with thousands of launches queued behind the sleep
-    # the launch queue of a kernel with many arguments (TMA descriptors) can fill, and
-    # the loop then waits for the GPU (2026-11-26: whole calls timed 2x the sum of
-    # their steps at 2000 calls)
+    # 200 as in launch_overhead.py (2026-11-26, one H200 host, 2000 calls per loop: whole
+    # calls timed up to 1.4-2x the sum of their steps, e.g. RMSNorm forward 28.0 us
+    # against 20.0 at 200 calls in the same run; thousands of launches queued behind the
+    # sleep are suspected of filling the launch queue, so the loop waits for the GPU)
     p.add_argument("--calls", type=int, default=200)
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--out", default="benchmarks/results/host_breakdown_h200.json")
