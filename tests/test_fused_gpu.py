@@ -18,7 +18,7 @@ if not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 
 from coda import Epilogue  # noqa: E402
 from coda.mainloop.config import GemmConfig  # noqa: E402
 from coda.primitives import Elementwise, TileLoad, TileReduce, TileStore, VecLoad, ops  # noqa: E402
-from coda.runtime import finalize  # noqa: E402
+from coda.runtime import epilogue_kernels, finalize  # noqa: E402
 from coda.runtime.fused import n_multiple  # noqa: E402
 from coda.testing import fns  # noqa: E402
 from coda.testing.catalog import EPILOGUES  # noqa: E402
@@ -188,6 +188,28 @@ def test_in_kernel_finalize_counters_reset_across_calls_and_streams(name):
     outs.append(epi(*runs[2][:2], config=CONFIG, **runs[2][2]))
     with torch.cuda.stream(side):
         outs.append(epi(*runs[3][:2], config=CONFIG, **runs[3][2]))
+    torch.cuda.synchronize()
+    for (A, B, t), got in zip(runs, outs, strict=True):
+        _assert_matches(epi, A, B, t, got)
+
+
+@pytest.mark.parametrize("where", ["in_gemm", "finalize_kernel"])
+@pytest.mark.parametrize("name", REDUCING)
+def test_repeated_calls_run_the_bound_call_right(name, where, monkeypatch):
+    """Calls without ``outputs`` (the bound call: generated straight-line host code, the
+    first call through the full checks, the next ones through the signature look-up)
+    on new inputs of the same signature: every call's results match its reference, with
+    the finalize in the GEMM kernel or in the finalize kernel."""
+    if where == "finalize_kernel":
+        monkeypatch.setattr(finalize, "IN_GEMM_MAX_TILES_PER_SM", 0)
+    # the signature cache does not see the threshold: start this case from an empty one
+    monkeypatch.setattr(epilogue_kernels, "_calls", {})
+    epi = EPILOGUES[name]
+    m, k = 1000, 136
+    n = -(-776 // n_multiple(epi)) * n_multiple(epi)
+    assert finalize.in_gemm(epi, CONFIG, m, n, 132) == (where == "in_gemm")
+    runs = [_inputs(epi, m, n, k, seed) for seed in range(3)]
+    outs = [epi(A, B, config=CONFIG, **t) for A, B, t in runs]
     torch.cuda.synchronize()
     for (A, B, t), got in zip(runs, outs, strict=True):
         _assert_matches(epi, A, B, t, got)
