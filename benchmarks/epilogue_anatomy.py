@@ -15,7 +15,8 @@ ingredient to the one before it, so the differences say what each costs:
 * ``sumsq_only``: the row reduction alone (no M x N load or store);
 * ``gu_copy`` (the width-2 gate/up tile loaded and stored back: SwiGLU backward's
   memory traffic), ``swiglu_bwd_map`` (+ its math), ``swiglu_bwd`` (+ the row partial);
-* ``colsum_only``, ``dgamma_colsum`` (+ a column max).
+* ``colsum_only``, ``dgamma_colsum`` (+ a column max);
+* ``lse_target`` (the loss's statistics: no M x N traffic, the most math per element).
 
 Then torch.profiler splits each variant's time into its GEMM kernel and its finalize
 kernel (``gemm_kernel_us``, ``finalize_kernel_us`` per call: a programmatic dependent
@@ -82,6 +83,7 @@ def variants() -> dict[str, Epilogue]:
         .add(Elementwise("gx", ops.mul, ins=("acc", "x_hat")))
         .add(TileReduce("dgamma", of="gx", op="sum", per="col")),
         "dgamma_colsum": EPILOGUES["dgamma_colsum"],
+        "lse_target": EPILOGUES["lse_target"],
     }
 
 
