@@ -209,6 +209,8 @@ class PingPongGemm(Producers, EpilogueIO):
                 for e, ld in ((config.epi_stages, config.load_stages), (2, 2), (1, 2), (1, 1))
             ]
             min_abs = (4, 2)
+        # a consumer holds mma_depth stages while it waits for the next one to fill
+        min_abs = tuple(max(m, config.mma_depth + 1) for m in min_abs)
         scratch_bytes = 4 * self.scratch_floats * (2 if concurrent else 1)
         for min_ab in min_abs:
             for epi_st, load_st in candidates:
@@ -621,19 +623,37 @@ class PingPongGemm(Producers, EpilogueIO):
                 ab_pipe.consumer_wait(read)
                 self._mma_ktile(tiled_mma, acc, tCrA, tCrB, k_blocks, read.index, zero_init=True)
                 read.advance()
+                depth = cfg.mma_depth
                 for _k in cutlass.range(1, k_tiles, unroll=1):
                     ab_pipe.consumer_wait(read)
                     self._mma_ktile(
                         tiled_mma, acc, tCrA, tCrB, k_blocks, read.index, zero_init=False
                     )
-                    warpgroup.wait_group(1)
-                    self._release(ab_pipe, release, cfg.cluster_m * cfg.cluster_n, ab_peers)
-                    release.advance()
+                    if const_expr(depth == 1):
+                        warpgroup.wait_group(1)
+                        self._release(ab_pipe, release, cfg.cluster_m * cfg.cluster_n, ab_peers)
+                        release.advance()
+                    else:
+                        # the first depth - 1 k-tiles fill the WGMMA queue
+                        if _k >= depth:
+                            warpgroup.wait_group(depth)
+                            self._release(
+                                ab_pipe, release, cfg.cluster_m * cfg.cluster_n, ab_peers
+                            )
+                            release.advance()
                     read.advance()
                 if const_expr(not cooperative):
                     self._turn_arrive(_Barrier.MMA_TURN, 1 - wg)
                 warpgroup.wait_group(0)
                 self._release(ab_pipe, release, cfg.cluster_m * cfg.cluster_n, ab_peers)
+                if const_expr(depth > 1):
+                    # the other stages still held: min(depth, k_tiles) in all
+                    for j in cutlass.range_constexpr(1, depth):
+                        if j < k_tiles:
+                            release.advance()
+                            self._release(
+                                ab_pipe, release, cfg.cluster_m * cfg.cluster_n, ab_peers
+                            )
 
                 # ---- epilogue (takes its turn on the store path, unless concurrent)
                 if const_expr(not concurrent):
