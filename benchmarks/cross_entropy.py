@@ -294,9 +294,18 @@ def main(argv=None) -> None:
         "--sweep", type=int, nargs="*", default=[], help="coda_recompute's vocabulary chunks"
     )
     p.add_argument("--rows-sweep", type=int, nargs="*", default=[], help="coda's row chunks")
+    p.add_argument(
+        "--extras",
+        nargs="*",
+        default=list(EXTRA),
+        choices=EXTRA,
+        help="which A/B contenders of EXTRA to time beside the five (default: all)",
+    )
     p.add_argument("--out", default="benchmarks/results/cross_entropy_h200.json")
     args = p.parse_args(argv)
     fns = loss_functions()
+    for name in set(EXTRA) - set(args.extras):
+        fns[name] = None
     result: dict = {"rows": [], "workspace": [], "floor": [], "sweep": []}
     env = _environment()
     for H in args.H:

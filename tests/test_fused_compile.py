@@ -260,3 +260,28 @@ def test_a_spilling_tile_is_narrowed_to_the_widest_that_does_not():
         for c in tile_candidates(wide)[:2]
     ]
     assert spills[0] > 0 and spills[1] == 0
+
+
+def test_epilogue_that_never_reads_acc_runs_no_mainloop(tmp_path):
+    """A map pass (an epilogue that does not read ``acc``: the loss's gradient map, the
+    RMSNorm / RoPE backward maps) compiles with no WGMMA and no A/B loads: its only TMA
+    loads are its own operands', so its kernel moves nothing but the epilogue's bytes. A
+    GEMM epilogue keeps its mainloop."""
+    if find_nvdisasm() is None:
+        pytest.skip("nvdisasm not installed")
+    from coda.fusions.ce_epilogues import grad_map_epilogue
+
+    grad = grad_map_epilogue(torch.bfloat16, torch.bfloat16, None, False, None, False, False, False)
+    assert not FusedVisitor(grad).reads_acc
+    assert FusedVisitor(EPILOGUES["rmsnorm_fwd"]).reads_acc
+    for epi, mainloop in ((grad, False), (EPILOGUES["residual_store"], True)):
+        cfg = epilogue_choice(epi, torch.bfloat16, 2048, 8192, 8, num_sms=132)[0]
+        key = gemm_kernels.GemmKernelKey(cfg, torch.bfloat16, FusedVisitor(epi))
+        _, cubin = gemm_kernels.compile_artifacts(key, str(tmp_path / str(mainloop)))
+        ops = opcode_counts(disassemble(cubin))
+        assert (count_prefix(ops, "HGMMA") > 0) == mainloop
+        assert count_prefix(ops, "LDL") == 0 and count_prefix(ops, "STL") == 0
+        assert count_prefix(ops, "UTMALDG") > 0  # the epilogue's own operand
+        # a mainloop's B tile is multicast to the 2 x 1 cluster's CTAs
+        multicast = [op for op in ops if op.startswith("UTMALDG") and "MULTICAST" in op]
+        assert bool(multicast) == mainloop

@@ -341,16 +341,3 @@ def test_catalogue_epilogue_on_wide_cooperative_tiles(name):
     cfg = GemmConfig(tile_m=256, tile_n=192, cluster_m=1, cluster_n=2)
     _check(EPILOGUES[name], (1000, 1160, 200), "wgrad", config=cfg)
     _check(EPILOGUES[name], (600, 776, 520), "fwd", config=cfg)
-
-
-#: two k-tiles of WGMMAs in flight (``GemmConfig.mma_depth``)
-DEEP_MMA = GemmConfig(tile_n=128, cluster_m=2, mma_depth=2)
-
-
-@pytest.mark.parametrize(
-    "shape", [(300, 520, 264), (1000, 776, 136)], ids=lambda s: "x".join(map(str, s))
-)
-@pytest.mark.parametrize("name", list(EPILOGUES))
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_deeper_mma_queue_epilogues_match_reference(name, shape, layout):
-    _check(EPILOGUES[name], shape, layout, config=DEEP_MMA)

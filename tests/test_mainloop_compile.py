@@ -287,26 +287,6 @@ def test_stage_release_arrives_on_the_ctas_that_multicast_into_it(sass_of, clust
     assert sum(ops[op] for op in multicast) >= (2 if cluster == (2, 2) else 1)  # A and B
 
 
-@pytest.mark.parametrize("depth", [2, 3])
-def test_deeper_mma_queue_waits_for_older_ktiles_only(sass_of, depth):
-    """``GemmConfig.mma_depth``: the k-loop's wait lets ``depth`` k-tiles of WGMMAs stay in
-    flight (``WARPGROUP.DEPBAR.LE gsb0, depth``) where the default lets one; still HGMMA,
-    no local memory, and a stage ring deep enough that the consumer can hold ``depth``
-    stages while the next fills."""
-    cfg = GemmConfig(tile_n=128, cluster_m=2, mma_depth=depth)
-    _, sass = sass_of(cfg, torch.bfloat16, torch.bfloat16)
-    ops = opcode_counts(sass)
-    assert f"WARPGROUP.DEPBAR.LE gsb0, 0x{depth}" in sass
-    assert "WARPGROUP.DEPBAR.LE gsb0, 0x1" not in sass
-    assert count_prefix(ops, "HGMMA") > 0
-    assert count_prefix(ops, "LDL") == 0 and count_prefix(ops, "STL") == 0
-    from coda.mainloop.dtypes import to_cutlass
-    from coda.mainloop.kernel import PingPongGemm
-
-    kernel = PingPongGemm(cfg, to_cutlass(torch.bfloat16), AccStore(torch.bfloat16))
-    assert kernel.ab_stages > depth
-
-
 def test_fuzz_cooperative_config_takes_what_fits():
     """``python -m coda.testing.fuzz --cooperative`` runs a drawn composition on 256 x 128
     tiles when its buffers fit shared memory there, and on the default config when not

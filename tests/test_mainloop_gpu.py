@@ -397,36 +397,3 @@ def test_short_swizzle_groups_on_a_long_k_ragged_gemm(layout):
         assert not out.isnan().any(), "unwritten output elements"
         err, base = _errors(a0, b0, out, torch.bfloat16)
         assert err <= 2 * base + 1e-6, (group_m, err, base)
-
-
-#: WGMMA queues two and three k-tiles deep (``GemmConfig.mma_depth``), PingPong and
-#: cooperative, in clusters of 1, 2 and 2 x 2 CTAs
-DEEP_MMA = [
-    GemmConfig(tile_n=128, cluster_m=2, mma_depth=2),
-    GemmConfig(tile_n=192, cluster_m=2, mma_depth=3),
-    GemmConfig(tile_n=128, cluster_m=1, mma_depth=2),
-    GemmConfig(tile_n=128, cluster_m=2, cluster_n=2, mma_depth=2),
-    GemmConfig(tile_m=256, tile_n=128, cluster_m=2, mma_depth=2),
-]
-
-
-@pytest.mark.parametrize("config", DEEP_MMA, ids=str)
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-@pytest.mark.parametrize(
-    "shape", [(1111, 1320, 1048), (129, 136, 72), (300, 200, 40), (4096, 2048, 1024)]
-)
-def test_deeper_mma_queue_is_bit_identical(config, layout, shape):
-    """More WGMMA k-tiles in flight change when stages are released, not the order of the
-    accumulation: the output equals the depth-1 kernel's bit for bit, for any number of
-    k-tiles (1 at K = 40, fewer than the depth included), and is within the error rule."""
-    import attrs
-
-    _check_layout(config, layout, shape, seed=11)
-    m, n, k = shape
-    g = torch.Generator(device="cuda").manual_seed(3)
-    a = torch.randn(m, k, device="cuda", generator=g).to(torch.bfloat16)
-    b = torch.randn(n, k, device="cuda", generator=g).to(torch.bfloat16)
-    a_v, b_v = operands(a, b, layout)
-    deep = gemm(a_v, b_v, config=config)
-    base = gemm(a_v, b_v, config=attrs.evolve(config, mma_depth=1))
-    assert torch.equal(deep, base)

@@ -109,12 +109,6 @@ class GemmConfig:
     #: checked on the CPU (SASS, the copy's data movement run on the host), not yet run
     #: on a GPU
     staggered_copies: bool = attrs.field(default=False, validator=_is_bool)
-    #: k-tiles of WGMMAs a consumer warpgroup keeps in flight (``wgmma.wait_group``
-    #: depth) before it releases the oldest A/B stage: 1 (CUTLASS's default) leaves the
-    #: warp one k-tile (~500 cycles at 128 x 128 x 64) to release a stage, wait for the
-    #: next and issue its WGMMAs; 2 gives it two, at the price of one more stage held
-    #: by the consumer
-    mma_depth: int = attrs.field(default=1, validator=_check_in((1, 2, 3)))
 
     def __attrs_post_init__(self) -> None:
         if (self.cluster_m, self.cluster_n) not in _CLUSTERS:

@@ -30,6 +30,10 @@ Schedule (one CTA = 3 warpgroups, 384 threads, persistent over output tiles):
   subtile by subtile through TMA, into a ring of ``load_stages`` shared-memory buffers
   ahead of the epilogue that reads them. TMA clips out-of-bounds rows and columns and
   zero-fills out-of-bounds loads, so ragged M, N, K need no masking in the kernel.
+* a visitor that never reads the accumulator (``reads_acc`` False: a map pass, an
+  epilogue over M x N operands alone) gets no mainloop: no A/B loads, no WGMMA, no turns
+  on the tensor cores; each tile is its epilogue. (A map pass on the zero GEMM of K = 8
+  it ran on before moved 2.98 TB/s, now 3.46: ``results/map_pass_no_mainloop_h200.json``.)
 """
 
 from __future__ import annotations
@@ -119,6 +123,9 @@ class PingPongGemm(Producers, EpilogueIO):
         self.ab_dtype = ab_dtype
         self.acc_dtype = Float32
         self.visitor = visitor if visitor is not None else AccStore()
+        # an epilogue that never reads acc (a map pass) needs no mainloop: no A/B loads,
+        # no WGMMA, no turns on the tensor cores; its tiles are epilogues back to back
+        self.mainloop = bool(getattr(self.visitor, "reads_acc", True))
         self.num_sms = num_sms
         self.cluster_size = config.cluster_m * config.cluster_n
         self.num_mcast_a = config.cluster_n  # A tile shared by CTAs along N
@@ -209,8 +216,6 @@ class PingPongGemm(Producers, EpilogueIO):
                 for e, ld in ((config.epi_stages, config.load_stages), (2, 2), (1, 2), (1, 1))
             ]
             min_abs = (4, 2)
-        # a consumer holds mma_depth stages while it waits for the next one to fill
-        min_abs = tuple(max(m, config.mma_depth + 1) for m in min_abs)
         scratch_bytes = 4 * self.scratch_floats * (2 if concurrent else 1)
         for min_ab in min_abs:
             for epi_st, load_st in candidates:
@@ -498,7 +503,7 @@ class PingPongGemm(Producers, EpilogueIO):
             cute.arch.setmaxregister_decrease(
                 REGS_PRODUCER_COOPERATIVE if const_expr(self.cooperative) else REGS_PRODUCER
             )
-            if warp_idx == PRODUCER_WARP:
+            if warp_idx == PRODUCER_WARP and const_expr(self.mainloop):
                 self._produce_ab(
                     tma_a,
                     tma_b,
@@ -593,10 +598,14 @@ class PingPongGemm(Producers, EpilogueIO):
                 pipeline.PipelineUserType.Consumer, self.load_stages
             )
             cooperative = self.cooperative
+            mainloop = self.mainloop
+            if const_expr(not mainloop):
+                acc.fill(0.0)  # never read by the epilogue; defined all the same
             if const_expr(not cooperative):
                 if wg == 0:
                     # warpgroup 0 goes first: it signals its own turn barriers once.
-                    self._turn_arrive(_Barrier.MMA_TURN, 0)
+                    if const_expr(mainloop):
+                        self._turn_arrive(_Barrier.MMA_TURN, 0)
                     if const_expr(not concurrent):
                         self._turn_arrive(_Barrier.EPI_TURN, 0)
                 # warpgroup 1 starts on the second tile: skip warpgroup 0's stages.
@@ -617,43 +626,28 @@ class PingPongGemm(Producers, EpilogueIO):
                     tm = 2 * tm + wg  # this warpgroup's 128-row half of the CTA tile
 
                 # ---- mainloop (takes its turn on the tensor cores, unless cooperative)
-                if const_expr(not cooperative):
-                    self._turn_wait(_Barrier.MMA_TURN, wg)
-                release = read.clone()
-                ab_pipe.consumer_wait(read)
-                self._mma_ktile(tiled_mma, acc, tCrA, tCrB, k_blocks, read.index, zero_init=True)
-                read.advance()
-                depth = cfg.mma_depth
-                for _k in cutlass.range(1, k_tiles, unroll=1):
+                if const_expr(mainloop):
+                    if const_expr(not cooperative):
+                        self._turn_wait(_Barrier.MMA_TURN, wg)
+                    release = read.clone()
                     ab_pipe.consumer_wait(read)
                     self._mma_ktile(
-                        tiled_mma, acc, tCrA, tCrB, k_blocks, read.index, zero_init=False
+                        tiled_mma, acc, tCrA, tCrB, k_blocks, read.index, zero_init=True
                     )
-                    if const_expr(depth == 1):
+                    read.advance()
+                    for _k in cutlass.range(1, k_tiles, unroll=1):
+                        ab_pipe.consumer_wait(read)
+                        self._mma_ktile(
+                            tiled_mma, acc, tCrA, tCrB, k_blocks, read.index, zero_init=False
+                        )
                         warpgroup.wait_group(1)
                         self._release(ab_pipe, release, cfg.cluster_m * cfg.cluster_n, ab_peers)
                         release.advance()
-                    else:
-                        # the first depth - 1 k-tiles fill the WGMMA queue
-                        if _k >= depth:
-                            warpgroup.wait_group(depth)
-                            self._release(
-                                ab_pipe, release, cfg.cluster_m * cfg.cluster_n, ab_peers
-                            )
-                            release.advance()
-                    read.advance()
-                if const_expr(not cooperative):
-                    self._turn_arrive(_Barrier.MMA_TURN, 1 - wg)
-                warpgroup.wait_group(0)
-                self._release(ab_pipe, release, cfg.cluster_m * cfg.cluster_n, ab_peers)
-                if const_expr(depth > 1):
-                    # the other stages still held: min(depth, k_tiles) in all
-                    for j in cutlass.range_constexpr(1, depth):
-                        if j < k_tiles:
-                            release.advance()
-                            self._release(
-                                ab_pipe, release, cfg.cluster_m * cfg.cluster_n, ab_peers
-                            )
+                        read.advance()
+                    if const_expr(not cooperative):
+                        self._turn_arrive(_Barrier.MMA_TURN, 1 - wg)
+                    warpgroup.wait_group(0)
+                    self._release(ab_pipe, release, cfg.cluster_m * cfg.cluster_n, ab_peers)
 
                 # ---- epilogue (takes its turn on the store path, unless concurrent)
                 if const_expr(not concurrent):
@@ -741,7 +735,8 @@ class PingPongGemm(Producers, EpilogueIO):
                         epi_bar.arrive_and_wait()
                     t += num_clusters
                 else:
-                    read.advance(k_tiles)  # skip the other warpgroup's tile
+                    if const_expr(mainloop):
+                        read.advance(k_tiles)  # skip the other warpgroup's tile
                     if const_expr(n_loads > 0):
                         lread.advance(n_sub)
                     t += 2 * num_clusters

@@ -128,6 +128,12 @@ class FusedVisitor:
         return traced_finalizers(self.epilogue) if self.finalize_in_kernel else ()
 
     @property
+    def reads_acc(self) -> bool:
+        """Whether any primitive reads the accumulator. A kernel whose epilogue does not
+        (a map pass) runs no mainloop: its result cannot depend on A @ B^T."""
+        return any("acc" in p.reads for p in self.epilogue.primitives)
+
+    @property
     def stores(self) -> tuple[TileStore, ...]:
         return tuple(p for p in self.epilogue.primitives if isinstance(p, TileStore))
 
