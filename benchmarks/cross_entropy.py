@@ -57,6 +57,7 @@ import common  # noqa: E402
 
 from coda.fusions import ce_fused  # noqa: E402
 from coda.fusions.cross_entropy import linear_cross_entropy  # noqa: E402
+from coda.mainloop.config import GemmConfig  # noqa: E402
 from coda.matmul import gemm  # noqa: E402
 
 GiB = 2**30
@@ -67,6 +68,7 @@ EXTRA = (
     "coda_recompute",
     "coda_forward_gemms",
     "coda_fused_tiles",
+    "coda_coop_chunks",
 )
 
 
@@ -79,6 +81,8 @@ def eager_loss(h: torch.Tensor, W: torch.Tensor, t: torch.Tensor) -> torch.Tenso
 KNOBS = {
     "coda_forward_gemms": {"DEFER_ONE_CHUNK": False},  # one row chunk: dh, dW in the forward
     "coda_fused_tiles": {"BACKWARD_TILES": None},  # deferred GEMMs on fused 128 x 128 tiles
+    # the row chunks' dh / dW GEMMs on cooperative 256 x 192 tiles (not per-GEMM heuristic)
+    "coda_coop_chunks": {"CHUNK_TILES": GemmConfig(tile_m=256, tile_n=192)},
 }
 
 

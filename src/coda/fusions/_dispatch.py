@@ -106,14 +106,18 @@ def matmul(
     *,
     out_dtype: torch.dtype | None = None,
     accumulate: bool = False,
+    config: Any = None,
 ) -> torch.Tensor:
     """``A @ B.T`` (A: (M, K), B: (N, K), each row-major or a transposed view) into a new
     tensor of ``out_dtype`` (default A's), or into ``out`` (``out += A @ B.T`` with
-    ``accumulate=True``). fp32 accumulation on both paths."""
+    ``accumulate=True``). fp32 accumulation on both paths. ``config``: the GEMM's
+    (CUDA; None: ``coda.gemm``'s heuristic)."""
     if A.is_cuda:
         from coda.matmul import gemm
 
         extra = {"accumulate": True} if accumulate else {}
+        if config is not None:
+            extra["config"] = config
         return gemm(A, B, out, out_dtype=out_dtype, **extra)
     product = A.float() @ B.float().T
     if out is None:

@@ -80,6 +80,7 @@ from coda.fusions.ce_epilogues import (
     stats_store_epilogue,
 )
 from coda.fusions.ce_operands import check_operands, check_targets, local_targets
+from coda.mainloop.config import GemmConfig
 
 __all__ = ["ACC_STORE_DTYPE", "lce_fused_finish", "lce_fused_loss"]
 
@@ -92,6 +93,9 @@ F32 = torch.float32
 #: (None) the one-chunk deferral ran 1.11-1.19x torch.compile's fwd+bwd on the H200
 #: (2026-11-26).
 BACKWARD_TILES: str | None = "gemm"
+#: Config of the dh and dW GEMMs of the row chunks computed in the forward (None:
+#: ``coda.gemm``'s heuristic, which sizes tiles per GEMM; an A/B knob).
+CHUNK_TILES: GemmConfig | str | None = None
 
 #: Defer the last row chunk's dh and dW GEMMs to the backward with ONE row chunk too
 #: (with several they always are). On: with the backward's GEMMs on the plain GEMM's
@@ -366,11 +370,11 @@ class _Walk:
         """Step 5: dh of the chunk's rows, rounded once into h's dtype."""
         out = self.dh[r0:r1]
         if dl_t is None:
-            matmul(dl, self.W_main.t(), out=out)
+            matmul(dl, self.W_main.t(), out=out, config=CHUNK_TILES)
             return
         acc = dl_t @ self.W_tail.float()
         if dl is not None:
-            matmul(dl, self.W_main.t(), out=acc, accumulate=True)
+            matmul(dl, self.W_main.t(), out=acc, accumulate=True, config=CHUNK_TILES)
         out.copy_(acc)
 
     def _dW(self, i: int, hf, h_c, dl, dl_t) -> None:
@@ -381,12 +385,12 @@ class _Walk:
         main = self.spec.main
         if self.dW32 is None:
             if dl is not None:
-                matmul(dl.t(), h_c.t(), out=self.dW[:main])
+                matmul(dl.t(), h_c.t(), out=self.dW[:main], config=CHUNK_TILES)
             if dl_t is not None:
                 self.dW[main:] = (dl_t.T @ hf).to(self.W.dtype)
             return
         if dl is not None:
-            matmul(dl.t(), h_c.t(), out=self.dW32[:main], accumulate=i > 0)
+            matmul(dl.t(), h_c.t(), out=self.dW32[:main], accumulate=i > 0, config=CHUNK_TILES)
         if dl_t is not None:
             part = dl_t.T @ hf
             if i == 0:
