@@ -2,13 +2,13 @@
 
     python benchmarks/map_pass.py [--m 8192] [--n 8192] [--out FILE]
 
-A map pass (``coda.fusions._dispatch.run_map``: an epilogue that never reads acc, after a
-zero GEMM of K = 8) is memory-bound work: the cross-entropy gradient map, the RoPE /
-RMSNorm backward maps. This measures its bytes per second for a pure copy (TileLoad ->
-TileStore), for the RMSNorm backward map (``scaled_grad``: two loads, one store, a row
-reduction) and for the loss's gradient map (``ce_grad``), under the default epilogue
-config and variants (taking turns, load / store buffering depth, cluster, tile width),
-each against a torch copy of the same bytes. Writes JSON rows
+A map pass (``coda.fusions._dispatch.run_map``: an epilogue that never reads acc, launched
+as a zero GEMM of K = 8 whose kernel runs no mainloop) is memory-bound work: the cross-
+entropy gradient map, the RoPE / RMSNorm backward maps. This measures its bytes per second
+for a pure copy (TileLoad -> TileStore), for the RMSNorm backward map (``scaled_grad``:
+two loads, one store, a row reduction) and for the loss's gradient map (``ce_grad``),
+under the default epilogue config and variants (taking turns, load / store buffering
+depth, cluster, tile width), each against a torch copy of the same bytes. Writes JSON rows
 ``{"epilogue", "variant", "config", "us", "gbps", "torch_copy_gbps"}`` and a PNG beside it
 (``--replot FILE`` redraws the PNG of a written JSON, on any machine).
 """

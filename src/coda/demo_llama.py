@@ -493,7 +493,7 @@ def _cases() -> tuple[KernelCase, ...]:
         KernelCase(
             "rope_backward",
             "bwd",
-            "RoPE pass (run_map: a K=8 zero GEMM, acc unread): dzs = rstd*rotate^-1(dqkv), ZdZ",
+            "RoPE pass (run_map: acc unread, no mainloop): dzs = rstd*rotate^-1(dqkv), ZdZ",
             lambda eps: E.rope_backward(BF16),
             map_pass=True,
         ),

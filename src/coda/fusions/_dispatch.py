@@ -13,12 +13,12 @@ CPU path, and CI (CPU) tests exactly the algebra the GPU runs.
   results are under their names either way (the GPU returns per-tile partials only
   when ``outputs`` is given).
 * ``run_map(epi, M, N, like, outputs=None, **tensors)``: an epilogue that never reads
-  ``acc`` (a pure elementwise/reduction pass over M x N tensors), run after a GEMM of
-  zeros with K = ``MAP_K``; on CUDA ``outputs`` names caller buffers to write into. The
-  engine has no GEMM-free launch yet; the zero GEMM costs one k-block of TMA loads per
-  tile, negligible next to the M x N streams the pass moves. Its operands are slices of
-  one cached, read-only zero buffer per (device, dtype) (``_zero_rows``): no allocation
-  or fill per call.
+  ``acc`` (a pure elementwise/reduction pass over M x N tensors), launched as a GEMM of
+  zeros with K = ``MAP_K`` whose kernel runs no mainloop (the engine skips it for an
+  epilogue that does not read ``acc``: no A/B loads, no WGMMA); on CUDA ``outputs``
+  names caller buffers to write into. Its zero operands (which only give the launch its
+  M, N) are slices of one cached, read-only zero buffer per (device, dtype)
+  (``_zero_rows``): no allocation or fill per call.
 * ``matmul(A, B, out=None, accumulate=False)``: ``A @ B.T`` by ``coda.gemm`` on CUDA, by
   ``A.float() @ B.float().T`` on CPU.
 """
