@@ -87,6 +87,12 @@ class Epilogue:
         return self._flow.outputs
 
     @property
+    def reads_acc(self) -> bool:
+        """Whether any primitive reads the accumulator ``acc``. One that does not (a map
+        pass over M x N tensors) does not depend on A @ B^T: its kernel runs no mainloop."""
+        return any("acc" in p.reads for p in self.primitives)
+
+    @property
     def n_alignment(self) -> int:
         """N (and tile/subtile widths) must be multiples of this: 1, or 2/4 when the
         epilogue has half-width values or column pairs."""

@@ -66,7 +66,7 @@ def run_map(
     with ``like``'s dtype for the (unused) GEMM operands. ``outputs``: on CUDA, caller
     tensors the kernel writes its M x N outputs into (ignored on CPU, where the reference
     returns new tensors)."""
-    if any("acc" in p.reads for p in epi.primitives):
+    if epi.reads_acc:
         raise ValueError("run_map runs epilogues that do not read acc; this one does")
     A = _zero_rows(M, like)
     B = _zero_rows(N, like)

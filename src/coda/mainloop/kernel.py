@@ -735,8 +735,7 @@ class PingPongGemm(Producers, EpilogueIO):
                         epi_bar.arrive_and_wait()
                     t += num_clusters
                 else:
-                    if const_expr(mainloop):
-                        read.advance(k_tiles)  # skip the other warpgroup's tile
+                    read.advance(k_tiles)  # skip the other warpgroup's tile
                     if const_expr(n_loads > 0):
                         lread.advance(n_sub)
                     t += 2 * num_clusters
