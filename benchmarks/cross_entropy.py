@@ -21,11 +21,13 @@ saved for backward, for "fwd+bwd" the gradients).
 * coda_recompute: the same with ``grad_in_forward=False``, the low-memory path (forward
   statistics, the backward recomputes the logits: 4 GEMMs). Reported in the workspace
   and sweep sections only, so the issue's row schema stays as it is.
-* coda_forward_gemms, coda_fused_tiles: coda with ``ce_fused`` knobs set (A/B
-  candidates, in the workspace section): with one row chunk, dh and dW in the forward
-  and scaled in the backward instead of deferred (``DEFER_ONE_CHUNK=False``); the
-  deferred GEMMs on the fused default tiles instead of the plain GEMM's
-  (``BACKWARD_TILES=None``).
+* coda_forward_gemms, coda_fused_tiles, coda_coop_chunks, coda_stats_map: coda with
+  ``ce_fused`` knobs set (A/B candidates, in the workspace section): with one row chunk,
+  dh and dW in the forward and scaled in the backward instead of deferred
+  (``DEFER_ONE_CHUNK=False``); the deferred GEMMs on the fused default tiles instead of
+  the plain GEMM's (``BACKWARD_TILES=None``); the row chunks' dh / dW GEMMs on
+  cooperative 256 x 192 tiles (``CHUNK_TILES``); the logits GEMM plain with its
+  statistics from a map pass over the stored acc (``STATS_PASS="map"``).
 * eager: ``F.cross_entropy((h @ W.T).float(), t)``, Hugging Face's formulation.
 * compile: ``torch.compile`` of the same function.
 * liger: Liger-Kernel's ``LigerFusedLinearCrossEntropyLoss`` (``liger-kernel``).
@@ -69,6 +71,7 @@ EXTRA = (
     "coda_forward_gemms",
     "coda_fused_tiles",
     "coda_coop_chunks",
+    "coda_stats_map",
 )
 
 
@@ -83,6 +86,8 @@ KNOBS = {
     "coda_fused_tiles": {"BACKWARD_TILES": None},  # deferred GEMMs on fused 128 x 128 tiles
     # the row chunks' dh / dW GEMMs on cooperative 256 x 192 tiles (not per-GEMM heuristic)
     "coda_coop_chunks": {"CHUNK_TILES": GemmConfig(tile_m=256, tile_n=192)},
+    # the logits GEMM plain (coda.gemm's tiles), its statistics from a map pass over it
+    "coda_stats_map": {"STATS_PASS": "map"},
 }
 
 

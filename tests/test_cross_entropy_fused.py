@@ -491,3 +491,32 @@ def test_defer_one_chunk_option(monkeypatch):
     torch.library.opcheck(ce_fused.lce_fused_loss, (*args, True, True, True, True))
     monkeypatch.setattr(ce_fused, "DEFER_ONE_CHUNK", False)
     torch.library.opcheck(ce_fused.lce_fused_loss, (*args, True, True, True, True))
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=["fp32", "bf16"])
+def test_stats_pass_option(monkeypatch, dtype):
+    """``ce_fused.STATS_PASS = "map"``: per row chunk the logits GEMM runs plain
+    (``matmul``) and the statistics come from a map pass over the acc it stored, then the
+    gradient's map pass: the same loss and gradients as the default (statistics in the
+    logits GEMM's epilogue, of the same rounded acc), with every option on; an unknown
+    value is refused."""
+    calls = Calls(monkeypatch)
+    (h, W, b, r), target = _inputs(grad=(True, True, True, True))
+    h, W, b, r = (t.detach().to(dtype).requires_grad_() for t in (h, W, b, r))
+    opts = dict(bias=b, rstd=r, chunk_rows=8, label_smoothing=0.1, z_loss=1e-3, softcap=20.0)
+    assert ce_fused.STATS_PASS == "epilogue"
+    want = torch.autograd.grad(0.7 * linear_cross_entropy(h, W, target, **opts), (h, W, b, r))
+    calls.take()
+    monkeypatch.setattr(ce_fused, "STATS_PASS", "map")
+    loss = linear_cross_entropy(h, W, target, **opts)
+    chunks = 3  # 20 rows in chunks of 8
+    fwd = calls.take()
+    assert fwd["fused.run_map"] == 2 * chunks and "fused.run_epilogue" not in fwd
+    assert fwd["fused.matmul"] == chunks + 2 * (chunks - 1)
+    got = torch.autograd.grad(0.7 * loss, (h, W, b, r))
+    for g_, w_ in zip(got, want, strict=True):
+        assert g_.dtype == w_.dtype
+        torch.testing.assert_close(g_, w_, rtol=1e-5, atol=1e-6)
+    monkeypatch.setattr(ce_fused, "STATS_PASS", "gemm")
+    with pytest.raises(ValueError, match="STATS_PASS"):
+        linear_cross_entropy(h, W, target, **opts)

@@ -175,6 +175,32 @@ def test_grad_in_forward_several_row_chunks_ragged_vocab(monkeypatch):
                                   floor=1e-3)  # fmt: skip
 
 
+def test_stats_map_pass_option(monkeypatch):
+    """``ce_fused.STATS_PASS = "map"`` (the logits GEMM plain, its statistics from a map
+    pass over the stored acc) on the ragged problem above, in row chunks: loss and every
+    gradient against float64 by the 2 x eager rule and as close to float64 as the default
+    (statistics in the logits GEMM's epilogue), two map passes per chunk."""
+    M, H, V = 1000, 256, 50257
+    opts = dict(softcap=15.0, label_smoothing=0.05, z_loss=1e-4)
+    tensors = inputs(M, H, V, seed=7, bias=True, rstd=True)
+    target, tensors = tensors[-1], tensors[:-1]
+    truth = grads_of(textbook, tensors, target, F64, None, **opts)
+    eager = grads_of(textbook, tensors, target, BF16, None, **opts)
+    default = grads_of(_coda, tensors, target, BF16, None, grad_in_forward=True, chunk_rows=256,
+                       **opts)  # fmt: skip
+    monkeypatch.setattr(ce_fused, "STATS_PASS", "map")
+    passes = MapPasses(monkeypatch)
+    got = grads_of(_coda, tensors, target, BF16, None, grad_in_forward=True, chunk_rows=256,
+                   **opts)  # fmt: skip
+    assert passes.n == 8
+    names = ["loss", "dh", "dW", "dbias", "drstd"]
+    for n, a, b, t, e in zip(names, got, default, truth, eager, strict=True):
+        assert torch.isfinite(a).all(), n
+        assert_close_to_reference(a, t, name=n, baseline=e, atol=1e-3, floor=1e-3)
+        assert_close_to_reference(a, t, name=f"{n} vs default", baseline=b, atol=1e-4,
+                                  floor=1e-3)  # fmt: skip
+
+
 @pytest.mark.parametrize("grad_in_forward", [False, True])
 def test_frozen_head_all_ignored_and_checked_targets(grad_in_forward):
     h, W, _, _, target = inputs(256, 128, 1000, seed=1)

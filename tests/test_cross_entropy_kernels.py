@@ -19,6 +19,7 @@ from coda.fusions.ce_epilogues import (
     grad_map_epilogue,
     scaled_total_epilogue,
     stats_epilogue,
+    stats_map_epilogue,
     stats_store_epilogue,
 )
 from coda.primitives import OneHot
@@ -50,6 +51,18 @@ KERNELS = {
     ),
     "grad_map_all": (
         grad_map_epilogue(bf16, bf16, bf16, True, 30.0, True, True, True),
+        False,
+        (16384, 8192, MAP_K),
+    ),
+    # ``ce_fused.STATS_PASS = "map"``: the statistics from a map pass over the acc a plain
+    # GEMM stored, default loss and every forward option
+    "stats_map": (
+        stats_map_epilogue(bf16, None, False, None, False),
+        True,
+        (16384, 8192, MAP_K),
+    ),
+    "stats_map_all": (
+        stats_map_epilogue(bf16, bf16, True, 30.0, True),
         False,
         (16384, 8192, MAP_K),
     ),

@@ -82,6 +82,7 @@ __all__ = [
     "grad_epilogue",
     "grad_map_epilogue",
     "stats_epilogue",
+    "stats_map_epilogue",
     "stats_store_epilogue",
 ]
 
@@ -275,6 +276,23 @@ def stats_store_epilogue(
         src = "acc_r"
     prims += _stats(bias_dtype, rstd, softcap, with_sum, masked=False, src=src)
     prims.append(TileStore(src, store_dtype, name=STORED_ACC))
+    return Epilogue(prims)
+
+
+@functools.cache
+def stats_map_epilogue(
+    acc_dtype: torch.dtype,
+    bias_dtype: torch.dtype | None,
+    rstd: bool,
+    softcap: float | None,
+    with_sum: bool,
+) -> Epilogue:
+    """``stats_store_epilogue``'s statistics without a GEMM (``run_map``): taken from the
+    acc a plain GEMM stored, loaded back as ``STORED_ACC`` (``acc_dtype``), so the same
+    values as the fused epilogue's (which rounds acc to the stored dtype first). Reads no
+    ``acc``; stores nothing M x N."""
+    prims: list = [TileLoad(STORED_ACC, acc_dtype)]
+    prims += _stats(bias_dtype, rstd, softcap, with_sum, masked=False, src=STORED_ACC)
     return Epilogue(prims)
 
 

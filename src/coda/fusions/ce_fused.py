@@ -77,6 +77,7 @@ from coda.fusions.ce_epilogues import (
     TOTAL,
     grad_map_epilogue,
     scaled_total_epilogue,
+    stats_map_epilogue,
     stats_store_epilogue,
 )
 from coda.fusions.ce_operands import check_operands, check_targets, local_targets
@@ -96,6 +97,14 @@ BACKWARD_TILES: str | None = "gemm"
 #: Config of the dh and dW GEMMs of the row chunks computed in the forward (None:
 #: ``coda.gemm``'s heuristic, which sizes tiles per GEMM; an A/B knob).
 CHUNK_TILES: GemmConfig | str | None = None
+
+#: Where the forward takes the logits' statistics (lse, z[target], sum z) of a row chunk:
+#: "epilogue" (the default) in the logits GEMM's own epilogue (``stats_store_epilogue``,
+#: on the fused PingPong tiles), or "map": the logits GEMM plain (``coda.gemm``'s tiles,
+#: cooperative 256-row ones on long-running problems) storing the rounded acc, then a map
+#: pass over that stored acc (``stats_map_epilogue``): one more read of the row buffer,
+#: for the plain GEMM's tiles. The same values either way. An A/B knob, read at call time.
+STATS_PASS: str = "epilogue"
 
 #: Defer the last row chunk's dh and dW GEMMs to the backward with ONE row chunk too
 #: (with several they always are). On: with the backward's GEMMs on the plain GEMM's
@@ -322,15 +331,28 @@ class _Walk:
     def _main_stats(self, h_c, tloc, r_c, m: int):
         """Step 1: ((lse, zt, zsum), stored acc) of the fused columns."""
         spec = self.spec
-        epi = stats_store_epilogue(
-            spec.acc_dtype, spec.bias_dtype, spec.rstd, spec.softcap, spec.with_sum
-        )
-        out = run_epilogue(
-            epi, h_c, self.W_main, self._out(STORED_ACC, 0, m), tloc=tloc,
-            **self._vectors(r_c),
-        )  # fmt: skip
+        opts = (spec.bias_dtype, spec.rstd, spec.softcap, spec.with_sum)
+        if STATS_PASS == "map":
+            bufs = self._out(STORED_ACC, 0, m)
+            if bufs is None:  # CPU: the reference returns new tensors
+                acc = matmul(h_c, self.W_main, out_dtype=spec.acc_dtype)
+            else:
+                acc = matmul(h_c, self.W_main, out=bufs[STORED_ACC])
+            out = run_map(
+                stats_map_epilogue(spec.acc_dtype, *opts), m, spec.main, self.h,
+                **{STORED_ACC: acc}, tloc=tloc, **self._vectors(r_c),
+            )  # fmt: skip
+        elif STATS_PASS == "epilogue":
+            epi = stats_store_epilogue(spec.acc_dtype, *opts)
+            out = run_epilogue(
+                epi, h_c, self.W_main, self._out(STORED_ACC, 0, m), tloc=tloc,
+                **self._vectors(r_c),
+            )  # fmt: skip
+            acc = out[STORED_ACC]
+        else:
+            raise ValueError(f"ce_fused.STATS_PASS must be 'epilogue' or 'map'; got {STATS_PASS!r}")
         zsum = out["zsum"] if spec.with_sum else None
-        return (out["lse"], out["zt"], zsum), out[STORED_ACC]
+        return (out["lse"], out["zt"], zsum), acc
 
     def _main_grads(self, acc, tloc, lse, ga, gt, gs, r_c, r0: int, r1: int):
         """Step 4 on the fused columns: dlogits (None when no GEMM needs them); dbias and
