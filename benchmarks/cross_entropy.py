@@ -21,13 +21,16 @@ saved for backward, for "fwd+bwd" the gradients).
 * coda_recompute: the same with ``grad_in_forward=False``, the low-memory path (forward
   statistics, the backward recomputes the logits: 4 GEMMs). Reported in the workspace
   and sweep sections only, so the issue's row schema stays as it is.
-* coda_forward_gemms, coda_fused_tiles, coda_coop_chunks, coda_stats_map: coda with
+* coda_forward_gemms, coda_fused_tiles, coda_coop_chunks, coda_stats_map,
+  coda_stats_epilogue: coda with
   ``ce_fused`` knobs set (A/B candidates, in the workspace section): with one row chunk,
   dh and dW in the forward and scaled in the backward instead of deferred
   (``DEFER_ONE_CHUNK=False``); the deferred GEMMs on the fused default tiles instead of
   the plain GEMM's (``BACKWARD_TILES=None``); the row chunks' dh / dW GEMMs on
   cooperative 256 x 192 tiles (``CHUNK_TILES``); the logits GEMM plain with its
-  statistics from a map pass over the stored acc (``STATS_PASS="map"``).
+  statistics from a map pass over the stored acc at every H (``STATS_PASS="map"``), or
+  the statistics in the logits GEMM's epilogue at every H (``STATS_PASS="epilogue"``;
+  the default takes the map pass from H = ``ce_fused.STATS_MAP_MIN_K`` on).
 * eager: ``F.cross_entropy((h @ W.T).float(), t)``, Hugging Face's formulation.
 * compile: ``torch.compile`` of the same function.
 * liger: Liger-Kernel's ``LigerFusedLinearCrossEntropyLoss`` (``liger-kernel``).
@@ -72,6 +75,7 @@ EXTRA = (
     "coda_fused_tiles",
     "coda_coop_chunks",
     "coda_stats_map",
+    "coda_stats_epilogue",
 )
 
 
@@ -88,6 +92,8 @@ KNOBS = {
     "coda_coop_chunks": {"CHUNK_TILES": GemmConfig(tile_m=256, tile_n=192)},
     # the logits GEMM plain (coda.gemm's tiles), its statistics from a map pass over it
     "coda_stats_map": {"STATS_PASS": "map"},
+    # ... or always in the logits GEMM's epilogue (the default below STATS_MAP_MIN_K)
+    "coda_stats_epilogue": {"STATS_PASS": "epilogue"},
 }
 
 

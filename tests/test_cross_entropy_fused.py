@@ -504,7 +504,7 @@ def test_stats_pass_option(monkeypatch, dtype):
     (h, W, b, r), target = _inputs(grad=(True, True, True, True))
     h, W, b, r = (t.detach().to(dtype).requires_grad_() for t in (h, W, b, r))
     opts = dict(bias=b, rstd=r, chunk_rows=8, label_smoothing=0.1, z_loss=1e-3, softcap=20.0)
-    assert ce_fused.STATS_PASS == "epilogue"
+    assert ce_fused.STATS_PASS == "auto" and not ce_fused.stats_by_map(20, 43, 16)
     want = torch.autograd.grad(0.7 * linear_cross_entropy(h, W, target, **opts), (h, W, b, r))
     calls.take()
     monkeypatch.setattr(ce_fused, "STATS_PASS", "map")
@@ -520,3 +520,17 @@ def test_stats_pass_option(monkeypatch, dtype):
     monkeypatch.setattr(ce_fused, "STATS_PASS", "gemm")
     with pytest.raises(ValueError, match="STATS_PASS"):
         linear_cross_entropy(h, W, target, **opts)
+
+
+def test_stats_pass_auto_rule(monkeypatch):
+    """ "auto" takes the statistics by a map pass exactly for long-running logits GEMMs
+    (``LONG_RUN_FLOPS``) with H >= ``STATS_MAP_MIN_K`` (the measured break-even)."""
+    V = 128256
+    assert ce_fused.stats_by_map(8192, V, 8192) and ce_fused.stats_by_map(16384, V, 8192)
+    assert not ce_fused.stats_by_map(8192, V, 4096)  # long-running, but H below the bound
+    assert not ce_fused.stats_by_map(2048, V, 2048)
+    assert not ce_fused.stats_by_map(128, 32000, 8192)  # H at the bound, a short GEMM
+    monkeypatch.setattr(ce_fused, "STATS_PASS", "epilogue")
+    assert not ce_fused.stats_by_map(16384, V, 8192)
+    monkeypatch.setattr(ce_fused, "STATS_PASS", "map")
+    assert ce_fused.stats_by_map(128, 32000, 2048)

@@ -81,9 +81,9 @@ from coda.fusions.ce_epilogues import (
     stats_store_epilogue,
 )
 from coda.fusions.ce_operands import check_operands, check_targets, local_targets
-from coda.mainloop.config import GemmConfig
+from coda.mainloop.config import LONG_RUN_FLOPS, GemmConfig
 
-__all__ = ["ACC_STORE_DTYPE", "lce_fused_finish", "lce_fused_loss"]
+__all__ = ["ACC_STORE_DTYPE", "STATS_PASS", "lce_fused_finish", "lce_fused_loss", "stats_by_map"]
 
 F32 = torch.float32
 
@@ -99,12 +99,32 @@ BACKWARD_TILES: str | None = "gemm"
 CHUNK_TILES: GemmConfig | str | None = None
 
 #: Where the forward takes the logits' statistics (lse, z[target], sum z) of a row chunk:
-#: "epilogue" (the default) in the logits GEMM's own epilogue (``stats_store_epilogue``,
-#: on the fused PingPong tiles), or "map": the logits GEMM plain (``coda.gemm``'s tiles,
-#: cooperative 256-row ones on long-running problems) storing the rounded acc, then a map
-#: pass over that stored acc (``stats_map_epilogue``): one more read of the row buffer,
-#: for the plain GEMM's tiles. The same values either way. An A/B knob, read at call time.
-STATS_PASS: str = "epilogue"
+#: "epilogue" in the logits GEMM's own epilogue (``stats_store_epilogue``, on the fused
+#: PingPong tiles); "map": the logits GEMM plain (``coda.gemm``'s tiles: cooperative
+#: 256-row ones on long-running problems, fewer operand bytes per FLOP, which at the power
+#: limit is clock) storing the rounded acc, then a map pass over that stored acc
+#: (``stats_map_epilogue``): one more read of the row buffer. The same values either way.
+#: "auto" (the default): "map" where the chunk's logits GEMM is long-running
+#: (``LONG_RUN_FLOPS``) with K = H >= ``STATS_MAP_MIN_K``. Read at call time.
+STATS_PASS: str = "auto"
+#: Smallest H at which "auto" takes the statistics by a map pass. Measured on an H200
+#: (2026-11-26, ``benchmarks/cross_entropy.py``, one run, V = 128256, fwd+bwd vs the
+#: epilogue): H = 8192 0.961x (M = 16384) and 0.976x (M = 8192); H = 4096 1.026x (one
+#: chunk of 8192 rows, cooperative plain tiles) and 1.035x (M = 16384); H = 2048
+#: 1.015-1.050x. The map pass's extra read costs M x V bytes whatever H is; the plain
+#: GEMM's gain grows with its length.
+STATS_MAP_MIN_K = 8192
+
+
+def stats_by_map(rows: int, V: int, H: int) -> bool:
+    """Whether a row chunk of ``rows`` rows takes its statistics by a map pass
+    (``STATS_PASS``)."""
+    if STATS_PASS == "auto":
+        return H >= STATS_MAP_MIN_K and 2.0 * rows * V * H >= LONG_RUN_FLOPS
+    if STATS_PASS in ("map", "epilogue"):
+        return STATS_PASS == "map"
+    raise ValueError(f"ce_fused.STATS_PASS must be 'auto', 'epilogue' or 'map'; got {STATS_PASS!r}")
+
 
 #: Defer the last row chunk's dh and dW GEMMs to the backward with ONE row chunk too
 #: (with several they always are). On: with the backward's GEMMs on the plain GEMM's
@@ -332,7 +352,7 @@ class _Walk:
         """Step 1: ((lse, zt, zsum), stored acc) of the fused columns."""
         spec = self.spec
         opts = (spec.bias_dtype, spec.rstd, spec.softcap, spec.with_sum)
-        if STATS_PASS == "map":
+        if stats_by_map(m, spec.main, self.h.shape[1]):
             bufs = self._out(STORED_ACC, 0, m)
             if bufs is None:  # CPU: the reference returns new tensors
                 acc = matmul(h_c, self.W_main, out_dtype=spec.acc_dtype)
@@ -342,15 +362,13 @@ class _Walk:
                 stats_map_epilogue(spec.acc_dtype, *opts), m, spec.main, self.h,
                 **{STORED_ACC: acc}, tloc=tloc, **self._vectors(r_c),
             )  # fmt: skip
-        elif STATS_PASS == "epilogue":
+        else:
             epi = stats_store_epilogue(spec.acc_dtype, *opts)
             out = run_epilogue(
                 epi, h_c, self.W_main, self._out(STORED_ACC, 0, m), tloc=tloc,
                 **self._vectors(r_c),
             )  # fmt: skip
             acc = out[STORED_ACC]
-        else:
-            raise ValueError(f"ce_fused.STATS_PASS must be 'epilogue' or 'map'; got {STATS_PASS!r}")
         zsum = out["zsum"] if spec.with_sum else None
         return (out["lse"], out["zt"], zsum), acc
 
