@@ -502,7 +502,7 @@ def test_stats_pass_option(monkeypatch, dtype):
     value is refused."""
     calls = Calls(monkeypatch)
     (h, W, b, r), target = _inputs(grad=(True, True, True, True))
-    h, W, b, r = (t.detach().to(dtype).requires_grad_() for t in (h, W, b, r))
+    h, W, b = (t.detach().to(dtype).requires_grad_() for t in (h, W, b))  # rstd stays fp32
     opts = dict(bias=b, rstd=r, chunk_rows=8, label_smoothing=0.1, z_loss=1e-3, softcap=20.0)
     assert ce_fused.STATS_PASS == "auto" and not ce_fused.stats_by_map(20, 43, 16)
     want = torch.autograd.grad(0.7 * linear_cross_entropy(h, W, target, **opts), (h, W, b, r))
@@ -517,6 +517,9 @@ def test_stats_pass_option(monkeypatch, dtype):
     for g_, w_ in zip(got, want, strict=True):
         assert g_.dtype == w_.dtype
         torch.testing.assert_close(g_, w_, rtol=1e-5, atol=1e-6)
+    hd, Wd, bd, rd = (t.detach() for t in (h, W, b, r))
+    args = (hd, Wd, target, bd, rd, torch.tensor(17.0), -100, 20.0, 0.1, 1e-3, 8, False)
+    torch.library.opcheck(ce_fused.lce_fused_loss, (*args, True, True, True, True))
     monkeypatch.setattr(ce_fused, "STATS_PASS", "gemm")
     with pytest.raises(ValueError, match="STATS_PASS"):
         linear_cross_entropy(h, W, target, **opts)
