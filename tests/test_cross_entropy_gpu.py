@@ -151,28 +151,42 @@ def test_matches_float64_no_worse_than_eager_bf16(name, shape, path, monkeypatch
         assert_close_to_reference(a, t, name=n, baseline=e, atol=1e-3, floor=1e-3)
 
 
-def test_grad_in_forward_several_row_chunks_ragged_vocab(monkeypatch):
-    """V = 50257 (GPT-2: 50256 fused columns + a 1-column tail in torch), 1000 rows in
-    chunks of 256 (the last 232): loss and every gradient against float64 by the 2 x
-    eager rule, as close to float64 as the one-chunk run is (4 map passes, all in the
-    forward; the backward runs the last chunk's dh and dW GEMMs)."""
+def _ragged_vocab_problem():
+    """V = 50257 (GPT-2: 50256 fused columns + a 1-column tail in torch), 1000 x 256 h,
+    every option: (tensors, target, opts, float64 truth, eager bf16) of loss and grads."""
     M, H, V = 1000, 256, 50257
     opts = dict(softcap=15.0, label_smoothing=0.05, z_loss=1e-4)
     tensors = inputs(M, H, V, seed=7, bias=True, rstd=True)
     target, tensors = tensors[-1], tensors[:-1]
     truth = grads_of(textbook, tensors, target, F64, None, **opts)
     eager = grads_of(textbook, tensors, target, BF16, None, **opts)
+    return tensors, target, opts, truth, eager
+
+
+def _assert_like(got, other, truth, eager, label: str) -> None:
+    """Loss and gradients ``got`` against float64 by the 2 x eager rule, and as close to
+    float64 as ``other`` (another coda run of the same problem, named ``label``)."""
+    names = ["loss", "dh", "dW", "dbias", "drstd"]
+    for n, a, b, t, e in zip(names, got, other, truth, eager, strict=True):
+        assert torch.isfinite(a).all(), n
+        assert_close_to_reference(a, t, name=n, baseline=e, atol=1e-3, floor=1e-3)
+        assert_close_to_reference(a, t, name=f"{n} vs {label}", baseline=b, atol=1e-4,
+                                  floor=1e-3)  # fmt: skip
+
+
+def test_grad_in_forward_several_row_chunks_ragged_vocab(monkeypatch):
+    """V = 50257 (GPT-2: 50256 fused columns + a 1-column tail in torch), 1000 rows in
+    chunks of 256 (the last 232): loss and every gradient against float64 by the 2 x
+    eager rule, as close to float64 as the one-chunk run is (4 map passes, all in the
+    forward; the backward runs the last chunk's dh and dW GEMMs)."""
+    tensors, target, opts, truth, eager = _ragged_vocab_problem()
+    M = tensors[0].shape[0]
     passes = MapPasses(monkeypatch)
     many = grads_of(_coda, tensors, target, BF16, None, grad_in_forward=True, chunk_rows=256,
                     **opts)  # fmt: skip
     assert passes.n == 4
     one = grads_of(_coda, tensors, target, BF16, None, grad_in_forward=True, chunk_rows=M, **opts)
-    names = ["loss", "dh", "dW", "dbias", "drstd"]
-    for n, a, b, t, e in zip(names, many, one, truth, eager, strict=True):
-        assert torch.isfinite(a).all(), n
-        assert_close_to_reference(a, t, name=n, baseline=e, atol=1e-3, floor=1e-3)
-        assert_close_to_reference(a, t, name=f"{n} vs one chunk", baseline=b, atol=1e-4,
-                                  floor=1e-3)  # fmt: skip
+    _assert_like(many, one, truth, eager, "one chunk")
 
 
 def test_stats_map_pass_option(monkeypatch):
@@ -180,12 +194,7 @@ def test_stats_map_pass_option(monkeypatch):
     pass over the stored acc) on the ragged problem above, in row chunks: loss and every
     gradient against float64 by the 2 x eager rule and as close to float64 as the default
     (statistics in the logits GEMM's epilogue), two map passes per chunk."""
-    M, H, V = 1000, 256, 50257
-    opts = dict(softcap=15.0, label_smoothing=0.05, z_loss=1e-4)
-    tensors = inputs(M, H, V, seed=7, bias=True, rstd=True)
-    target, tensors = tensors[-1], tensors[:-1]
-    truth = grads_of(textbook, tensors, target, F64, None, **opts)
-    eager = grads_of(textbook, tensors, target, BF16, None, **opts)
+    tensors, target, opts, truth, eager = _ragged_vocab_problem()
     default = grads_of(_coda, tensors, target, BF16, None, grad_in_forward=True, chunk_rows=256,
                        **opts)  # fmt: skip
     monkeypatch.setattr(ce_fused, "STATS_PASS", "map")
@@ -193,12 +202,7 @@ def test_stats_map_pass_option(monkeypatch):
     got = grads_of(_coda, tensors, target, BF16, None, grad_in_forward=True, chunk_rows=256,
                    **opts)  # fmt: skip
     assert passes.n == 8
-    names = ["loss", "dh", "dW", "dbias", "drstd"]
-    for n, a, b, t, e in zip(names, got, default, truth, eager, strict=True):
-        assert torch.isfinite(a).all(), n
-        assert_close_to_reference(a, t, name=n, baseline=e, atol=1e-3, floor=1e-3)
-        assert_close_to_reference(a, t, name=f"{n} vs default", baseline=b, atol=1e-4,
-                                  floor=1e-3)  # fmt: skip
+    _assert_like(got, default, truth, eager, "default")
 
 
 @pytest.mark.parametrize("grad_in_forward", [False, True])
