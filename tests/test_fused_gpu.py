@@ -16,6 +16,7 @@ if not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 
     pytest.skip("needs an NVIDIA Hopper GPU", allow_module_level=True)
 
 from coda import Epilogue  # noqa: E402
+from coda.caches import BoundedCache  # noqa: E402
 from coda.mainloop.config import GemmConfig  # noqa: E402
 from coda.primitives import Elementwise, TileLoad, TileReduce, TileStore, VecLoad, ops  # noqa: E402
 from coda.runtime import epilogue_kernels, finalize  # noqa: E402
@@ -203,7 +204,7 @@ def test_repeated_calls_run_the_bound_call_right(name, where, monkeypatch):
     if where == "finalize_kernel":
         monkeypatch.setattr(finalize, "IN_GEMM_MAX_TILES_PER_SM", 0)
     # the signature cache does not see the threshold: start this case from an empty one
-    monkeypatch.setattr(epilogue_kernels, "_calls", {})
+    monkeypatch.setattr(epilogue_kernels, "_calls", BoundedCache(4096))
     epi = EPILOGUES[name]
     m, k = 1000, 136
     n = -(-776 // n_multiple(epi)) * n_multiple(epi)

@@ -12,6 +12,7 @@ import math
 import pytest
 import torch
 
+from coda.caches import BoundedCache
 from coda.errors import InputError
 from coda.mainloop.config import GemmConfig
 from coda.mainloop.scheduler import host_tile_order
@@ -48,8 +49,8 @@ def rec(monkeypatch):
     )
     monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: 7, raising=False)
     monkeypatch.setattr(gemm_kernels, "get_compiled", lambda kind, key, compile_fn: compile_fn(key))
-    monkeypatch.setattr(epilogue_kernels, "_plans", {})
-    monkeypatch.setattr(epilogue_kernels, "_calls", {})
+    monkeypatch.setattr(epilogue_kernels, "_plans", BoundedCache(4096))
+    monkeypatch.setattr(epilogue_kernels, "_calls", BoundedCache(4096))
     monkeypatch.setattr(epilogue_kernels, "_scratches", {})
     r.capturing = capturing
     return r

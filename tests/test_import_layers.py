@@ -16,6 +16,7 @@ LAYERS = {
     "_version": 0,
     "mainloop": 0,
     "errors": 0,
+    "caches": 0,
     "geometry": 1,
     "specs": 1,
     "primitives": 1,

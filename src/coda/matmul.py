@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from .caches import BoundedCache
 from .errors import InputError
 from .mainloop.config import GemmConfig, choose_config
 from .mainloop.dtypes import OUTPUT_DTYPES
@@ -40,11 +41,11 @@ LAYOUTS = {"fwd": ("k", "k"), "dgrad": ("k", "n"), "wgrad": ("m", "n")}
 #: Explicit ``GemmConfig(split_k=...)`` configs run it.
 AUTO_SPLIT_K = False
 
-_configs: dict[tuple[int, int, int, int, bool], GemmConfig] = {}
+_configs: BoundedCache[tuple[int, int, int, int, bool], GemmConfig] = BoundedCache(4096)
 
 #: Launches already validated once: (dtypes, device, sizes, strides, accumulate) -> the
 #: compiled kernel. A hit needs only the per-call pointer-alignment check.
-_validated: dict[tuple, object] = {}
+_validated: BoundedCache[tuple, object] = BoundedCache(4096)
 
 
 def _signature(A, B, out, accumulate) -> tuple | None:
@@ -67,10 +68,8 @@ def _heuristic(
     key = (m, n, k, num_sms, split_ok, short_groups)
     cfg = _configs.get(key)
     if cfg is None:
-        if len(_configs) > 4096:
-            _configs.clear()
-        cfg = _configs[key] = choose_config(
-            m, n, k, num_sms, split_ok=split_ok, short_groups=short_groups
+        cfg = _configs.put(
+            key, choose_config(m, n, k, num_sms, split_ok=split_ok, short_groups=short_groups)
         )
     return cfg
 
@@ -157,7 +156,5 @@ def gemm(
         out.zero_()
     gemm_kernels.launch(key, A, B, (out,))
     if sig is not None:  # validated: later calls with the same signature skip to the launch
-        if len(_validated) > 4096:
-            _validated.clear()
-        _validated[sig] = (gemm_kernels.launcher(key), zero)
+        _validated.put(sig, (gemm_kernels.launcher(key), zero))
     return out

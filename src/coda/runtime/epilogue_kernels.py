@@ -42,6 +42,7 @@ import attrs
 import torch
 
 from ..binding import bind
+from ..caches import BoundedCache
 from ..epilogue import Epilogue, set_runner
 from ..errors import InputError
 from ..mainloop.config import (
@@ -148,8 +149,8 @@ class EpiloguePlan:
         #: what a call returns when the caller passes no ``outputs``: everything but the
         #: per-tile partials (scratch of the kernel's tiling, see :class:`StreamScratch`)
         self.result_names = tuple(s.name for s in epi.outputs if not s.is_partials)
-        self._sizes: dict[tuple[int, int], tuple] = {}
-        self._bound: dict[tuple[int, int], bound_call.BoundCall] = {}
+        self._sizes: BoundedCache[tuple[int, int], tuple] = BoundedCache(256)
+        self._bound: BoundedCache[tuple[int, int], bound_call.BoundCall] = BoundedCache(256)
 
     def sizes(self, m: int, n: int) -> tuple:
         """At (M, N), computed once per problem size: ((name, shape, dtype, is_tile) of each
@@ -160,8 +161,6 @@ class EpiloguePlan:
         alias each other (as custom ops and autograd require)."""
         got = self._sizes.get((m, n))
         if got is None:
-            if len(self._sizes) > 256:
-                self._sizes.clear()
             outs, views, floats = [], [], 0
             for s in self.allocated:
                 shape = s.shape(m, n, self.tile)
@@ -174,8 +173,7 @@ class EpiloguePlan:
                     outs.append((s.name, shape, s.dtype, s.role == "tile"))
             extent = self.finalizer.extent(m, n) if self.finalizer is not None else 0
             slots = counter_slots(self.config, m, n) if self.counters else 0
-            got = (tuple(outs), (floats, tuple(views)), extent, slots)
-            self._sizes[(m, n)] = got
+            got = self._sizes.put((m, n), (tuple(outs), (floats, tuple(views)), extent, slots))
         return got
 
     def fast_checks_pass(self, A, B, tensors: Mapping[str, Any], m: int, n: int) -> bool:
@@ -276,9 +274,7 @@ class EpiloguePlan:
                 finalize=after if self.after else None,
                 returned=self.result_names,
             )
-            if len(self._bound) > 256:
-                self._bound.clear()
-            self._bound[(m, n)] = fn
+            self._bound.put((m, n), fn)
         return fn
 
     def _launch(self, A, B, tensors, out, counters, m, n, extent, given) -> None:
@@ -372,7 +368,8 @@ def _scratch(device: torch.device) -> StreamScratch:
     return got
 
 
-_plans: dict[tuple, EpiloguePlan] = {}
+#: bounded: config="gemm" keys whole shapes
+_plans: BoundedCache[tuple, EpiloguePlan] = BoundedCache(4096)
 
 
 #: ``config`` value of a fused call that takes the plain GEMM's heuristic tile
@@ -409,9 +406,7 @@ def _plan(epi, A, B, majors, config, m, n, k) -> EpiloguePlan:
             cfg, in_kernel = epilogue_choice(epi, A.dtype, m, n, k, num_sms, majors, base)
         else:  # the caller's config, as given
             cfg, in_kernel = config, finalize.in_gemm(epi, config, m, n, num_sms)
-        if len(_plans) > 4096:  # bounded: config="gemm" keys whole shapes
-            _plans.clear()
-        plan = _plans[pkey] = EpiloguePlan(epi, A.dtype, majors, device, num_sms, cfg, in_kernel)
+        plan = _plans.put(pkey, EpiloguePlan(epi, A.dtype, majors, device, num_sms, cfg, in_kernel))
     return plan
 
 
@@ -441,9 +436,7 @@ def run(
     if check_contents or not plan.fast_checks_pass(A, B, tensors, m, n):
         _full_checks(epi, A, B, tensors, n, plan.need_n, check_contents)
     if sig is not None:
-        if len(_calls) > 4096:
-            _calls.clear()
-        _calls[sig] = plan.bound(m, n)
+        _calls.put(sig, plan.bound(m, n))
     return plan(A, B, tensors, outputs)
 
 
@@ -452,11 +445,11 @@ def run(
 #: strides of an earlier call that passed the checks needs only its base pointers checked,
 #: which the bound call does (fail-closed: any difference, a new name or a non-tensor in a
 #: tensor's place, misses and takes the full path).
-_calls: dict[tuple, bound_call.BoundCall] = {}
+_calls: BoundedCache[tuple, bound_call.BoundCall] = BoundedCache(4096)
 
 
 #: epilogue -> its call-signature function (:func:`bound_call.signature_of`)
-_signature_fns: dict[Epilogue, Any] = {}
+_signature_fns: BoundedCache[Epilogue, Any] = BoundedCache(4096)
 
 
 def _signature(epi, config, A, B, tensors: Mapping[str, Any]) -> tuple | None:
@@ -465,10 +458,8 @@ def _signature(epi, config, A, B, tensors: Mapping[str, Any]) -> tuple | None:
     say which)."""
     fn = _signature_fns.get(epi)
     if fn is None:
-        if len(_signature_fns) > 4096:
-            _signature_fns.clear()
-        fn = _signature_fns[epi] = bound_call.signature_of(
-            tuple((s.name, s.role == "scalar") for s in epi.inputs)
+        fn = _signature_fns.put(
+            epi, bound_call.signature_of(tuple((s.name, s.role == "scalar") for s in epi.inputs))
         )
     return fn(epi, config, A, B, tensors)
 

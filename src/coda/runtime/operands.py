@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from ..caches import BoundedCache
 from ..errors import InputError
 from ..mainloop.dtypes import OPERAND_DTYPES, OUTPUT_DTYPES
 from . import checks
@@ -53,7 +54,7 @@ def check_output(out: torch.Tensor, m: int, n: int, name: str = "out") -> None:
     checks.row_major_tma(name, out)
 
 
-_problems: dict[tuple, tuple[int, int, int, str, str]] = {}
+_problems: BoundedCache[tuple, tuple[int, int, int, str, str]] = BoundedCache(4096)
 
 
 def cached_problem(A: torch.Tensor, B: torch.Tensor) -> tuple[int, int, int, str, str]:
@@ -65,8 +66,5 @@ def cached_problem(A: torch.Tensor, B: torch.Tensor) -> tuple[int, int, int, str
         return gemm_problem(A, B)
     hit = _problems.get(sig)
     if hit is None or (A.data_ptr() | B.data_ptr()) & 15:
-        hit = gemm_problem(A, B)
-        if len(_problems) > 4096:
-            _problems.clear()
-        _problems[sig] = hit
+        hit = _problems.put(sig, gemm_problem(A, B))
     return hit
