@@ -81,7 +81,7 @@ from coda.fusions.ce_epilogues import (
     stats_store_epilogue,
 )
 from coda.fusions.ce_operands import check_operands, check_targets, local_targets
-from coda.mainloop.config import LONG_RUN_FLOPS, GemmConfig
+from coda.mainloop.config import GemmConfig, long_running
 
 __all__ = ["ACC_STORE_DTYPE", "STATS_PASS", "lce_fused_finish", "lce_fused_loss", "stats_by_map"]
 
@@ -120,7 +120,7 @@ def stats_by_map(rows: int, V: int, H: int) -> bool:
     """Whether a row chunk of ``rows`` rows takes its statistics by a map pass
     (``STATS_PASS``)."""
     if STATS_PASS == "auto":
-        return H >= STATS_MAP_MIN_K and 2.0 * rows * V * H >= LONG_RUN_FLOPS
+        return H >= STATS_MAP_MIN_K and long_running(rows, V, H)
     if STATS_PASS in ("map", "epilogue"):
         return STATS_PASS == "map"
     raise ValueError(f"ce_fused.STATS_PASS must be 'auto', 'epilogue' or 'map'; got {STATS_PASS!r}")

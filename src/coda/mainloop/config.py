@@ -221,6 +221,14 @@ _TILE_EFFICIENCY = {192: 1.0, 128: 0.98}
 #: Above it 128 x 128 tiles are costed at ``_LONG_RUN_EFFICIENCY_128``.
 LONG_RUN_FLOPS = 6e12
 _LONG_RUN_EFFICIENCY_128 = 0.9
+
+
+def long_running(m: int, n: int, k: int) -> bool:
+    """Whether an (m, n, k) GEMM has ``LONG_RUN_FLOPS`` or more: long enough to sit at the
+    card's power limit."""
+    return 2.0 * m * n * k >= LONG_RUN_FLOPS
+
+
 #: Relative throughput of cooperative 256-row tiles on long-running problems (one B tile
 #: per 256 rows: fewer operand bytes per FLOP still). Fitted on an H200
 #: (``benchmarks/results/vocab_gemm_configs_coop_h200.json``: the LM head's dh / dW
@@ -276,13 +284,12 @@ def choose_config(
     tiles_m = -(-m // 128)
     k_tiles = max(1, -(-k // 64))
     cluster_m = 2 if tiles_m >= 2 else 1
+    long_run = long_running(m, n, k)
     efficiency = dict(_TILE_EFFICIENCY)
-    if 2.0 * m * n * k >= LONG_RUN_FLOPS:
+    if long_run:
         efficiency[128] = _LONG_RUN_EFFICIENCY_128
     clusters = max(1, num_sms // cluster_m)
     max_split = min(MAX_SPLIT_K, k_tiles // MIN_SPLIT_K_TILES) if split_ok else 1
-
-    long_run = 2.0 * m * n * k >= LONG_RUN_FLOPS
 
     def cost(choice: tuple[int, int, int]) -> float:
         tile_m, tile_n, splits = choice
