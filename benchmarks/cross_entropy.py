@@ -76,6 +76,8 @@ EXTRA = (
     "coda_coop_chunks",
     "coda_stats_map",
     "coda_stats_epilogue",
+    "coda_coop_dh",
+    "coda_coop_dh_dw",
 )
 
 
@@ -90,6 +92,10 @@ KNOBS = {
     "coda_fused_tiles": {"BACKWARD_TILES": None},  # deferred GEMMs on fused 128 x 128 tiles
     # the row chunks' dh / dW GEMMs on cooperative 256 x 192 tiles (not per-GEMM heuristic)
     "coda_coop_chunks": {"CHUNK_TILES": GemmConfig(tile_m=256, tile_n=192)},
+    # the row chunks' dh GEMM alone on cooperative 256 x 128 tiles (a 2048 x H output fills
+    # whole waves of them), then dW too
+    "coda_coop_dh": {"CHUNK_DH_TILES": GemmConfig(tile_m=256, tile_n=128)},
+    "coda_coop_dh_dw": {"CHUNK_TILES": GemmConfig(tile_m=256, tile_n=128)},
     # the logits GEMM plain (coda.gemm's tiles), its statistics from a map pass over it
     "coda_stats_map": {"STATS_PASS": "map"},
     # ... or always in the logits GEMM's epilogue (the default below STATS_MAP_MIN_K)

@@ -599,6 +599,7 @@ class PingPongGemm(Producers, EpilogueIO):
             )
             cooperative = self.cooperative
             mainloop = self.mainloop
+            wants_clocks = getattr(self.visitor, "wants_clocks", False)
             if const_expr(not mainloop):
                 acc.fill(0.0)  # never read by the epilogue; defined all the same
             if const_expr(not cooperative):
@@ -626,9 +627,12 @@ class PingPongGemm(Producers, EpilogueIO):
                     tm = 2 * tm + wg  # this warpgroup's 128-row half of the CTA tile
 
                 # ---- mainloop (takes its turn on the tensor cores, unless cooperative)
+                clocks = None
                 if const_expr(mainloop):
                     if const_expr(not cooperative):
                         self._turn_wait(_Barrier.MMA_TURN, wg)
+                    if const_expr(wants_clocks):
+                        clocks = [cute.arch.clock64()]
                     release = read.clone()
                     ab_pipe.consumer_wait(read)
                     self._mma_ktile(
@@ -647,7 +651,11 @@ class PingPongGemm(Producers, EpilogueIO):
                     if const_expr(not cooperative):
                         self._turn_arrive(_Barrier.MMA_TURN, 1 - wg)
                     warpgroup.wait_group(0)
+                    if const_expr(wants_clocks):
+                        clocks.append(cute.arch.clock64())
                     self._release(ab_pipe, release, cfg.cluster_m * cfg.cluster_n, ab_peers)
+                elif const_expr(wants_clocks):
+                    clocks = [cute.arch.clock64()] * 2
 
                 # ---- epilogue (takes its turn on the store path, unless concurrent)
                 if const_expr(not concurrent):
@@ -673,6 +681,7 @@ class PingPongGemm(Producers, EpilogueIO):
                     scratch=scratch,
                     barrier=epi_bar,
                     config=cfg,
+                    clocks=tuple(clocks) if const_expr(wants_clocks) else None,
                 )
                 vstate = self.visitor.begin_tile(tctx)
                 for s in cutlass.range_constexpr(n_sub):

@@ -46,6 +46,11 @@ class TileContext:
     the extra tensors/scalars; ``frag``: the :class:`coda.mainloop.fragment.Fragment`
     geometry helper of this warpgroup; ``scratch``: the visitor's shared memory (an fp32
     tensor) or None; ``barrier``: a named barrier over the 128 threads of the warpgroup.
+    ``clocks``: for a visitor with ``wants_clocks`` (a profiling hook), two SM clocks
+    (``clock64``): when this warpgroup was ready for the tile's mainloop (it reached its
+    tensor-core turn; the read is issued with the turn's barrier, whose blocking is
+    deferred, so it does not wait for the turn) and when its last WGMMA completed; a map
+    pass (no mainloop) gives its epilogue's start twice. None otherwise.
     """
 
     tile_coord: Any
@@ -55,6 +60,7 @@ class TileContext:
     scratch: Any
     barrier: Any
     config: Any
+    clocks: Any = None
 
 
 @attrs.frozen

@@ -69,6 +69,14 @@ class TraceTile:
     def config(self):
         return self.mainloop.config
 
+    @property
+    def mainloop_clocks(self):
+        """(SM clock when this warpgroup was ready for the tile's mainloop, when its last
+        WGMMA completed): ``clock64`` values, set for primitives with ``reads_clocks =
+        True`` (a profiling hook; ``coda.mainloop.visitor.TileContext``,
+        ``benchmarks/epilogue_timeline.py``)."""
+        return self.mainloop.clocks
+
     def extra(self, name: str):
         return self.mainloop.extras[self.extras_index[name]]
 

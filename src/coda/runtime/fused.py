@@ -133,6 +133,12 @@ class FusedVisitor:
         return self.epilogue.reads_acc
 
     @property
+    def wants_clocks(self) -> bool:
+        """Whether a primitive reads the tile's mainloop clocks (``reads_clocks``: a
+        profiling hook; ``TraceTile.mainloop_clocks``)."""
+        return any(getattr(p, "reads_clocks", False) for p in self.epilogue.primitives)
+
+    @property
     def stores(self) -> tuple[TileStore, ...]:
         return tuple(p for p in self.epilogue.primitives if isinstance(p, TileStore))
 

@@ -1,0 +1,269 @@
+"""Where a fused epilogue's time goes inside the kernel: a per-tile timeline of SM clocks.
+
+    python benchmarks/epilogue_timeline.py [--m 16384] [--size 2048] [--variants a,b]
+        [--burst 30] [--out benchmarks/results/epilogue_timeline_h200.json]
+
+Each variant of ``epilogue_anatomy.py`` (``store_acc`` is the plain GEMM's work) gets a
+:class:`Timeline` primitive appended: a user primitive (defined here) with
+``reads_clocks``, which the kernel hands two SM clocks (``clock64``) per tile: when the
+warpgroup was ready for the tile's mainloop (it reached its tensor-core turn; the read is
+issued with the turn's ``BAR.SYNC``, whose blocking is deferred, so it does not wait for
+the turn) and when its last WGMMA completed. The primitive reads the clock again when the
+tile's epilogue begins (after the epilogue turn) and ends (its last TMA store issued),
+and writes the four clocks, the SM and the warpgroup into per-tile partials. The last
+call of a burst of ``--burst`` back-to-back calls is the one read (the card at its
+steady clock). Per SM, with the tiles in the order the tensor cores ran them (by
+mainloop end; the two warpgroups alternate), then the median over SMs (cycles; the
+first two tiles of an SM, one per warpgroup, are left out as start-up):
+
+* ``mainloop``: a tile's mainloop, from max(its warpgroup ready, the previous tile's
+  mainloop end) to its last WGMMA done; ``ideal``: the tensor cores' time for the tile
+  (2 tile_m tile_n K / 4096 FLOP per cycle per SM, dense 16-bit WGMMA on sm_90);
+* ``exposed_frac``: the time the tensor cores wait because the warpgroup whose turn it
+  is has not finished its previous epilogue (its ready after the previous mainloop end),
+  over the SM's span; ``late_frac``: the fraction of tiles where that happened;
+* ``epi_wait``: mainloop done -> epilogue begins (waiting for the epilogue turn);
+  ``epilogue``: epilogue begin -> end;
+* ``period``: the SM's span over its tiles; ``span``: its first ready to its last
+  epilogue end; ``tiles``: per SM.
+
+So ``mainloop`` against ``ideal`` (and ``store_acc``'s) says how much slower the
+mainloop runs beside an epilogue, and ``exposed_frac`` how much of the epilogue is left
+outside the mainloop's shadow. JSON rows ``{"variant", "M", "N", "K", "config",
+"kernel_us", "tiles", "ideal", "mainloop", "exposed_frac", "late_frac", "epi_wait",
+"epilogue", "period", "span", "mhz", "sample"}`` (``mhz``: span cycles over the kernel's
+time from CUDA events; ``sample``: the first SM's records, [ready, mainloop end,
+epilogue begin, end, warpgroup] relative to its first ready, in tensor-core order).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+from collections import defaultdict
+
+import attrs
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common  # noqa: E402
+from epilogue_anatomy import variants  # noqa: E402
+
+from coda.geometry import ceil_div  # noqa: E402
+from coda.mainloop.config import choose_epilogue_config  # noqa: E402
+from coda.primitives.base import Primitive  # noqa: E402
+from coda.specs import TensorSpec  # noqa: E402
+
+#: clocks are written as their low 24 bits (exact in fp32); spans stay far below 2^23
+CLOCK_BITS = 24
+FIELDS = ("ready", "ml_end", "epi_start", "epi_end", "sm", "wg")
+#: dense 16-bit WGMMA FLOP per cycle per SM on sm_90 (4 tensor cores x 512 FMA)
+FLOP_PER_CYCLE = 4096
+#: the last call's per-tile records of each Timeline (by name), from its finalize
+RECORDS: dict[str, torch.Tensor] = {}
+
+
+@attrs.frozen
+class Timeline(Primitive):
+    """Per tile, rows ``tm * tile_m + i`` of column ``tn`` of the partials (M, tiles_n),
+    kept in ``RECORDS[name]`` after a call, hold ``FIELDS[i]``: the mainloop's start and
+    end clocks, the epilogue's begin and end clocks (low ``CLOCK_BITS`` bits), the SM id
+    and the warpgroup."""
+
+    name: str
+    reads_clocks = True
+
+    @property
+    def reads(self) -> tuple[str, ...]:
+        return ()
+
+    @property
+    def writes(self) -> tuple[str, ...]:
+        return ()
+
+    def infer(self, values):
+        return ()
+
+    @property
+    def partials(self) -> str:
+        return f"{self.name}.partials"
+
+    def tensors(self, values):
+        # the per-tile records are partials (the kernel's tiling), kept by ``finalize``
+        return (
+            TensorSpec(self.name, "row", torch.float32, direction="out"),
+            TensorSpec(self.partials, "partials_row", torch.float32, direction="out"),
+        )
+
+    def reference(self, env) -> None:
+        env.outputs[self.name] = torch.zeros(env.problem.M)  # no clocks off the GPU
+        if env.tile is not None:
+            nt = ceil_div(env.problem.N, env.tile[1])
+            env.outputs[self.partials] = torch.zeros(env.problem.M, nt)
+
+    def visit(self, sub, state) -> None:
+        return None
+
+    def end_tile(self, tile, state) -> None:
+        tile.write_row_partial(self.partials, tile.full_rows(0.0))
+
+    def finalize(self, partials, problem, specs):
+        # the records are (M, tiles_n), not a row result: kept aside for ``analyse``, the
+        # result itself is each row's count of written records (a sanity check)
+        records = partials[self.partials].clone()
+        RECORDS[self.name] = records
+        return {self.name: (records != 0).sum(1).float()}
+
+    def trace_begin_tile(self, tile):
+        import cutlass.cute as cute
+
+        return cute.arch.clock64()
+
+    def trace(self, ctx, values, state) -> None:
+        return None
+
+    def trace_end_tile(self, tile, state) -> None:
+        import cutlass.cute as cute
+        from cutlass import Float32, Int32, Int64
+
+        from coda.primitives import tracing
+
+        end = cute.arch.clock64()
+        start_ml, end_ml = tile.mainloop_clocks
+        mask = Int64((1 << CLOCK_BITS) - 1)
+        tm, tn = tile.tile_coord
+        m, n = tile.shape_mn
+        row = tm * tile.config.warpgroup_config.tile_m
+        vals = [Float32(Int32(c & mask)) for c in (start_ml, end_ml, state, end)]
+        vals += [Float32(cute.arch.smid()), Float32(tracing.warpgroup_index())]
+        out = tile.extra(self.partials)
+        live = (tracing.thread_in_warpgroup() == 0) & (row < m) & (tn * tile.config.tile_n < n)
+        _write(out, row, tn, vals, live)
+
+
+def _write(out, row, col, vals, live):
+    import cutlass.cute as cute
+
+    @cute.jit
+    def body(out, row, col, v0, v1, v2, v3, v4, v5, live):
+        if live:
+            out[row, col] = v0
+            out[row + 1, col] = v1
+            out[row + 2, col] = v2
+            out[row + 3, col] = v3
+            out[row + 4, col] = v4
+            out[row + 5, col] = v5
+
+    body(out, row, col, *vals, live)
+
+
+def _unwrap(xs: list[float], ref: float) -> list[float]:
+    """Clock values relative to ``ref``, undoing the 24-bit wrap."""
+    full = 1 << CLOCK_BITS
+    out = []
+    for x in xs:
+        d = (x - ref) % full
+        out.append(d - full if d >= full // 2 else d)
+    return out
+
+
+def analyse(tl: torch.Tensor, tile_m: int) -> dict:
+    """Per-SM timelines from the Timeline output ``tl`` (M, tiles_n), summarized."""
+    t = tl.cpu()
+    tiles_m = ceil_div(t.shape[0], tile_m)
+    per_sm: dict[int, list[list[float]]] = defaultdict(list)
+    for i in range(tiles_m):
+        r = i * tile_m
+        if r + len(FIELDS) > t.shape[0]:
+            continue
+        for j in range(t.shape[1]):
+            rec = t[r : r + len(FIELDS), j].tolist()
+            if rec[0] == 0 and rec[1] == 0:  # never written (no tile there)
+                continue
+            per_sm[int(rec[4])].append(rec)
+    stats = defaultdict(list)
+    sample = None
+    for sm, recs in sorted(per_sm.items()):
+        ref = recs[0][0]
+        rel = [_unwrap(r[:4], ref) + [r[5]] for r in recs]
+        rel.sort(key=lambda r: r[1])  # tensor-core order: by mainloop end
+        if sample is None:  # one SM's records, for reading by eye
+            base = min(r[0] for r in rel)
+            sample = {
+                "sm": sm,
+                "records": [[int(x - base) for x in r[:4]] + [int(r[4])] for r in rel],
+            }
+        span = max(r[3] for r in rel) - min(r[0] for r in rel)
+        ml, exposed, late = [], 0.0, 0
+        for prev, cur in zip(rel[1:], rel[2:], strict=False):
+            ml.append(cur[1] - max(cur[0], prev[1]))
+            if cur[0] > prev[1]:
+                exposed += cur[0] - prev[1]
+                late += 1
+        steady = rel[2:] or rel
+        stats["mainloop"].append(statistics.median(ml) if ml else 0.0)
+        stats["exposed_frac"].append(exposed / span if span else 0.0)
+        stats["late_frac"].append(late / max(1, len(ml)))
+        stats["epi_wait"].append(statistics.median(r[2] - r[1] for r in steady))
+        stats["epilogue"].append(statistics.median(r[3] - r[2] for r in steady))
+        stats["period"].append(span / len(rel))
+        stats["span"].append(span)
+        stats["tiles"].append(len(rel))
+    return {**{k: statistics.median(v) for k, v in stats.items()}, "sample": sample}
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", default="benchmarks/results/epilogue_timeline_h200.json")
+    p.add_argument("--m", type=int, default=16384)
+    p.add_argument("--size", type=int, default=2048, help="N = K")
+    p.add_argument("--burst", type=int, default=30)
+    p.add_argument("--variants", default=None, help="comma-separated subset")
+    args = p.parse_args(argv)
+    m = args.m
+    n = k = args.size
+    cfg = choose_epilogue_config(m, n, k)
+    epis = variants()
+    if args.variants:
+        epis = {name: epis[name] for name in args.variants.split(",")}
+    bf16 = torch.bfloat16
+    A = torch.randn(m, k, device="cuda").to(bf16)
+    B = torch.randn(n, k, device="cuda").to(bf16) / k**0.5
+    rows = []
+    for name, epi in epis.items():
+        timed = epi.add(Timeline("timeline"))
+        _, _, tensors = common.cuda_inputs(epi, m, n, k)
+        run = lambda timed=timed, t=tensors: timed(A, B, config=cfg, **t)  # noqa: E731
+        for _ in range(args.burst):
+            run()
+        kernel_ms = common.time_once(run, args.burst)
+        run()
+        torch.cuda.synchronize()
+        s = analyse(RECORDS["timeline"], cfg.warpgroup_config.tile_m)
+        ideal = 2 * cfg.warpgroup_config.tile_m * cfg.tile_n * k / FLOP_PER_CYCLE
+        rows.append(
+            {
+                "variant": name,
+                "M": m,
+                "N": n,
+                "K": k,
+                "config": str(cfg),
+                "kernel_us": kernel_ms * 1e3,
+                "ideal": ideal,
+                **s,
+                "mhz": s["span"] / (kernel_ms * 1e3),
+            }
+        )
+        print({k: v for k, v in rows[-1].items() if k != "sample"}, flush=True)
+    common.write_json(args.out, {**common.environment(), "rows": rows})
+    common.print_table(
+        rows,
+        ["variant", "kernel_us", "tiles", "ideal", "mainloop", "exposed_frac", "late_frac"]
+        + ["epi_wait", "epilogue", "period", "mhz"],
+    )
+
+
+if __name__ == "__main__":
+    main()

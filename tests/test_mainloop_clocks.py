@@ -1,0 +1,95 @@
+"""The mainloop's clock hook: a primitive with ``reads_clocks`` gets two SM clocks per tile
+(``TraceTile.mainloop_clocks``: the warpgroup ready for the mainloop, its last WGMMA
+done); kernels without one read no clock at all (compiled for sm_90a on the CPU, PTX and
+SASS inspected)."""
+
+from __future__ import annotations
+
+import attrs
+import pytest
+import torch
+
+from coda import Epilogue, TileStore
+from coda.primitives.base import Primitive
+from coda.runtime import gemm_kernels
+from coda.runtime.epilogue_kernels import epilogue_choice
+from coda.runtime.fused import FusedVisitor
+from coda.runtime.sass import count_prefix, disassemble, find_nvdisasm, opcode_counts
+from coda.specs import TensorSpec
+
+pytestmark = pytest.mark.compile
+bf16 = torch.bfloat16
+
+
+@attrs.frozen
+class MainloopCycles(Primitive):
+    """Per tile: the SM cycles from the warpgroup ready for the mainloop to its last WGMMA
+    done, written by one thread into the partials ``name`` (M, tiles_n) at the tile's
+    first row (a profiling primitive)."""
+
+    name: str
+    reads_clocks = True
+
+    reads = property(lambda self: ())
+    writes = property(lambda self: ())
+
+    def infer(self, values):
+        return ()
+
+    def tensors(self, values):
+        return (TensorSpec(self.name, "partials_row", torch.float32, direction="out"),)
+
+    def reference(self, env):
+        return None
+
+    def visit(self, sub, state):
+        return None
+
+    def trace(self, ctx, values, state):
+        return None
+
+    def trace_end_tile(self, tile, state):
+        from cutlass import Float32
+
+        from coda.primitives import tracing
+
+        start, end = tile.mainloop_clocks
+        tm, tn = tile.tile_coord
+        row = tm * tile.config.warpgroup_config.tile_m
+        first = tracing.thread_in_warpgroup() == 0
+        live = first & (row < tile.shape_mn[0]) & (tn * tile.config.tile_n < tile.shape_mn[1])
+        tracing.write_row_partial(
+            tile.extra(self.name), row, tn, Float32(end - start), tile.shape_mn[0], live
+        )
+
+
+def _ptx_sass(epi, mnk, tmp_path):
+    cfg = epilogue_choice(epi, bf16, *mnk, num_sms=132, majors=("k", "k"))[0]
+    key = gemm_kernels.GemmKernelKey(cfg, bf16, FusedVisitor(epi), 132, "k", "k")
+    ptx, cubin = gemm_kernels.compile_artifacts(key, str(tmp_path))
+    ops = opcode_counts(disassemble(cubin)) if find_nvdisasm() else None
+    return ptx, ops
+
+
+def test_only_a_visitor_that_asks_reads_the_clock(tmp_path):
+    plain = Epilogue().add(TileStore("acc", bf16))
+    timed = plain.add(MainloopCycles("cycles"))
+    assert not FusedVisitor(plain).wants_clocks and FusedVisitor(timed).wants_clocks
+    ptx, ops = _ptx_sass(plain, (4096, 2048, 2048), tmp_path / "plain")
+    assert "%clock64" not in ptx
+    ptx, ops = _ptx_sass(timed, (4096, 2048, 2048), tmp_path / "timed")
+    # the mainloop's start and end, in the one traced mainloop
+    assert ptx.count("%clock64") == 2
+    if ops is not None:
+        assert count_prefix(ops, "HGMMA") > 0
+        assert count_prefix(ops, "LDL") == 0 and count_prefix(ops, "STL") == 0
+
+
+def test_a_map_pass_reports_its_epilogue_start_as_both_clocks(tmp_path):
+    # no mainloop (K = one k-tile and acc never read): both clocks are one reading
+    from coda import TileLoad
+
+    epi = Epilogue().add(TileLoad("x", bf16), TileStore("x", bf16, name="y"))
+    epi = epi.add(MainloopCycles("cycles"))
+    ptx, _ = _ptx_sass(epi, (4096, 2048, 64), tmp_path)
+    assert "wgmma.mma_async" not in ptx and ptx.count("%clock64") == 1
