@@ -1,9 +1,12 @@
 """Where a fused epilogue's time goes inside the kernel: a per-tile timeline of SM clocks.
 
     python benchmarks/epilogue_timeline.py [--m 16384] [--size 2048] [--variants a,b]
-        [--burst 30] [--out benchmarks/results/epilogue_timeline_h200.json]
+        [--burst 30] [--out benchmarks/results/epilogue_timeline_h200.json] (+ a PNG)
 
-Each variant of ``epilogue_anatomy.py`` (``store_acc`` is the plain GEMM's work) gets a
+Each variant of ``epilogue_anatomy.py`` (``store_acc`` is the plain GEMM's work), and the
+synthetic ``probes`` here (``fma16``, ``fma64``, ``exp8``: ALU or MUFU work on acc reduced
+to a row sum, no M x N traffic; ``fma16_rolled``: fma16's FMAs in a loop the kernel does
+not unroll; only when named in ``--variants``), gets a
 :class:`Timeline` primitive appended: a user primitive (defined here) with
 ``reads_clocks``, which the kernel hands two SM clocks (``clock64``) per tile: when the
 warpgroup was ready for the tile's mainloop (it reached its tensor-core turn; the read is
@@ -51,8 +54,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
 from epilogue_anatomy import variants  # noqa: E402
 
+from coda.epilogue import Epilogue  # noqa: E402
 from coda.geometry import ceil_div  # noqa: E402
 from coda.mainloop.config import choose_epilogue_config  # noqa: E402
+from coda.primitives import Elementwise, TileReduce  # noqa: E402
+from coda.primitives import math as cm  # noqa: E402
 from coda.primitives.base import Primitive  # noqa: E402
 from coda.specs import TensorSpec  # noqa: E402
 
@@ -143,6 +149,99 @@ class Timeline(Primitive):
         _write(out, row, tn, vals, live)
 
 
+def _fma_chain(x, n: int):
+    y = x
+    for _ in range(n):
+        y = y * 0.999 + x
+    return y
+
+
+def fma16(x):
+    """16 dependent FMAs per element (pure FMA-pipe work)."""
+    return _fma_chain(x, 16)
+
+
+def fma64(x):
+    """64 dependent FMAs per element."""
+    return _fma_chain(x, 64)
+
+
+def exp8(x):
+    """8 dependent exponentials per element (MUFU work, with a multiply each)."""
+    y = x
+    for _ in range(8):
+        y = cm.exp(y * -0.001)
+    return y
+
+
+@attrs.frozen
+class FmaLoop(Primitive):
+    """``out = fma16(of)`` computed in a loop the kernel does not unroll (``cutlass.range``
+    with ``unroll=1``): the same FMAs as ``fma16``, a sixteenth of the code."""
+
+    out: str
+    of: str = "acc"
+    n: int = 16
+
+    @property
+    def reads(self) -> tuple[str, ...]:
+        return (self.of,)
+
+    @property
+    def writes(self) -> tuple[str, ...]:
+        return (self.out,)
+
+    def infer(self, values):
+        from coda.specs import ValueSpec
+
+        src = values[self.of]
+        return (ValueSpec(self.out, src.kind, src.width),)
+
+    def reference(self, env) -> None:
+        env.values[self.out] = _fma_chain(env.values[self.of], self.n)
+
+    def visit(self, sub, state) -> None:
+        sub.values[self.out] = _fma_chain(sub.values[self.of], self.n)
+
+    def trace(self, ctx, values, state) -> None:
+        values[self.out] = _fma_rolled()(values[self.of], self.n)
+
+
+def _fma_rolled():
+    """A jitted helper (the DSL turns loops into device loops only in jitted code)."""
+    import cutlass
+    import cutlass.cute as cute
+
+    @cute.jit
+    def fma_rolled(x, n: cutlass.Constexpr[int]):
+        y = x
+        for _ in cutlass.range(n, unroll=1):
+            y = y * 0.999 + x
+        return y
+
+    return fma_rolled
+
+
+def probes() -> dict[str, Epilogue]:
+    """Synthetic epilogues with no M x N traffic: ALU or MUFU work on acc, reduced to a
+    row sum so that it is kept (what of the epilogue's work slows the mainloop?)."""
+
+    def reduced(fn):
+        return (
+            Epilogue()
+            .add(Elementwise("y", fn, ins=("acc",)))
+            .add(TileReduce("r", of="y", op="sum"))
+        )
+
+    rolled = Epilogue().add(FmaLoop("y")).add(TileReduce("r", of="y", op="sum"))
+    return {
+        "fma16": reduced(fma16),
+        "fma16_rolled": rolled,
+        "fma64": reduced(fma64),
+        "exp8": reduced(exp8),
+    }
+
+
 def _write(out, row, col, vals, live):
     import cutlass.cute as cute
 
@@ -214,6 +313,38 @@ def analyse(tl: torch.Tensor, tile_m: int) -> dict:
     return {**{k: statistics.median(v) for k, v in stats.items()}, "sample": sample}
 
 
+def plot(rows: list[dict], path: str) -> None:
+    """Per variant, a tile's period in cycles split into the tensor cores' ideal time, the
+    mainloop's slowdown beside the other warpgroup's epilogue, the exposed epilogue and
+    the rest (start-up, tail, hand-overs)."""
+    plt = common.pyplot()
+    if plt is None:
+        print("matplotlib not installed: no PNG", file=sys.stderr)
+        return
+    fig, ax = plt.subplots(figsize=(max(6, 1.1 * len(rows)), 5))
+    xs = range(len(rows))
+    ideal = [r["ideal"] for r in rows]
+    slow = [max(0.0, r["mainloop"] - r["ideal"]) for r in rows]
+    exposed = [r["exposed_frac"] * r["period"] for r in rows]
+    parts = zip(rows, ideal, slow, exposed, strict=True)
+    rest = [max(0.0, r["period"] - a - b - c) for r, a, b, c in parts]
+    bottom = [0.0] * len(rows)
+    for ys, label in (
+        (ideal, "tensor cores' ideal"),
+        (slow, "mainloop slowdown"),
+        (exposed, "exposed epilogue"),
+        (rest, "rest (start-up, tail)"),
+    ):
+        ax.bar(xs, ys, bottom=bottom, label=label)
+        bottom = [b + y for b, y in zip(bottom, ys, strict=True)]
+    ax.set_xticks(list(xs), [r["variant"] for r in rows], rotation=30, ha="right")
+    ax.set_ylabel("SM cycles per tile")
+    r0 = rows[0]
+    ax.set_title(f"per-tile timeline, M={r0['M']} N=K={r0['N']} (PingPong 128 x 128)")
+    ax.legend()
+    common.save_figure(plt, fig, path)
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default="benchmarks/results/epilogue_timeline_h200.json")
@@ -227,7 +358,8 @@ def main(argv=None) -> None:
     cfg = choose_epilogue_config(m, n, k)
     epis = variants()
     if args.variants:
-        epis = {name: epis[name] for name in args.variants.split(",")}
+        every = {**epis, **probes()}
+        epis = {name: every[name] for name in args.variants.split(",")}
     bf16 = torch.bfloat16
     A = torch.randn(m, k, device="cuda").to(bf16)
     B = torch.randn(n, k, device="cuda").to(bf16) / k**0.5
@@ -258,6 +390,7 @@ def main(argv=None) -> None:
         )
         print({k: v for k, v in rows[-1].items() if k != "sample"}, flush=True)
     common.write_json(args.out, {**common.environment(), "rows": rows})
+    plot(rows, os.path.splitext(args.out)[0] + ".png")
     common.print_table(
         rows,
         ["variant", "kernel_us", "tiles", "ideal", "mainloop", "exposed_frac", "late_frac"]

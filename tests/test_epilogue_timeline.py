@@ -1,0 +1,61 @@
+"""``benchmarks/epilogue_timeline.py``'s reading of per-tile clock records (CPU, synthetic
+PingPong timelines with a known answer)."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+timeline = pytest.importorskip("epilogue_timeline")
+
+TILE_M = 8
+
+
+def _records(mainloop: int, epilogue: int, tiles: int, sm: int = 3, origin: int = 0):
+    """A PingPong SM: warpgroups 0 and 1 alternate on the tensor cores; each is ready for
+    its next mainloop when its epilogue ends, and a mainloop starts when the previous one
+    ended and its warpgroup is ready. Returns the Timeline partials (M, tiles_n)."""
+    wrap = 1 << timeline.CLOCK_BITS
+    recs, end_prev, ready = [], 0, [0, 0]
+    for i in range(tiles):
+        wg = i % 2
+        start = max(end_prev, ready[wg])
+        end = start + mainloop
+        epi0, epi1 = end + 10, end + 10 + epilogue
+        recs.append([(c + origin) % wrap for c in (ready[wg], end, epi0, epi1)] + [sm, wg])
+        ready[wg], end_prev = epi1, end
+    cols = 4
+    out = torch.zeros(TILE_M * -(-tiles // cols), cols)
+    for i, r in enumerate(recs):
+        tm, tn = divmod(i, cols)
+        out[tm * TILE_M : tm * TILE_M + len(r), tn] = torch.tensor(r, dtype=torch.float64)
+    return out
+
+
+def test_hidden_epilogue_leaves_the_tensor_cores_busy():
+    s = timeline.analyse(_records(mainloop=1000, epilogue=600, tiles=12), TILE_M)
+    assert s["mainloop"] == 1000 and s["exposed_frac"] == 0 and s["late_frac"] == 0
+    assert s["epilogue"] == 600 and s["epi_wait"] == 10 and s["tiles"] == 12
+    assert s["sample"]["sm"] == 3 and len(s["sample"]["records"]) == 12
+
+
+def test_long_epilogue_is_exposed():
+    # each warpgroup's epilogue (10 + 1500) outlasts the other's mainloop (1000): a pair
+    # of tiles takes 1000 + 1510 cycles, the tensor cores idle 510 of them, waiting for
+    # one of the two warpgroups (the other is just in time)
+    s = timeline.analyse(_records(mainloop=1000, epilogue=1500, tiles=12), TILE_M)
+    assert s["mainloop"] == 1000 and s["late_frac"] == 0.5
+    # 10 hand-overs counted (the first two tiles are start-up), every other one late
+    assert s["exposed_frac"] == pytest.approx(5 * 510 / s["span"])
+    assert s["period"] == pytest.approx(2510 / 2, rel=0.1)
+
+
+def test_clocks_that_wrap_24_bits_read_the_same():
+    plain = timeline.analyse(_records(1000, 1500, 12), TILE_M)
+    wrapped = timeline.analyse(_records(1000, 1500, 12, origin=(1 << 24) - 5000), TILE_M)
+    for key in ("mainloop", "exposed_frac", "late_frac", "epilogue", "span"):
+        assert wrapped[key] == pytest.approx(plain[key])
