@@ -30,6 +30,8 @@ first two tiles of an SM, one per warpgroup, are left out as start-up):
 * ``period``: the SM's span over its tiles; ``span``: its first ready to its last
   epilogue end; ``tiles``: per SM.
 
+A variant that never reads acc (``gu_copy``) is a map pass with no mainloop: its
+``mainloop`` is 0 and only its epilogue numbers mean anything (the PNG leaves it out).
 So ``mainloop`` against ``ideal`` (and ``store_acc``'s) says how much slower the
 mainloop runs beside an epilogue, and ``exposed_frac`` how much of the epilogue is left
 outside the mainloop's shadow. JSON rows ``{"variant", "M", "N", "K", "config",
@@ -322,6 +324,7 @@ def plot(rows: list[dict], path: str) -> None:
         print("matplotlib not installed: no PNG", file=sys.stderr)
         return
     fig, ax = plt.subplots(figsize=(max(6, 1.1 * len(rows)), 5))
+    rows = [r for r in rows if r["mainloop"] > 0]  # map passes (no mainloop) left out
     xs = range(len(rows))
     ideal = [r["ideal"] for r in rows]
     slow = [max(0.0, r["mainloop"] - r["ideal"]) for r in rows]
