@@ -5,62 +5,18 @@ SASS inspected)."""
 
 from __future__ import annotations
 
-import attrs
 import pytest
 import torch
 
+import coda
 from coda import Epilogue, TileStore
-from coda.primitives.base import Primitive
 from coda.runtime import gemm_kernels
 from coda.runtime.epilogue_kernels import epilogue_choice
 from coda.runtime.fused import FusedVisitor
 from coda.runtime.sass import count_prefix, disassemble, find_nvdisasm, opcode_counts
-from coda.specs import TensorSpec
+from coda.testing.probes import MainloopCycles
 
-pytestmark = pytest.mark.compile
 bf16 = torch.bfloat16
-
-
-@attrs.frozen
-class MainloopCycles(Primitive):
-    """Per tile: the SM cycles from the warpgroup ready for the mainloop to its last WGMMA
-    done, written by one thread into the partials ``name`` (M, tiles_n) at the tile's
-    first row (a profiling primitive)."""
-
-    name: str
-    reads_clocks = True
-
-    reads = property(lambda self: ())
-    writes = property(lambda self: ())
-
-    def infer(self, values):
-        return ()
-
-    def tensors(self, values):
-        return (TensorSpec(self.name, "partials_row", torch.float32, direction="out"),)
-
-    def reference(self, env):
-        return None
-
-    def visit(self, sub, state):
-        return None
-
-    def trace(self, ctx, values, state):
-        return None
-
-    def trace_end_tile(self, tile, state):
-        from cutlass import Float32
-
-        from coda.primitives import tracing
-
-        start, end = tile.mainloop_clocks
-        tm, tn = tile.tile_coord
-        row = tm * tile.config.warpgroup_config.tile_m
-        first = tracing.thread_in_warpgroup() == 0
-        live = first & (row < tile.shape_mn[0]) & (tn * tile.config.tile_n < tile.shape_mn[1])
-        tracing.write_row_partial(
-            tile.extra(self.name), row, tn, Float32(end - start), tile.shape_mn[0], live
-        )
 
 
 def _ptx_sass(epi, mnk, tmp_path):
@@ -71,6 +27,16 @@ def _ptx_sass(epi, mnk, tmp_path):
     return ptx, ops
 
 
+def test_probe_composes_and_is_zero_off_the_gpu():
+    epi = Epilogue().add(TileStore("acc", bf16)).add(MainloopCycles("cycles"))
+    A, B = torch.randn(40, 24), torch.randn(36, 24)
+    ref = epi.reference(A, B)
+    assert ref["cycles"].shape == (40,) and not ref["cycles"].any()
+    sim = coda.simulate(epi, A, B, tile=(16, 16), subtile=(8, 8))
+    assert sim["cycles.partials"].shape == (40, 3) and not sim["cycles"].any()
+
+
+@pytest.mark.compile
 def test_only_a_visitor_that_asks_reads_the_clock(tmp_path):
     plain = Epilogue().add(TileStore("acc", bf16))
     timed = plain.add(MainloopCycles("cycles"))
@@ -85,6 +51,7 @@ def test_only_a_visitor_that_asks_reads_the_clock(tmp_path):
         assert count_prefix(ops, "LDL") == 0 and count_prefix(ops, "STL") == 0
 
 
+@pytest.mark.compile
 def test_a_map_pass_reports_its_epilogue_start_as_both_clocks(tmp_path):
     # no mainloop (K = one k-tile and acc never read): both clocks are one reading
     from coda import TileLoad
