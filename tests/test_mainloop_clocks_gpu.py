@@ -42,15 +42,15 @@ def test_probe_leaves_outputs_alone_and_reads_at_least_the_tensor_time(name):
     for key, v in plain.items():
         assert torch.equal(v, timed[key]), key
     tile_m = cfg.warpgroup_config.tile_m
-    per_tile_row = timed["cycles"][::tile_m]
+    cycles = timed["cycles"]
     ideal = 2 * tile_m * cfg.tile_n * k / FLOP_PER_CYCLE
-    assert per_tile_row.shape == (m // tile_m,)
-    assert (per_tile_row >= 0.95 * ideal).all(), (per_tile_row.min().item(), ideal)
-    assert (per_tile_row < 1e8).all()
-    # rows that are no tile's first row hold nothing
-    mask = torch.ones(m, dtype=torch.bool, device="cuda")
-    mask[::tile_m] = False
-    assert not timed["cycles"][mask].any()
+    assert cycles.shape == (m,)
+    assert (cycles >= 0.95 * ideal).all(), (cycles.min().item(), ideal)
+    assert (cycles < 1e8).all()
+    # the rows of one tile read one mainloop (its 4 warps reach the turn at slightly
+    # different times: less than a tile's tensor time apart)
+    per_tile = cycles.view(m // tile_m, tile_m)
+    assert (per_tile.amax(1) - per_tile.amin(1) < ideal).all()
 
 
 def test_map_pass_reads_zero_cycles():

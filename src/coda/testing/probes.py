@@ -2,13 +2,13 @@
 
 * ``MainloopCycles(name)``: per output tile, the SM cycles from the warpgroup ready for the
   tile's mainloop (it reached its tensor-core turn) to its last WGMMA done, through the
-  engine's clock hook (``reads_clocks``: ``TraceTile.mainloop_clocks``). One thread per
-  tile writes it into the partials ``{name}.partials`` (M, tiles_n) at the tile's first
-  row; the call returns ``name`` (M,): per row, the largest value of its row of tiles
-  (rows that are not a tile's first are 0). Append it to any epilogue::
+  engine's clock hook (``reads_clocks``: ``TraceTile.mainloop_clocks``), as read by the
+  warpgroup's thread i for the tile's row i; they write it into the partials
+  ``{name}.partials`` (M, tiles_n); the call returns ``name`` (M,): per row, the largest
+  value over its row of tiles. Append it to any epilogue::
 
       out = epi.add(MainloopCycles("cycles"))(A, B, **tensors)
-      cycles = out["cycles"][::128]  # one value per 128-row tile row
+      cycles = out["cycles"][::128]  # the first row of each 128-row tile row
 
   The value includes the wait for the turn (the other warpgroup's mainloop) when the
   warpgroup was early, so it is at least the tensor cores' time for the tile
@@ -19,6 +19,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from typing import Any
 
@@ -94,7 +95,22 @@ class MainloopCycles(Primitive):
         start, end = tile.mainloop_clocks
         tm, tn = tile.tile_coord
         m, n = tile.shape_mn
-        row = tm * tile.config.warpgroup_config.tile_m
-        first = tracing.thread_in_warpgroup() == 0
-        live = first & (row < m) & (tn * tile.config.tile_n < n)
-        tracing.write_row_partial(tile.extra(self.partials), row, tn, Float32(end - start), m, live)
+        # thread i of the warpgroup writes the tile's row i: every row of the partials
+        # that a tile covers is written (the partials live in reused scratch)
+        row = tm * tile.config.warpgroup_config.tile_m + tracing.thread_in_warpgroup()
+        live = (row < m) & (tn * tile.config.tile_n < n)
+        _store_if()(tile.extra(self.partials), row, tn, Float32(end - start), live)
+
+
+@functools.cache
+def _store_if():
+    """``out[row, col] = value`` where ``live`` (a jitted helper: the DSL turns the
+    condition into a device branch only in jitted code)."""
+    import cutlass.cute as cute
+
+    @cute.jit
+    def store_if(out, row, col, value, live):
+        if live:
+            out[row, col] = value
+
+    return store_if
