@@ -61,8 +61,7 @@ from coda.geometry import ceil_div  # noqa: E402
 from coda.mainloop.config import choose_epilogue_config  # noqa: E402
 from coda.primitives import Elementwise, TileReduce  # noqa: E402
 from coda.primitives import math as cm  # noqa: E402
-from coda.primitives.base import Primitive  # noqa: E402
-from coda.specs import TensorSpec  # noqa: E402
+from coda.testing.probes import MainloopCycles, store_if  # noqa: E402
 
 #: clocks are written as their low 24 bits (exact in fp32); spans stay far below 2^23
 CLOCK_BITS = 24
@@ -74,48 +73,11 @@ RECORDS: dict[str, torch.Tensor] = {}
 
 
 @attrs.frozen
-class Timeline(Primitive):
+class Timeline(MainloopCycles):
     """Per tile, rows ``tm * tile_m + i`` of column ``tn`` of the partials (M, tiles_n),
-    kept in ``RECORDS[name]`` after a call, hold ``FIELDS[i]``: the mainloop's start and
-    end clocks, the epilogue's begin and end clocks (low ``CLOCK_BITS`` bits), the SM id
-    and the warpgroup."""
-
-    name: str
-    reads_clocks = True
-
-    @property
-    def reads(self) -> tuple[str, ...]:
-        return ()
-
-    @property
-    def writes(self) -> tuple[str, ...]:
-        return ()
-
-    def infer(self, values):
-        return ()
-
-    @property
-    def partials(self) -> str:
-        return f"{self.name}.partials"
-
-    def tensors(self, values):
-        # the per-tile records are partials (the kernel's tiling), kept by ``finalize``
-        return (
-            TensorSpec(self.name, "row", torch.float32, direction="out"),
-            TensorSpec(self.partials, "partials_row", torch.float32, direction="out"),
-        )
-
-    def reference(self, env) -> None:
-        env.outputs[self.name] = torch.zeros(env.problem.M)  # no clocks off the GPU
-        if env.tile is not None:
-            nt = ceil_div(env.problem.N, env.tile[1])
-            env.outputs[self.partials] = torch.zeros(env.problem.M, nt)
-
-    def visit(self, sub, state) -> None:
-        return None
-
-    def end_tile(self, tile, state) -> None:
-        tile.write_row_partial(self.partials, tile.full_rows(0.0))
+    kept in ``RECORDS[name]`` after a call, hold ``FIELDS[i]``: the warpgroup's ready and
+    mainloop-end clocks, the epilogue's begin and end clocks (low ``CLOCK_BITS`` bits),
+    the SM id and the warpgroup (``coda.testing.probes.MainloopCycles``'s outputs)."""
 
     def finalize(self, partials, problem, specs):
         # the records are (M, tiles_n), not a row result: kept aside for ``analyse``, the
@@ -139,16 +101,17 @@ class Timeline(Primitive):
         from coda.primitives import tracing
 
         end = cute.arch.clock64()
-        start_ml, end_ml = tile.mainloop_clocks
+        ready, end_ml = tile.mainloop_clocks
         mask = Int64((1 << CLOCK_BITS) - 1)
         tm, tn = tile.tile_coord
         m, n = tile.shape_mn
         row = tm * tile.config.warpgroup_config.tile_m
-        vals = [Float32(Int32(c & mask)) for c in (start_ml, end_ml, state, end)]
+        vals = [Float32(Int32(c & mask)) for c in (ready, end_ml, state, end)]
         vals += [Float32(cute.arch.smid()), Float32(tracing.warpgroup_index())]
         out = tile.extra(self.partials)
         live = (tracing.thread_in_warpgroup() == 0) & (row < m) & (tn * tile.config.tile_n < n)
-        _write(out, row, tn, vals, live)
+        for i, v in enumerate(vals):
+            store_if()(out, row + i, tn, v, live)
 
 
 def _fma_chain(x, n: int):
@@ -176,39 +139,6 @@ def exp8(x):
     return y
 
 
-@attrs.frozen
-class FmaLoop(Primitive):
-    """``out = fma16(of)`` computed in a loop the kernel does not unroll (``cutlass.range``
-    with ``unroll=1``): the same FMAs as ``fma16``, a sixteenth of the code."""
-
-    out: str
-    of: str = "acc"
-    n: int = 16
-
-    @property
-    def reads(self) -> tuple[str, ...]:
-        return (self.of,)
-
-    @property
-    def writes(self) -> tuple[str, ...]:
-        return (self.out,)
-
-    def infer(self, values):
-        from coda.specs import ValueSpec
-
-        src = values[self.of]
-        return (ValueSpec(self.out, src.kind, src.width),)
-
-    def reference(self, env) -> None:
-        env.values[self.out] = _fma_chain(env.values[self.of], self.n)
-
-    def visit(self, sub, state) -> None:
-        sub.values[self.out] = _fma_chain(sub.values[self.of], self.n)
-
-    def trace(self, ctx, values, state) -> None:
-        values[self.out] = _fma_rolled()(values[self.of], self.n)
-
-
 def _fma_rolled():
     """A jitted helper (the DSL turns loops into device loops only in jitted code)."""
     import cutlass
@@ -224,6 +154,14 @@ def _fma_rolled():
     return fma_rolled
 
 
+def fma16_rolled(x):
+    """fma16's FMAs in a loop the kernel keeps (``cutlass.range(unroll=1)``): the same
+    work, a sixteenth of the code (torch tensors: the same chain)."""
+    if isinstance(x, torch.Tensor):
+        return _fma_chain(x, 16)
+    return _fma_rolled()(x, 16)
+
+
 def probes() -> dict[str, Epilogue]:
     """Synthetic epilogues with no M x N traffic: ALU or MUFU work on acc, reduced to a
     row sum so that it is kept (what of the epilogue's work slows the mainloop?)."""
@@ -235,10 +173,9 @@ def probes() -> dict[str, Epilogue]:
             .add(TileReduce("r", of="y", op="sum"))
         )
 
-    rolled = Epilogue().add(FmaLoop("y")).add(TileReduce("r", of="y", op="sum"))
     return {
         "fma16": reduced(fma16),
-        "fma16_rolled": rolled,
+        "fma16_rolled": reduced(fma16_rolled),
         "fma64": reduced(fma64),
         "exp8": reduced(exp8),
     }

@@ -32,7 +32,7 @@ from coda.primitives.base import Primitive
 from coda.primitives.context import ReferenceEnv, Subtile, Tile
 from coda.specs import TensorSpec, ValueSpec
 
-__all__ = ["MainloopCycles"]
+__all__ = ["MainloopCycles", "store_if"]
 
 
 @attrs.frozen
@@ -99,11 +99,11 @@ class MainloopCycles(Primitive):
         # that a tile covers is written (the partials live in reused scratch)
         row = tm * tile.config.warpgroup_config.tile_m + tracing.thread_in_warpgroup()
         live = (row < m) & (tn * tile.config.tile_n < n)
-        _store_if()(tile.extra(self.partials), row, tn, Float32(end - start), live)
+        store_if()(tile.extra(self.partials), row, tn, Float32(end - start), live)
 
 
 @functools.cache
-def _store_if():
+def store_if():
     """``out[row, col] = value`` where ``live`` (a jitted helper: the DSL turns the
     condition into a device branch only in jitted code)."""
     import cutlass.cute as cute
