@@ -200,7 +200,11 @@ class TileReduce(Primitive):
         if self.op == "sumsq":
             x = x * x
         op = "max" if self.op == "max" else "sum"
-        vals = tracing.masked(x, v.layout, v.coords, v.shape_mn, _IDENTITY[self.op])
+        if op == "sum" and self.of in ctx.tile.zero_outside:
+            # 0 outside M x N already (the sum's identity): no per-element bounds mask
+            vals = tracing.to_rmem(x, v.layout)
+        else:
+            vals = tracing.masked(x, v.layout, v.coords, v.shape_mn, _IDENTITY[self.op])
         if self.per == "col":
             tracing.col_accumulate(ctx, op, vals, v, self)
             return

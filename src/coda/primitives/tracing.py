@@ -52,6 +52,9 @@ class TraceTile:
     #: traced values shared by the subtiles of one row (or column) of subtiles of this
     #: tile: ``TraceSubtile.per_band`` (e.g. a row vector's loads, made once per band)
     memo: dict = attrs.Factory(dict)
+    #: values that are exactly 0 outside M x N in this kernel
+    #: (``coda.runtime.fused.zero_outside``): sums over them need no bounds mask
+    zero_outside: frozenset = frozenset()
 
     @property
     def tile_coord(self):

@@ -43,6 +43,39 @@ def unsupported(epi: Epilogue) -> str | None:
     return None
 
 
+#: columns of the probe block :func:`zero_outside` evaluates elementwise functions on
+_PROBE_COLS = 8
+
+
+def zero_outside(epi: Epilogue) -> frozenset[str]:
+    """The values of ``epi`` that are exactly 0 at every element outside M x N in the
+    fused kernel: ``acc`` (TMA fills A's and B's rows and K-columns past their extents
+    with zeros, so the accumulator's are 0; a map pass fills acc with 0), every
+    ``TileLoad`` (zero-filled the same way), and every ``Elementwise`` result whose inputs
+    are all such values and whose function gives exact zeros on zeros (evaluated here, in
+    fp32 torch, on a zero block of each input's width). A sum over such a value needs no
+    bounds mask (``TraceTile.zero_outside``; TileReduce skips it). Row/col vectors,
+    scalars and every other primitive's values are not assumed zero: a product of acc and
+    a vector stays masked, the out-of-bounds elements of an op like sigmoid are not 0."""
+    from ..primitives import Elementwise
+
+    specs = epi.values
+    zero = {"acc"}
+    for p in epi.primitives:
+        if isinstance(p, TileLoad):
+            zero.add(p.name)
+        elif isinstance(p, Elementwise) and p.ins and all(n in zero for n in p.ins):
+            blocks = {n: torch.zeros(2, int(_PROBE_COLS * specs[n].width)) for n in p.ins}
+            shape = (2, int(_PROBE_COLS * specs[p.out].width))
+            try:
+                out = p.evaluate(blocks, specs, shape)
+            except Exception:  # an op that cannot run on the probe block: assume nothing
+                continue
+            if bool((out == 0).all()):
+                zero.add(p.out)
+    return frozenset(zero)
+
+
 def n_multiple(epi: Epilogue) -> int:
     """N must be a multiple of this for ``epi`` to run fused: column pairs never straddle
     the edge (``epi.n_alignment``) and every M x N*w tensor's rows are a multiple of 16
@@ -232,6 +265,7 @@ class FusedVisitor:
             extras_index=index,
             specs=self.epilogue.values,
             scratch_offsets=self.scratch_offsets(tctx.config),
+            zero_outside=zero_outside(self.epilogue),
         )
         return tile, [p.trace_begin_tile(tile) for p in self.epilogue.primitives]
 

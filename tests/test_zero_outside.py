@@ -1,0 +1,63 @@
+"""``coda.runtime.fused.zero_outside``: the values a fused kernel holds as exact zeros
+outside M x N, whose sums then skip the per-element bounds mask (CPU: the analysis on
+the catalogue and on hand-made compositions, and the masks' absence in the SASS)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from coda import Elementwise, Epilogue, TileLoad, TileReduce, VecLoad, ops
+from coda.runtime import gemm_kernels
+from coda.runtime.epilogue_kernels import epilogue_choice
+from coda.runtime.fused import FusedVisitor, zero_outside
+from coda.runtime.sass import count_prefix, disassemble, find_nvdisasm, opcode_counts
+from coda.testing.catalog import EPILOGUES
+
+bf16 = torch.bfloat16
+
+
+@pytest.mark.parametrize(
+    ("name", "expected"),
+    [
+        ("rmsnorm_fwd", {"acc", "residual", "x"}),  # h = x * gamma: a vector, not assumed
+        ("swiglu_bwd", {"acc", "gu", "dgu", "zdz_terms"}),
+        ("silu_max", {"acc", "y"}),  # silu(0) = 0
+        ("lse_target", {"acc"}),
+        ("row_scale", {"acc"}),  # acc * r * alpha: a row vector and a scalar
+    ],
+)
+def test_catalogue(name, expected):
+    assert zero_outside(EPILOGUES[name]) == expected
+
+
+def test_ops_that_are_not_zero_on_zeros_stay_masked():
+    epi = Epilogue().add(
+        TileLoad("x", bf16),
+        Elementwise("s", ops.sigmoid, ins=("acc",)),  # sigmoid(0) = 0.5
+        Elementwise("t", ops.add, ins=("s", "x")),  # built on a non-zero value
+        Elementwise("u", ops.mul, ins=("acc", "x")),
+        VecLoad("g", per="col", dtype=bf16),
+        Elementwise("v", ops.mul, ins=("u", "g")),  # a vector input: not assumed
+        TileReduce("r", of="v", op="sum"),
+    )
+    assert zero_outside(epi) == {"acc", "x", "u"}
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("name", ["rmsnorm_fwd", "swiglu_bwd", "dgamma_colsum"])
+def test_sums_over_zero_outside_values_compile_without_bounds_selects(name, tmp_path):
+    epi = EPILOGUES[name]
+    cfg = epilogue_choice(epi, bf16, 16384, 2048, 2048, num_sms=132, majors=("k", "k"))[0]
+    key = gemm_kernels.GemmKernelKey(cfg, bf16, FusedVisitor(epi), 132, "k", "k")
+    _, cubin = gemm_kernels.compile_artifacts(key, str(tmp_path))
+    if find_nvdisasm() is None:
+        pytest.skip("nvdisasm not installed")
+    ops_ = opcode_counts(disassemble(cubin))
+    assert count_prefix(ops_, "LDL") == 0 and count_prefix(ops_, "STL") == 0
+    # the row sums select nothing; dgamma's column max still masks (out-of-bounds
+    # elements must not win a max), its column sum does not
+    if name == "dgamma_colsum":
+        assert ops_.get("FSEL", 0) > 0
+    else:
+        assert ops_.get("FSEL", 0) == 0
