@@ -56,7 +56,10 @@ def zero_outside(epi: Epilogue) -> frozenset[str]:
     fp32 torch, on a zero block of each input's width). A sum over such a value needs no
     bounds mask (``TraceTile.zero_outside``; TileReduce skips it). Row/col vectors,
     scalars and every other primitive's values are not assumed zero: a product of acc and
-    a vector stays masked, the out-of-bounds elements of an op like sigmoid are not 0."""
+    a vector stays masked, the out-of-bounds elements of an op like sigmoid are not 0.
+    (With an inf in A or B the out-of-bounds products are NaN, not 0; the in-bounds
+    elements of the same rows or columns are then non-finite too, and so are their
+    sums, masked or not.)"""
     from ..primitives import Elementwise
 
     specs = epi.values
