@@ -27,9 +27,10 @@ saved for backward, for "fwd+bwd" the gradients).
   dh and dW in the forward and scaled in the backward instead of deferred
   (``DEFER_ONE_CHUNK=False``); the deferred GEMMs on the fused default tiles instead of
   the plain GEMM's (``BACKWARD_TILES=None``); the row chunks' dh / dW GEMMs on
-  cooperative 256 x 192 tiles (``CHUNK_TILES``); the logits GEMM plain with its
-  statistics from a map pass over the stored acc at every H (``STATS_PASS="map"``), or
-  the statistics in the logits GEMM's epilogue at every H (``STATS_PASS="epilogue"``;
+  cooperative 256 x 192 tiles (``CHUNK_DH_TILES``, ``CHUNK_DW_TILES``); the logits GEMM
+  plain with its statistics from a map pass over the stored acc at every H
+  (``STATS_PASS="map"``), or the statistics in the logits GEMM's epilogue at every H
+  (``STATS_PASS="epilogue"``;
   the default takes the map pass from H = ``ce_fused.STATS_MAP_MIN_K`` on).
 * eager: ``F.cross_entropy((h @ W.T).float(), t)``, Hugging Face's formulation.
 * compile: ``torch.compile`` of the same function.
@@ -91,11 +92,17 @@ KNOBS = {
     "coda_forward_gemms": {"DEFER_ONE_CHUNK": False},  # one row chunk: dh, dW in the forward
     "coda_fused_tiles": {"BACKWARD_TILES": None},  # deferred GEMMs on fused 128 x 128 tiles
     # the row chunks' dh / dW GEMMs on cooperative 256 x 192 tiles (not per-GEMM heuristic)
-    "coda_coop_chunks": {"CHUNK_TILES": GemmConfig(tile_m=256, tile_n=192)},
+    "coda_coop_chunks": {
+        "CHUNK_DH_TILES": GemmConfig(tile_m=256, tile_n=192),
+        "CHUNK_DW_TILES": GemmConfig(tile_m=256, tile_n=192),
+    },
     # the row chunks' dh GEMM alone on cooperative 256 x 128 tiles (a 2048 x H output fills
     # whole waves of them), then dW too
     "coda_coop_dh": {"CHUNK_DH_TILES": GemmConfig(tile_m=256, tile_n=128)},
-    "coda_coop_dh_dw": {"CHUNK_TILES": GemmConfig(tile_m=256, tile_n=128)},
+    "coda_coop_dh_dw": {
+        "CHUNK_DH_TILES": GemmConfig(tile_m=256, tile_n=128),
+        "CHUNK_DW_TILES": GemmConfig(tile_m=256, tile_n=128),
+    },
     # the logits GEMM plain (coda.gemm's tiles), its statistics from a map pass over it
     "coda_stats_map": {"STATS_PASS": "map"},
     # ... or always in the logits GEMM's epilogue (the default below STATS_MAP_MIN_K)

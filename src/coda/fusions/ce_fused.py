@@ -94,17 +94,10 @@ F32 = torch.float32
 #: (None) the one-chunk deferral ran 1.11-1.19x torch.compile's fwd+bwd on the H200
 #: (2026-11-26).
 BACKWARD_TILES: str | None = "gemm"
-#: Config of the dh and dW GEMMs of the row chunks computed in the forward (None:
-#: ``coda.gemm``'s heuristic, which sizes tiles per GEMM; an A/B knob).
-CHUNK_TILES: GemmConfig | str | None = None
-#: Config of the row chunks' dh GEMM alone, and of their dW GEMM alone (None: ``CHUNK_TILES``;
-#: A/B knobs).
+#: Config of the row chunks' dh GEMM, and of their dW GEMM, computed in the forward (None:
+#: ``coda.gemm``'s heuristic, which sizes tiles per GEMM; A/B knobs).
 CHUNK_DH_TILES: GemmConfig | str | None = None
 CHUNK_DW_TILES: GemmConfig | str | None = None
-
-
-def _chunk_tiles(which: GemmConfig | str | None) -> GemmConfig | str | None:
-    return CHUNK_TILES if which is None else which
 
 
 #: Where the forward takes the logits' statistics (lse, z[target], sum z) of a row chunk:
@@ -419,13 +412,11 @@ class _Walk:
         """Step 5: dh of the chunk's rows, rounded once into h's dtype."""
         out = self.dh[r0:r1]
         if dl_t is None:
-            matmul(dl, self.W_main.t(), out=out, config=_chunk_tiles(CHUNK_DH_TILES))
+            matmul(dl, self.W_main.t(), out=out, config=CHUNK_DH_TILES)
             return
         acc = dl_t @ self.W_tail.float()
         if dl is not None:
-            matmul(
-                dl, self.W_main.t(), out=acc, accumulate=True, config=_chunk_tiles(CHUNK_DH_TILES)
-            )
+            matmul(dl, self.W_main.t(), out=acc, accumulate=True, config=CHUNK_DH_TILES)
         out.copy_(acc)
 
     def _dW(self, i: int, hf, h_c, dl, dl_t) -> None:
@@ -436,15 +427,12 @@ class _Walk:
         main = self.spec.main
         if self.dW32 is None:
             if dl is not None:
-                matmul(dl.t(), h_c.t(), out=self.dW[:main], config=_chunk_tiles(CHUNK_DW_TILES))
+                matmul(dl.t(), h_c.t(), out=self.dW[:main], config=CHUNK_DW_TILES)
             if dl_t is not None:
                 self.dW[main:] = (dl_t.T @ hf).to(self.W.dtype)
             return
         if dl is not None:
-            matmul(
-                dl.t(), h_c.t(), out=self.dW32[:main], accumulate=i > 0,
-                config=_chunk_tiles(CHUNK_DW_TILES),
-            )  # fmt: skip
+            matmul(dl.t(), h_c.t(), out=self.dW32[:main], accumulate=i > 0, config=CHUNK_DW_TILES)
         if dl_t is not None:
             part = dl_t.T @ hf
             if i == 0:
