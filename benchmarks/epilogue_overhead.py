@@ -13,7 +13,9 @@ is the epilogue's cost. ``--staggered`` also times the fused kernel with
 ``staggered_ratio``: its fused / plain). ``--epi-n W`` also times the fused kernel and
 the plain GEMM with W-column epilogue subtiles (``GemmConfig.epi_n``) in the same rounds
 (row fields ``epi{W}_ms``, ``epi{W}_plain_ms``, ``epi{W}_ratio``: its fused / the
-default plain, and ``epi{W}_own_ratio``: its fused / its plain).
+default plain, and ``epi{W}_own_ratio``: its fused / its plain). ``--rolled`` also
+times the fused kernel with ``GemmConfig.rolled_epilogue`` (``rolled_ms``,
+``rolled_ratio``: its fused / plain).
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ def bench(
     layout: str = "fwd",
     staggered: bool = False,
     epi_n: int | None = None,
+    rolled: bool = False,
 ) -> dict:
     epi = EPILOGUES[name]
     A, B, tensors = common.cuda_inputs(epi, m, n, k)
@@ -63,6 +66,9 @@ def bench(
         alt = attrs.evolve(cfg, epi_n=epi_n)
         methods["alt"] = lambda: epi(A, B, config=alt, **tensors)
         methods["alt_plain"] = lambda: gemm(A, B, out=out, config=alt)
+    if rolled:
+        roll = attrs.evolve(cfg, rolled_epilogue=True)
+        methods["rolled"] = lambda: epi(A, B, config=roll, **tensors)
     times = common.interleaved(methods, rounds=rounds, reps=max(3, min(30, int(2e13 / flops))))
     fused, plain = common.median(times["fused"]), common.median(times["plain"])
     extra = {}
@@ -70,6 +76,11 @@ def bench(
         extra = {
             "staggered_ms": common.median(times["staggered"]),
             "staggered_ratio": common.median_ratio(times["staggered"], times["plain"]),
+        }
+    if rolled:
+        extra |= {
+            "rolled_ms": common.median(times["rolled"]),
+            "rolled_ratio": common.median_ratio(times["rolled"], times["plain"]),
         }
     if epi_n:
         extra |= {
@@ -101,9 +112,10 @@ def main(argv=None) -> None:
     p.add_argument("--epilogues", default=",".join(EPILOGUES))
     p.add_argument("--staggered", action="store_true", help="also time GemmConfig.staggered_copies")
     p.add_argument("--epi-n", type=int, default=None, help="also time this epilogue subtile width")
+    p.add_argument("--rolled", action="store_true", help="also time GemmConfig.rolled_epilogue")
     args = p.parse_args(argv)
     rows = [
-        bench(name, M, size, size, args.rounds, layout, args.staggered, args.epi_n)
+        bench(name, M, size, size, args.rounds, layout, args.staggered, args.epi_n, args.rolled)
         for size in (int(x) for x in args.sizes.split(","))
         for layout in args.layouts.split(",")
         for name in args.epilogues.split(",")
@@ -113,6 +125,8 @@ def main(argv=None) -> None:
     cols = ["epilogue", "layout", "M", "N", "K", "fused_ms", "plain_ms", "ratio"]
     if args.staggered:
         cols += ["staggered_ms", "staggered_ratio"]
+    if args.rolled:
+        cols += ["rolled_ms", "rolled_ratio"]
     if args.epi_n:
         w = args.epi_n
         cols += [f"epi{w}_ms", f"epi{w}_plain_ms", f"epi{w}_ratio", f"epi{w}_own_ratio"]

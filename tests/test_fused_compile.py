@@ -114,13 +114,17 @@ def test_drawn_compositions_compile_for_sm90_without_spills(tmp_path_factory, ep
     assert count_prefix(ops, "LDL") == 0 and count_prefix(ops, "STL") == 0, "spills"
 
 
+@pytest.mark.parametrize(
+    "lanes", sorted({finalize.lanes(m, n) for m in (1, 10**6) for n in (1, 10**6)})
+)
 @pytest.mark.parametrize("name", [n for n in EPILOGUES if finalize.uses_kernel(EPILOGUES[n])])
-def test_catalogue_finalize_kernel_compiles(name, tmp_path):
+def test_catalogue_finalize_kernel_compiles(name, lanes, tmp_path):
     """Every reducing catalogue epilogue finalizes its partials in ONE small kernel: it
-    compiles for sm_90a, reads the partials and writes the results, with no local memory
-    (and the log-sum-exp's exp runs in it)."""
+    compiles for sm_90a with each (row, column) thread count ``finalize.lanes`` picks,
+    reads the partials and writes the results, with no local memory (and the
+    log-sum-exp's exp runs in it)."""
     epi = EPILOGUES[name]
-    ptx, cubin = finalize.compile_artifacts(epi, str(tmp_path))
+    ptx, cubin = finalize.compile_artifacts(epi, str(tmp_path), lanes)
     assert "ld.global" in ptx and "st.global" in ptx and len(cubin) > 0
     if any(type(p).__name__ == "LogSumExp" for p in epi.primitives):
         assert "ex2.approx" in ptx

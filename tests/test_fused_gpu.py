@@ -7,6 +7,7 @@ with NaN, compared against a float64-accumulator reference and against eager PyT
 
 from __future__ import annotations
 
+import attrs
 import pytest
 import torch
 
@@ -151,12 +152,27 @@ REDUCING_ALL = {**{n: EPILOGUES[n] for n in REDUCING}, **CORNERS}
 def test_finalize_kernel_path_matches_reference(name, shape, monkeypatch):
     """With the GEMM kernel's own finalize turned off (thresholds at 0), the finalize
     kernel runs after the GEMM (a programmatic dependent launch) and gives the same
-    results: row results a warp per row, column results ``COL_LANES`` threads per
-    column, ragged column counts (widths 1/2 and 2) and columns of 1 to 40 tiles."""
+    results: row results and column results with ``finalize.lanes``' threads each,
+    ragged column counts (widths 1/2 and 2) and columns of 1 to 40 tiles."""
     monkeypatch.setattr(finalize, "ROWS_IN_GEMM_MAX_N", 0)
     monkeypatch.setattr(finalize, "COLS_IN_GEMM_MAX_M", 0)
     epi = REDUCING_ALL[name]
     _check(epi, shape)
+
+
+@pytest.mark.parametrize("lanes", [(16, 16), (8, 4), (2, 32), (32, 8)], ids=str)
+@pytest.mark.parametrize("shape", [(1000, 776, 136), (5000, 264, 64), (3000, 2056, 40)])
+@pytest.mark.parametrize("name", REDUCING + list(CORNERS))
+def test_finalize_kernel_lanes_match_reference(name, shape, lanes, monkeypatch):
+    """The finalize kernel with other thread counts per row result and per column result
+    (``finalize.lanes``): 2 to 32 threads per row (butterflies over that many lanes, the
+    log-sum-exp's merge too), 4 to 32 per column."""
+    monkeypatch.setattr(finalize, "ROWS_IN_GEMM_MAX_N", 0)
+    monkeypatch.setattr(finalize, "COLS_IN_GEMM_MAX_M", 0)
+    for short_or_long in ("SHORT", "LONG"):
+        monkeypatch.setattr(finalize, f"{short_or_long}_ROW_LANES", lanes[0])
+        monkeypatch.setattr(finalize, f"{short_or_long}_COL_LANES", lanes[1])
+    _check(REDUCING_ALL[name], shape)
 
 
 def _inputs(epi, m, n, k, seed):
@@ -342,3 +358,36 @@ def test_catalogue_epilogue_on_wide_cooperative_tiles(name):
     cfg = GemmConfig(tile_m=256, tile_n=192, cluster_m=1, cluster_n=2)
     _check(EPILOGUES[name], (1000, 1160, 200), "wgrad", config=cfg)
     _check(EPILOGUES[name], (600, 776, 520), "fwd", config=cfg)
+
+
+#: a rolled epilogue: each 64-row band's subtiles in a runtime loop over one copy of
+#: the subtile code (``GemmConfig.rolled_epilogue``)
+ROLLED = GemmConfig(tile_n=128, cluster_m=2, rolled_epilogue=True)
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("name", list(EPILOGUES) + list(CORNERS))
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_rolled_epilogues_match_reference(name, shape, layout):
+    """Every catalogue epilogue and width corner rolled: row state (reductions,
+    log-sum-exp, target selection) carried across the runtime subtile loop in
+    registers, column reductions, vectors loaded per subtile; ragged M, N, K."""
+    epi = EPILOGUES[name] if name in EPILOGUES else CORNERS[name]
+    _check(epi, shape, layout, config=ROLLED)
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        attrs.evolve(CONCURRENT, rolled_epilogue=True),
+        GemmConfig(tile_m=256, tile_n=128, rolled_epilogue=True),
+        GemmConfig(tile_n=192, cluster_m=2, epi_n=64, rolled_epilogue=True),
+    ],
+    ids=["concurrent", "cooperative", "wide_subtiles"],
+)
+@pytest.mark.parametrize("name", list(EPILOGUES))
+def test_rolled_epilogues_in_other_schedules(name, config):
+    """Rolled with concurrent epilogues (one k-tile and several), on cooperative tiles and
+    on 128 x 192 tiles of 64-column subtiles (3 subtiles a band)."""
+    for shape in [(3000, 2056, 40), (1000, 776, 136)]:
+        _check(EPILOGUES[name], shape, "fwd", config=config)

@@ -251,3 +251,23 @@ def test_bound_call_launches_what_the_generic_path_does(rec, name, n):
         assert _shape_of(rec.finalize[0]) == _shape_of(rec.finalize[1])
     assert set(bound) == {s.name for s in epi.outputs if not s.is_partials}
     assert set(bound) <= set(generic)
+
+
+def test_finalize_lanes_follow_the_size_class_and_size_the_grid():
+    """The finalize kernel's threads per row / column result depend on (M, N) only through
+    ``size_class``' short rows and short columns (so a launch plan keyed on it is right),
+    and its grid covers every row's and column's threads in whole warps."""
+    from coda.runtime import finalize
+    from coda.testing.catalog import EPILOGUES
+
+    short, long_ = finalize.ROWS_IN_GEMM_MAX_N, finalize.ROWS_IN_GEMM_MAX_N + 1
+    assert finalize.lanes(16384, short)[0] == finalize.SHORT_ROW_LANES
+    assert finalize.lanes(16384, long_)[0] == finalize.LONG_ROW_LANES
+    assert finalize.lanes(finalize.COLS_IN_GEMM_MAX_M, 8)[1] == finalize.SHORT_COL_LANES
+    assert finalize.lanes(finalize.COLS_IN_GEMM_MAX_M + 1, 8)[1] == finalize.LONG_COL_LANES
+    for lanes in [(32, 8), (16, 16), (2, 32)]:
+        rows = finalize.plan(EPILOGUES["lse_target"], lanes=lanes)  # row results only
+        assert rows.extent(1000, 2048) == -(-lanes[0] * 1000 // 32) * 32
+        cols = finalize.plan(EPILOGUES["dgamma_colsum"], lanes=lanes)  # column results only
+        per_warp = 32 // lanes[1]
+        assert cols.extent(5000, 2056) == 32 * -(-2056 // per_warp)

@@ -109,6 +109,11 @@ class GemmConfig:
     #: checked on the CPU (SASS, the copy's data movement run on the host), not yet run
     #: on a GPU
     staggered_copies: bool = attrs.field(default=False, validator=_is_bool)
+    #: the epilogue runs each 64-row band's subtiles in a runtime loop over one copy of
+    #: the subtile code instead of unrolled, one copy per subtile: a kernel a fraction of
+    #: the size (the tensor cores of the other warpgroup slow down beside a long
+    #: unrolled epilogue: docs/fused-epilogues.md). Needs a ``rollable`` visitor
+    rolled_epilogue: bool = attrs.field(default=False, validator=_is_bool)
 
     def __attrs_post_init__(self) -> None:
         if (self.cluster_m, self.cluster_n) not in _CLUSTERS:

@@ -23,6 +23,10 @@ Schedule (one CTA = 3 warpgroups, 384 threads, persistent over output tiles):
 * the epilogue visits the 128 x tile_n accumulator in ``epi_m x epi_n`` subtiles:
   registers -> visitor -> dtype convert -> shared memory (stmatrix) -> global (TMA
   store), with ``epi_stages`` buffers in flight, for every output the visitor stores.
+  The subtiles of each 64-row band are unrolled at trace time (one copy of the code per
+  subtile) or, with ``GemmConfig.rolled_epilogue``, run in a runtime loop over one copy
+  (the subtile's accumulator registers picked by a switch: registers cannot be indexed
+  at run time).
   Outputs and operands of width w != 1 (M x N*w: a SwiGLU output, an interleaved
   gate/up operand) use a (epi_m, epi_n*w) box and move between registers and shared
   memory element by element in the fragment order of :mod:`coda.mainloop.fragment`.
@@ -78,6 +82,30 @@ REGS_PRODUCER_COOPERATIVE = 24
 REGS_CONSUMER_COOPERATIVE = 240
 
 
+@attrs.define
+class _SubtileLoop:
+    """What every subtile of one tile's epilogue shares (built once per tile, read-only
+    in the subtile loop: nothing in it is carried from one subtile to the next)."""
+
+    tctx: TileContext
+    vstate: object
+    tile_ids: object
+    thr_coord: object
+    acc: object  # the accumulator, viewed by subtiles
+    acc_sub: object  # one subtile's accumulator registers
+    loads: list
+    stores: list
+    load_pipe: object
+    store_pipe: object
+    epi_bar: object
+    is_store_warp: object
+    tma_d: object
+    bSG: list
+    first_buf: object
+    own_bufs: int
+    t: object
+
+
 class _Barrier:
     """Named-barrier ids (0 is __syncthreads)."""
 
@@ -126,6 +154,13 @@ class PingPongGemm(Producers, EpilogueIO):
         # an epilogue that never reads acc (a map pass) needs no mainloop: no A/B loads,
         # no WGMMA, no turns on the tensor cores; its tiles are epilogues back to back
         self.mainloop = bool(getattr(self.visitor, "reads_acc", True))
+        # one copy of the subtile code in a runtime loop over each band's subtiles
+        self.rolled = bool(self.config.rolled_epilogue)
+        if self.rolled and not getattr(self.visitor, "rollable", False):
+            raise ValueError(
+                "GemmConfig.rolled_epilogue needs a visitor whose subtile code runs for a "
+                "runtime subtile index (rollable); this one does not"
+            )
         self.num_sms = num_sms
         self.cluster_size = config.cluster_m * config.cluster_n
         self.num_mcast_a = config.cluster_n  # A tile shared by CTAs along N
@@ -600,6 +635,8 @@ class PingPongGemm(Producers, EpilogueIO):
             cooperative = self.cooperative
             mainloop = self.mainloop
             wants_clocks = getattr(self.visitor, "wants_clocks", False)
+            rolled = self.rolled
+            bands = hasattr(self.visitor, "begin_band")
             if const_expr(not mainloop):
                 acc.fill(0.0)  # never read by the epilogue; defined all the same
             if const_expr(not cooperative):
@@ -684,46 +721,38 @@ class PingPongGemm(Producers, EpilogueIO):
                     clocks=tuple(clocks) if const_expr(wants_clocks) else None,
                 )
                 vstate = self.visitor.begin_tile(tctx)
-                for s in cutlass.range_constexpr(n_sub):
-                    # subtiles row-major within the tile (n fastest)
-                    sm, sn = s // sub_n, s % sub_n
-                    # A runtime buffer index (it varies with the tile): a static one lets
-                    # the compiler hoist every (output, buffer) smem address out of the
-                    # persistent loop, and those registers spill in heavy epilogues.
-                    buf = first_buf + (t + s) % own_bufs
-                    cute.autovec_copy(tRS_rAcc[None, None, None, (sm, sn)], tRS_rD)
-                    loaded = []
-                    if const_expr(n_loads > 0):
-                        load_pipe.consumer_wait(lread)
-                        for i in cutlass.range_constexpr(n_loads):
-                            loaded.append(loads[i](lread.index))
-                        cute.arch.fence_view_async_shared()
-                        self._release(load_pipe, lread, 1)
-                        lread.advance(2 if const_expr(cooperative) else 1)
-                    coords = thr_coord.partition_S(
-                        cute.local_tile(tile_ids, cfg.epi_tile, (sm, sn))
-                    )
-                    ctx = SubtileContext(tile=tctx, subtile=(sm, sn), coords=coords)
-                    outs = self.visitor.visit(ctx, tRS_rD.load(), tuple(loaded), vstate)
-                    if const_expr(n_stores > 0):
-                        for i in cutlass.range_constexpr(n_stores):
-                            stores[i].values.store(outs[i].to(self.store_dtypes[i]))
-                        if is_store_warp:
-                            store_pipe.producer_acquire()
-                        epi_bar.arrive_and_wait()
-                        for i in cutlass.range_constexpr(n_stores):
-                            stores[i](buf)
-                        cute.arch.fence_proxy("async.shared", space="cta")
-                        epi_bar.arrive_and_wait()
-                        if is_store_warp:
-                            for i in cutlass.range_constexpr(n_stores):
-                                cute.copy(
-                                    tma_d[i],
-                                    bSG[i][0][(None, buf)],
-                                    bSG[i][1][(None, (sm, sn))],
-                                    **l2_hint(EPILOGUE_L2_HINT),
-                                )
-                            store_pipe.producer_commit()
+                sub = _SubtileLoop(
+                    tctx=tctx,
+                    vstate=vstate,
+                    tile_ids=tile_ids,
+                    thr_coord=thr_coord,
+                    acc=tRS_rAcc,
+                    acc_sub=tRS_rD,
+                    loads=loads,
+                    stores=stores,
+                    load_pipe=load_pipe,
+                    store_pipe=store_pipe,
+                    epi_bar=epi_bar,
+                    is_store_warp=is_store_warp,
+                    tma_d=tma_d,
+                    bSG=bSG,
+                    first_buf=first_buf,
+                    own_bufs=own_bufs,
+                    t=t,
+                )
+                # subtiles row-major within the tile (n fastest), by 64-row bands
+                for sm in cutlass.range_constexpr(sub_m):
+                    if const_expr(bands):
+                        self.visitor.begin_band(self._band_ctx(sub, sm), vstate, rolled)
+                    if const_expr(rolled):
+                        # one copy of the subtile's code, run sub_n times
+                        for sn in cutlass.range(sub_n, unroll=1):
+                            lread = self._epilogue_subtile(sub, lread, sm, sn)
+                    else:
+                        for sn in cutlass.range_constexpr(sub_n):
+                            lread = self._epilogue_subtile(sub, lread, sm, sn)
+                    if const_expr(bands):
+                        self.visitor.end_band(self._band_ctx(sub, sm), vstate)
                 self.visitor.end_tile(tctx, vstate)
                 if const_expr(not concurrent):
                     # The other warpgroup reuses the epilogue buffers: drain our stores first.
@@ -754,6 +783,75 @@ class PingPongGemm(Producers, EpilogueIO):
                     store_pipe.producer_tail()
 
     # ------------------------------------------------------------------- helpers
+    def _band_ctx(self, sub, sm: int) -> SubtileContext:
+        """The context of band ``sm``'s first subtile (for the visitor's band hooks)."""
+        cfg = self.config
+        coords = sub.thr_coord.partition_S(cute.local_tile(sub.tile_ids, cfg.epi_tile, (sm, 0)))
+        return SubtileContext(tile=sub.tctx, subtile=(sm, 0), coords=coords)
+
+    @cute.jit
+    def _epilogue_subtile(self, sub, lread, sm: cutlass.Constexpr[int], sn):
+        """One subtile of the epilogue: accumulator (and loaded operands) -> visitor ->
+        shared memory -> TMA stores. ``sn`` is a Python int in an unrolled subtile loop,
+        a runtime index in a rolled one (``GemmConfig.rolled_epilogue``). Returns the
+        load ring's advanced consumer state."""
+        cfg = self.config
+        n_stores = len(self.store_dtypes)
+        n_loads = len(self.load_dtypes)
+        sub_n = cfg.subtiles_per_tile[1]
+        s = sm * sub_n + sn
+        # A runtime buffer index (it varies with the tile): a static one lets the
+        # compiler hoist every (output, buffer) smem address out of the persistent loop,
+        # and those registers spill in heavy epilogues.
+        buf = sub.first_buf + (sub.t + s) % sub.own_bufs
+        # locals, not ``sub.x``: a method called on a name inside a runtime ``if`` makes
+        # the DSL carry that name through the branch
+        acc, acc_sub, store_pipe, tma_d, bSG = (
+            sub.acc,
+            sub.acc_sub,
+            sub.store_pipe,
+            sub.tma_d,
+            sub.bSG,
+        )
+        if const_expr(isinstance(sn, int)):
+            cute.autovec_copy(acc[None, None, None, (sm, sn)], acc_sub)
+        else:
+            # registers cannot be indexed at run time: pick the subtile's by a switch
+            for j in cutlass.range_constexpr(sub_n):
+                if sn == j:
+                    cute.autovec_copy(acc[None, None, None, (sm, j)], acc_sub)
+        loaded = []
+        if const_expr(n_loads > 0):
+            sub.load_pipe.consumer_wait(lread)
+            for i in cutlass.range_constexpr(n_loads):
+                loaded.append(sub.loads[i](lread.index))
+            cute.arch.fence_view_async_shared()
+            self._release(sub.load_pipe, lread, 1)
+            lread.advance(2 if const_expr(self.cooperative) else 1)
+        coords = sub.thr_coord.partition_S(cute.local_tile(sub.tile_ids, cfg.epi_tile, (sm, sn)))
+        ctx = SubtileContext(tile=sub.tctx, subtile=(sm, sn), coords=coords)
+        outs = self.visitor.visit(ctx, acc_sub.load(), tuple(loaded), sub.vstate)
+        if const_expr(n_stores > 0):
+            for i in cutlass.range_constexpr(n_stores):
+                sub.stores[i].values.store(outs[i].to(self.store_dtypes[i]))
+            if sub.is_store_warp:
+                store_pipe.producer_acquire()
+            sub.epi_bar.arrive_and_wait()
+            for i in cutlass.range_constexpr(n_stores):
+                sub.stores[i](buf)
+            cute.arch.fence_proxy("async.shared", space="cta")
+            sub.epi_bar.arrive_and_wait()
+            if sub.is_store_warp:
+                for i in cutlass.range_constexpr(n_stores):
+                    cute.copy(
+                        tma_d[i],
+                        bSG[i][0][(None, buf)],
+                        bSG[i][1][(None, (sm, sn))],
+                        **l2_hint(EPILOGUE_L2_HINT),
+                    )
+                store_pipe.producer_commit()
+        return lread
+
     def _turn_wait(self, base: int, wg):
         cute.arch.barrier(barrier_id=base + wg, number_of_threads=2 * THREADS_PER_WG)
 

@@ -21,6 +21,11 @@ time by the kernel's epilogue driver:
   accumulator fragment (a ``TensorSSA``), ``loaded`` one fp32 fragment per
   ``load_dtypes`` entry; it returns one fp32 fragment per ``store_dtypes`` entry;
 * ``end_tile(tctx, state)`` after the last subtile;
+* optional ``begin_band(ctx, state, rolled)`` / ``end_band(ctx, state)`` around each
+  64-row band of subtiles (``ctx``: the band's first subtile); with ``rollable`` True a
+  visitor may be run rolled (``GemmConfig.rolled_epilogue``): a band's subtiles in a
+  runtime loop over one copy of ``visit``'s code, ``ctx.subtile[1]`` then a DSL integer
+  and state carried across the band set up in ``begin_band``;
 * optional ``after_tile(tctx, state)``, once the warpgroup has handed the epilogue's
   shared memory and store path to the other warpgroup: work that needs neither (e.g.
   finalizing results from global partials) overlaps the other's epilogue there.
@@ -65,8 +70,9 @@ class TileContext:
 
 @attrs.frozen
 class SubtileContext:
-    """``TileContext`` plus the static (m, n) subtile index and the fragment's global
-    coordinates (``coords[i]`` is the (row, col) of fragment element i)."""
+    """``TileContext`` plus the (m, n) subtile index (m static; n static unless the
+    epilogue is rolled) and the fragment's global coordinates (``coords[i]`` is the
+    (row, col) of fragment element i)."""
 
     tile: TileContext
     subtile: tuple[int, int]

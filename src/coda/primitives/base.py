@@ -163,6 +163,26 @@ class Primitive(abc.ABC):
         """Trace-time twin of ``end_tile`` (write what is left of the per-tile state)."""
         return None
 
+    #: True when ``trace`` is right for a *runtime* subtile column: in a rolled epilogue
+    #: (``GemmConfig.rolled_epilogue``) each 64-row band's subtiles run in a runtime loop
+    #: over one copy of the traced code, so ``ctx.subtile[1]`` is a DSL integer, a value
+    #: traced in one subtile is not defined in the next, and state carried across the
+    #: band's subtiles lives in registers set up before the loop (``trace_begin_band``,
+    #: e.g. ``tracing.BandRows``). ``ctx.subtile[0]`` (the band) stays a Python int.
+    #: False (the default) keeps a kernel with this primitive unrolled.
+    rollable: ClassVar[bool] = False
+
+    def trace_begin_band(self, ctx: Any, state: Any, rolled: bool) -> None:
+        """Before the subtiles of 64-row band ``ctx.subtile[0]`` (``ctx``: a
+        ``TraceSubtile`` of the band's first subtile): set up state carried across the
+        band (``rolled``: its subtiles run in a runtime loop). Default: nothing."""
+        return None
+
+    def trace_end_band(self, ctx: Any, state: Any) -> None:
+        """After the last subtile of band ``ctx.subtile[0]``: write the band's state out
+        (e.g. per-row partials). Default: nothing."""
+        return None
+
     #: True when ``trace_finalize`` emits this primitive's ``finalize`` on the GPU: in the
     #: GEMM kernel itself (the last tile of a row or column of tiles finalizes it) or in
     #: the epilogue's finalize kernel (one small launch after the GEMM for all of them);
@@ -172,11 +192,12 @@ class Primitive(abc.ABC):
     def trace_finalize(self, fin: Any) -> None:
         """Trace-time twin of ``finalize`` for one result element: read this primitive's
         partials and write its result at ``fin.row`` or, for column results, at
-        ``fin.col``. A row is finalized by ``fin.lanes`` threads (32 in the finalize
-        kernel, 1 in the GEMM kernel): stride over the row's tiles from ``fin.lane`` by
-        ``fin.lanes`` and combine with ``tracing.lanes_allreduce``; a column by
-        ``fin.col_lanes`` threads (``tracing.COL_LANES`` in the finalize kernel, 1 in the
-        GEMM kernel): stride from ``fin.col_lane`` and combine with
+        ``fin.col``. A row is finalized by ``fin.lanes`` neighbouring threads (a power of
+        two up to 32 in the finalize kernel, ``coda.runtime.finalize.lanes``; 1 in the GEMM
+        kernel): stride over the row's tiles from ``fin.lane`` by ``fin.lanes`` and
+        combine with ``tracing.lanes_allreduce``; a column by ``fin.col_lanes`` threads
+        (a power of two up to 32 in the finalize kernel, 1 in the GEMM kernel): stride
+        from ``fin.col_lane`` and combine with
         ``tracing.col_lanes_allreduce`` (``tracing.finalize_col_reduce`` does both; a
         primitive that ignores the lanes is still right, each of them writing the same
         value). Guard on ``fin.row < M`` and ``fin.col < N * width`` (the other kind of

@@ -197,6 +197,8 @@ class Elementwise(Primitive):
         shape = sub.shape_of(sub.specs[self.out])
         sub.values[self.out] = self.evaluate(sub.values, sub.specs, shape)
 
+    rollable = True  # nothing it traces depends on the subtile's column
+
     def trace(self, ctx: Any, values: dict[str, Any], state: Any) -> None:
         from coda.primitives import tracing
 

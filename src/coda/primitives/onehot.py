@@ -69,6 +69,8 @@ class OneHot(Source):
         sub.values[self.name] = hit.to(torch.float32)
 
     # ---- CuTeDSL ------------------------------------------------------------------------
+    rollable = True  # nothing it traces depends on the subtile's column
+
     def trace(self, ctx: Any, values: dict[str, Any], state: Any) -> None:
         import cutlass.cute as cute
 

@@ -161,19 +161,32 @@ class LogSumExp(StateTransition):
         v = ctx.view_of(self.of)
         x = tracing.masked(values[self.of], v.layout, v.coords, v.shape_mn, float("-inf"))
         sub_max = tracing.row_reduce("max", x, v.frag)
-        band = state.setdefault(ctx.subtile[0], {})
+        band = state[ctx.subtile[0]]
         for r, smax in sub_max.items():
-            old_m, old_s = band.get(r, (None, None))
-            new_m = smax if old_m is None else tracing.fr.combine("max", old_m, smax)
+            old = band.old(ctx, r)
+            new_m = smax if old is None else tracing.fr.combine("max", old[0], smax)
             base = tracing.finite_or_zero(new_m)
             total = tracing.Float32(0.0)
             for i in v.frag.row_members(r):
                 total = total + tracing.exp(x[i] - base)
             total = tracing.fr.quad_allreduce("sum", total)
-            if old_s is not None:
-                total = total + old_s * tracing.exp(old_m - base)
-            band[r] = (new_m, total)
-        tracing.flush_band(ctx, band, self.partial_names)
+            if old is not None:
+                total = total + old[1] * tracing.exp(old[0] - base)
+            band.put(r, (new_m, total))
+
+    rollable = True
+
+    def trace_begin_band(self, ctx: Any, state: dict, rolled: bool) -> None:
+        from coda.primitives import tracing
+
+        rows = ctx.view_of(self.of).frag.rows
+        # (running max, sum of exp(v - max)); -inf / 0 contribute nothing
+        state[ctx.subtile[0]] = tracing.BandRows(rows, 2, (float("-inf"), 0.0) if rolled else None)
+
+    def trace_end_band(self, ctx: Any, state: dict) -> None:
+        from coda.primitives import tracing
+
+        tracing.write_band(ctx, state[ctx.subtile[0]], self.partial_names)
 
 
 @attrs.frozen
@@ -268,7 +281,7 @@ class TargetSelect(StateTransition):
         v = ctx.view_of(self.of)
         x = tracing.masked(values[self.of], v.layout, v.coords, v.shape_mn, 0.0)
         target = ctx.extra(self.target)
-        band = state.setdefault(ctx.subtile[0], {})
+        band = state[ctx.subtile[0]]
         for r in v.frag.rows:
             row = tracing.row_of(ctx, r)
             want = tracing.load_index(target, row, ctx.shape_mn[0], self.ignore_index)
@@ -276,5 +289,17 @@ class TargetSelect(StateTransition):
             for i in v.frag.row_members(r):
                 picked = picked + tracing.select_eq(v.coords[i][1], want, x[i])
             picked = tracing.fr.quad_allreduce("sum", picked)
-            band[r] = picked if r not in band else band[r] + picked
-        tracing.flush_band(ctx, band, self.partial_names)
+            band.fold(ctx, "sum", r, picked)
+
+    rollable = True
+
+    def trace_begin_band(self, ctx: Any, state: dict, rolled: bool) -> None:
+        from coda.primitives import tracing
+
+        rows = ctx.view_of(self.of).frag.rows
+        state[ctx.subtile[0]] = tracing.BandRows(rows, 1, (0.0,) if rolled else None)
+
+    def trace_end_band(self, ctx: Any, state: dict) -> None:
+        from coda.primitives import tracing
+
+        tracing.write_band(ctx, state[ctx.subtile[0]], self.partial_names)

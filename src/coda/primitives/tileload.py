@@ -48,5 +48,7 @@ class TileLoad(Source):
     def visit(self, sub: Subtile, state: Any) -> None:
         sub.values[self.name] = sub.load_tile(self.name, self.width)
 
+    rollable = True  # nothing it traces depends on the subtile's column
+
     def trace(self, ctx: Any, values: dict[str, Any], state: Any) -> None:
         values[self.name] = ctx.tile.loaded[self.name]

@@ -180,7 +180,8 @@ class TileReduce(Primitive):
                 p, out, fin.col, tracing.Float32(fin.m), op, self.post, fin.col_lane, fin.col_lanes
             )
 
-    # per="row": each thread's rows reduce over a quad, per 64-row band (flush_band).
+    # per="row": each thread's rows reduce over a quad, per 64-row band (tracing.BandRows,
+    # written by trace_end_band).
     # per="col": each column reduces over a warp's 16 rows (lane butterflies), the 4 warps
     # meet in shared scratch (4 x tile columns fp32) and the tile's row of partials is
     # written after its last subtile.
@@ -209,10 +210,26 @@ class TileReduce(Primitive):
             tracing.col_accumulate(ctx, op, vals, v, self)
             return
         red = tracing.row_reduce(op, vals, v.frag)
-        band = state.setdefault(ctx.subtile[0], {})
+        band = state[ctx.subtile[0]]
         for r, s in red.items():
-            band[r] = s if r not in band else tracing.fr.combine(op, band[r], s)
-        tracing.flush_band(ctx, band, (self.partials_name,))
+            band.fold(ctx, op, r, s)
+
+    rollable = True
+
+    def trace_begin_band(self, ctx: Any, state: dict, rolled: bool) -> None:
+        if self.per == "row":
+            from coda.primitives import tracing
+
+            rows = ctx.view_of(self.of).frag.rows
+            state[ctx.subtile[0]] = tracing.BandRows(
+                rows, 1, (_IDENTITY[self.op],) if rolled else None
+            )
+
+    def trace_end_band(self, ctx: Any, state: dict) -> None:
+        if self.per == "row":
+            from coda.primitives import tracing
+
+            tracing.write_band(ctx, state[ctx.subtile[0]], (self.partials_name,))
 
     def trace_end_tile(self, tile: Any, state: dict) -> None:
         if self.per == "col":

@@ -75,5 +75,7 @@ class TileStore(Primitive):
     def visit(self, sub: Subtile, state: Any) -> None:
         sub.store(self.out, sub.values[self.value], sub.specs[self.value].width)
 
+    rollable = True  # nothing it traces depends on the subtile's column
+
     def trace(self, ctx: Any, values: dict[str, Any], state: Any) -> None:
         ctx.tile.stored[self.out] = values[self.value]

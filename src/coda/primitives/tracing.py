@@ -9,8 +9,9 @@ primitive receives:
   fragment geometry, the warpgroup's scratch shared memory and barrier, and
   ``extra(name)`` for the primitive's bound global tensors (vectors, partial outputs,
   targets) and runtime scalars;
-* ``TraceSubtile`` (``trace``): the same plus the static subtile index and ``coords``,
-  the global (row, col) of every fragment element.
+* ``TraceSubtile`` (``trace``): the same plus the subtile index (the band
+  ``subtile[0]`` static, ``subtile[1]`` static unless the epilogue is rolled) and
+  ``coords``, the global (row, col) of every fragment element.
 
 Values have widths (relative to N): a tile or col value of width w is a fragment of
 16 w elements in the canonical order of :mod:`coda.mainloop.fragment`; row values and
@@ -19,8 +20,11 @@ another width. ``ctx.view(w)`` gives the geometry, global coordinates and layout
 width-w fragment (``ctx.view(1)``: the accumulator's).
 
 Row-wise state (reductions, online log-sum-exp, target selection) lives per 64-row band
-of the tile: subtiles are visited row-major, so a band is complete after its last
-subtile, when the partial for those rows is written (one lane per quad writes).
+of the tile in registers (:class:`BandRows`, set up by ``trace_begin_band``): subtiles are
+visited row-major, so a band is complete after its last subtile, when
+``trace_end_band`` writes the partial for those rows (one lane per quad writes). In a
+rolled epilogue (``GemmConfig.rolled_epilogue``) a band's subtiles run in a runtime loop
+over one copy of the traced code: ``subtile[1]`` is then a DSL integer.
 """
 
 from __future__ import annotations
@@ -55,6 +59,8 @@ class TraceTile:
     #: values that are exactly 0 outside M x N in this kernel
     #: (``coda.runtime.fused.zero_outside``): sums over them need no bounds mask
     zero_outside: frozenset = frozenset()
+    #: this band's subtiles run in a runtime loop (``GemmConfig.rolled_epilogue``)
+    rolled: bool = False
 
     @property
     def tile_coord(self):
@@ -119,7 +125,10 @@ class TraceSubtile:
         loading it again. The subtile loop is unrolled at trace time, so the value is
         defined (dominates) wherever it is reused. ``key`` names everything else the
         value depends on."""
-        k = (key, axis, self.subtile[axis])
+        at = self.subtile[axis]
+        if not isinstance(at, int):  # a rolled subtile loop: each subtile traces it anew
+            return make()
+        k = (key, axis, at)
         memo = self.tile.memo
         if k not in memo:
             memo[k] = make()
@@ -160,8 +169,15 @@ class TraceSubtile:
 
     @property
     def band_done(self) -> bool:
-        """True on the last subtile of a 64-row band (static)."""
-        return self.subtile[1] == self.tile.config.subtiles_per_tile[1] - 1
+        """True on the last subtile of a 64-row band of an unrolled epilogue (static)."""
+        last = self.tile.config.subtiles_per_tile[1] - 1
+        return isinstance(self.subtile[1], int) and self.subtile[1] == last
+
+    @property
+    def first_in_band(self) -> bool:
+        """True on the first subtile of a 64-row band of an unrolled epilogue (a rolled
+        one's runtime subtile index is never known to be the first)."""
+        return isinstance(self.subtile[1], int) and self.subtile[1] == 0
 
 
 def value_cols(n, width: Fraction):
@@ -305,19 +321,80 @@ def write_row_partial(partials, row, col, value, rows, live):
         partials[row, col] = value
 
 
+class BandRows:
+    """Per-row state of a row-wise reduction over one 64-row band: ``k`` fp32 values for
+    each row offset ``r`` of the thread. Rolled (``identity`` given): registers set up
+    before the band's runtime subtile loop (``Primitive.trace_begin_band``), filled with
+    the identity, so the state outlives each subtile's code. Unrolled: the traced values
+    themselves, the first subtile's put as they are (no combine with an identity)."""
+
+    def __init__(self, rows, k: int, identity: tuple[float, ...] | None):
+        self.slot = {r: i for i, r in enumerate(rows)}
+        self.k = k
+        self.regs = None
+        self.vals: dict[int, tuple] = {}
+        if identity is not None:
+            self.regs = cute.make_rmem_tensor(cute.make_layout(len(self.slot) * k), Float32)
+            for i in range(len(self.slot)):
+                for j in range(k):
+                    self.regs[i * k + j] = Float32(identity[j])
+
+    def old(self, ctx: TraceSubtile, r: int) -> tuple | None:
+        """Row offset ``r``'s values so far; None on an unrolled band's first subtile."""
+        if self.regs is None and ctx.first_in_band:
+            return None
+        return self.old_values(r)
+
+    def put(self, r: int, vals: tuple) -> None:
+        if self.regs is None:
+            self.vals[r] = tuple(vals)
+            return
+        at = self.slot[r] * self.k
+        for j in range(self.k):
+            self.regs[at + j] = vals[j]
+
+    def fold(self, ctx: TraceSubtile, op: str, r: int, value) -> None:
+        """Combine one value into row offset ``r`` (``k`` = 1) with ``op``."""
+        old = self.old(ctx, r)
+        self.put(r, (value if old is None else fr.combine(op, old[0], value),))
+
+    def items(self):
+        """(row offset, its values) for each row offset of the thread."""
+        for r in self.slot:
+            yield r, self.old_values(r)
+
+    def old_values(self, r: int) -> tuple:
+        if self.regs is None:
+            return self.vals[r]
+        at = self.slot[r] * self.k
+        return tuple(self.regs[at + j] for j in range(self.k))
+
+
+def write_band(ctx: TraceSubtile, band: BandRows, names: tuple[str, ...]) -> None:
+    """After the last subtile of a 64-row band (``trace_end_band``; ``ctx``: a subtile of
+    the band), write each row's state into the per-tile partials ``names`` (one per value
+    of a row)."""
+    _write_rows(ctx, band.items(), names)
+
+
 def flush_band(ctx: TraceSubtile, band: dict, names: tuple[str, ...]) -> None:
-    """On the last subtile of a 64-row band, write each row's state into the per-tile
-    partials ``names`` (one value per name: a scalar, or a tuple for several)."""
-    if not ctx.band_done:
-        return
+    """From ``trace``, for state kept in a dict ``{row offset: value or tuple}``: on the
+    last subtile of a 64-row band of an unrolled epilogue, write each row's state into
+    the per-tile partials ``names``; on the others nothing. (Rolled epilogues need
+    :class:`BandRows` and ``trace_end_band`` with :func:`write_band`.)"""
+    if ctx.band_done:
+        _write_rows(ctx, band.items(), names)
+
+
+def _write_rows(ctx: TraceSubtile, rows, names: tuple[str, ...]) -> None:
     outs = [ctx.extra(n) for n in names]
-    tn, rows = ctx.tile.tile_coord[1], ctx.shape_mn[0]
+    tn, m = ctx.tile.tile_coord[1], ctx.shape_mn[0]
     live = tn * ctx.tile.config.tile_n < ctx.shape_mn[1]
-    for r, vals in band.items():
+    for r, vals in rows:
         vals = vals if isinstance(vals, tuple) else (vals,)
         row = row_of(ctx, r)
         for out, v in zip(outs, vals, strict=True):
-            write_row_partial(out, row, tn, v, rows, live)
+            write_row_partial(out, row, tn, v, m, live)
 
 
 def exp(x):
@@ -542,10 +619,10 @@ def _write_cols(
 
 
 # ---- finalize: per-tile partials -> results, in the epilogue's finalize kernel ---------
-# Row results: one warp per row, its 32 lanes striding over the row's tiles (coalesced
-# reads of the (rows, tiles) partials, however many tiles: an LM head has ~1000), then a
-# butterfly across the warp. Column results: ``base.COL_LANES`` threads per column, a warp
-# holding 32 / COL_LANES consecutive columns (each tile row read as one 32-byte sector);
+# Row results: ``lanes`` neighbouring threads per row (a warp for long rows), striding
+# over the row's tiles (coalesced reads of the (rows, tiles) partials, however many
+# tiles: an LM head has ~1000), then a butterfly across them. Column results:
+# ``col_lanes`` threads per column, a warp holding 32 / col_lanes consecutive columns;
 # the column's threads stride over the tiles' rows of the (tiles, cols) partials, then
 # meet in a butterfly.
 #: Iterations of a lane's loop over a row's tiles unrolled together: their loads are
@@ -557,11 +634,11 @@ FOLD_UNROLL = 8
 @attrs.define
 class TraceFinalize:
     """What a primitive's ``trace_finalize`` sees: ``row``, ``lane`` and ``lanes`` (for row
-    results: the row, and this thread's place among the ``lanes`` threads that share it:
-    a warp of 32 in the finalize kernel, one thread in the GEMM kernel's own finalize),
-    ``col``, ``col_lane`` and ``col_lanes`` (for column results: the column, and this
-    thread's place among the column's threads: ``COL_LANES`` in the finalize kernel, one
-    in the GEMM kernel; a warp holds 32 / col_lanes consecutive columns, its lanes
+    results: the row, and this thread's place among the ``lanes`` neighbouring threads
+    that share it: up to a warp in the finalize kernel, one thread in the GEMM kernel's
+    own finalize), ``col``, ``col_lane`` and ``col_lanes`` (for column results: the
+    column, and this thread's place among the column's threads: up to 32 in the finalize
+    kernel, one in the GEMM kernel; a warp holds 32 / col_lanes consecutive columns, its lanes
     ``col_lane * (32 // col_lanes) + j``), ``tensor(name)`` for its partials
     and result tensors, the problem's ``m`` and ``n`` (Int32), ``cols(width)`` = N * width
     and the epilogue's value ``specs``. A row or column out of range (``row >= M``,
@@ -670,13 +747,15 @@ def merge_max_sum(m, s, m2, s2):
     return top, s * cute.math.exp(m - base) + s2 * cute.math.exp(m2 - base)
 
 
-def warp_merge_max_sum(m, s):
-    """Merge every lane's running (max, sum of exp(x - max)) across the warp; every lane
-    gets the merged pair."""
-    for off in (1, 2, 4, 8, 16):
+def warp_merge_max_sum(m, s, lanes: int = 32):
+    """Merge the running (max, sum of exp(x - max)) of each group of ``lanes`` neighbouring
+    lanes (a power of two, at most 32); every lane of the group gets the merged pair."""
+    off = 1
+    while off < lanes:
         om = cute.arch.shuffle_sync_bfly(m, offset=off)
         os_ = cute.arch.shuffle_sync_bfly(s, offset=off)
         m, s = merge_max_sum(m, s, om, os_)
+        off *= 2
     return m, s
 
 
@@ -697,8 +776,8 @@ def finalize_logsumexp(pmax, psum, out, row, lane, lanes: cutlass.Constexpr[int]
             base = finite_or_zero(top)
             s = s * cute.math.exp(m - base) + ps * cute.math.exp(pm - base)
             m = top
-        if cutlass.const_expr(lanes == 32):
-            m, s = warp_merge_max_sum(m, s)
+        if cutlass.const_expr(lanes > 1):
+            m, s = warp_merge_max_sum(m, s, lanes)
         if lane == 0:
             out[row] = finite_or_zero(m) + cute.math.log(s)
 

@@ -65,6 +65,8 @@ class VecLoad(Source):
         else:
             sub.values[self.name] = sub.load_col(self.name, self.width)
 
+    rollable = True  # nothing it traces depends on the subtile's column
+
     def trace(self, ctx: Any, values: dict[str, Any], state: Any) -> None:
         from coda.primitives import tracing
 
@@ -100,6 +102,8 @@ class ScalarLoad(Source):
 
     def visit(self, sub: Subtile, state: Any) -> None:
         sub.values[self.name] = sub.load_scalar(self.name)
+
+    rollable = True  # nothing it traces depends on the subtile's column
 
     def trace(self, ctx: Any, values: dict[str, Any], state: Any) -> None:
         from coda.primitives import tracing

@@ -52,7 +52,7 @@ from ..mainloop.config import (
     epilogue_size_class,
 )
 from . import bound_call, checks, finalize, gemm_kernels
-from .fused import FusedVisitor, counter_slots, n_multiple, unsupported
+from .fused import FusedVisitor, counter_slots, n_multiple, not_rollable, unsupported
 from .operands import cached_problem
 
 #: Output-tile widths tried, after the heuristic's own and narrower than it, for a fused
@@ -113,6 +113,7 @@ class EpiloguePlan:
         num_sms: int,
         config: GemmConfig,
         finalize_in_kernel: bool = False,
+        finalize_lanes: tuple[int, int] = (32, finalize.COL_LANES),
     ):
         self.epi = epi
         self.device = device
@@ -132,7 +133,7 @@ class EpiloguePlan:
         self.extras = tuple(
             (s.name, s.direction == "out", s.role == "scalar") for s in self.visitor.extras_specs
         )
-        self.finalizer = finalize.plan(epi, finalize_in_kernel)
+        self.finalizer = finalize.plan(epi, finalize_in_kernel, finalize_lanes)
         #: the kernel takes arrival counters (after its extras) and finalizes itself
         self.counters = finalize_in_kernel
         # what runs after the GEMM: the finalize kernel and / or torch finalizes
@@ -399,6 +400,13 @@ def _plan(epi, A, B, majors, config, m, n, k) -> EpiloguePlan:
         reason = unsupported(epi)
         if reason is not None:
             raise NotImplementedError(f"this epilogue cannot be fused yet: {reason}")
+        if isinstance(config, GemmConfig) and config.rolled_epilogue:
+            stuck = not_rollable(epi)
+            if stuck:
+                raise ValueError(
+                    f"GemmConfig.rolled_epilogue: {', '.join(stuck)} cannot run for a runtime "
+                    f"subtile index (Primitive.rollable is False); drop rolled_epilogue"
+                )
         if config is None:
             cfg, in_kernel = epilogue_choice(epi, A.dtype, m, n, k, num_sms, majors)
         elif config == GEMM_TILES:
@@ -406,7 +414,10 @@ def _plan(epi, A, B, majors, config, m, n, k) -> EpiloguePlan:
             cfg, in_kernel = epilogue_choice(epi, A.dtype, m, n, k, num_sms, majors, base)
         else:  # the caller's config, as given
             cfg, in_kernel = config, finalize.in_gemm(epi, config, m, n, num_sms)
-        plan = _plans.put(pkey, EpiloguePlan(epi, A.dtype, majors, device, num_sms, cfg, in_kernel))
+        lanes = finalize.lanes(m, n)
+        plan = _plans.put(
+            pkey, EpiloguePlan(epi, A.dtype, majors, device, num_sms, cfg, in_kernel, lanes)
+        )
     return plan
 
 

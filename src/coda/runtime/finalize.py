@@ -73,6 +73,30 @@ def size_class(m: int, n: int, num_sms: int) -> tuple[bool, bool, bool]:
     )
 
 
+#: Threads of the finalize kernel per row result, for rows of at most
+#: ``ROWS_IN_GEMM_MAX_N`` columns (``size_class``'s short rows: <= 64 tiles of 128) and
+#: for longer ones (an LM head's ~1000 tiles: a warp's 32 lanes, coalesced); and per
+#: column result for columns of at most ``COLS_IN_GEMM_MAX_M`` rows (<= 32 tiles) and
+#: longer ones. Measured on an H100 at M = 16384, N = K = 2048 (16 tiles a row, 128 a
+#: column; ``results/finalize_lanes_ab_h100.json``): the finalize's tail after the GEMM
+#: went 7.1 -> 4.3 us (log-sum-exp + target, 32 -> 16 threads a row: the grid fits one
+#: wave), 3.8 -> 2.5 us (RMSNorm's sum of squares) and 15.9 -> 10.5 us (RMSNorm's
+#: dgamma column sum + column max, 8 -> 16 threads a column: one round of loads each).
+SHORT_ROW_LANES = 16
+LONG_ROW_LANES = 32
+SHORT_COL_LANES = COL_LANES
+LONG_COL_LANES = 16
+
+
+def lanes(m: int, n: int) -> tuple[int, int]:
+    """(threads per row result, threads per column result) of the finalize kernel at
+    (M, N): a function of ``size_class``'s short rows and short columns only."""
+    return (
+        SHORT_ROW_LANES if n <= ROWS_IN_GEMM_MAX_N else LONG_ROW_LANES,
+        SHORT_COL_LANES if m <= COLS_IN_GEMM_MAX_M else LONG_COL_LANES,
+    )
+
+
 def _finalizing(epi: Epilogue) -> tuple[Primitive, ...]:
     return tuple(p for p in epi.primitives if type(p).finalize is not Primitive.finalize)
 
@@ -83,6 +107,9 @@ class FinalizeKey:
 
     epilogue: Epilogue
     dsl: str = attrs.field(factory=gemm_kernels.dsl_version)
+    #: threads per row result and per column result (``lanes``)
+    row_lanes: int = 32
+    col_lanes: int = COL_LANES
 
     def traced(self) -> tuple[Primitive, ...]:
         return traced_finalizers(self.epilogue)
@@ -106,7 +133,9 @@ class FinalizeKey:
         shapes = {
             name: tuple(f"{name}:{d}" for d in range(_rank(self.epilogue, name))) for name in names
         }
-        kernel = FinalizeKernel(self.traced(), names, self.epilogue.values)
+        kernel = FinalizeKernel(
+            self.traced(), names, self.epilogue.values, self.row_lanes, self.col_lanes
+        )
         opts = f"{gemm_kernels.TVM_FFI} {options or ''}".strip()
         return cute.compile(kernel, *fake_args(kernel, shapes), options=opts)
 
@@ -138,8 +167,11 @@ class FinalizePlan:
     results by name), then run the torch ``finalize`` of primitives without a traced one.
     """
 
-    def __init__(self, epi: Epilogue, in_kernel: bool = False):
-        key = FinalizeKey(epi)
+    def __init__(
+        self, epi: Epilogue, in_kernel: bool = False, lanes: tuple[int, int] = (32, COL_LANES)
+    ):
+        key = FinalizeKey(epi, row_lanes=lanes[0], col_lanes=lanes[1])
+        self.row_lanes, self.col_lanes = lanes
         traced = key.traced()
         #: the GEMM kernel finalizes ``traced`` itself: nothing to launch here
         self.in_kernel = in_kernel and bool(traced)
@@ -159,11 +191,12 @@ class FinalizePlan:
         self._rows, self._widths = _extent_widths(epi, traced)
 
     def extent(self, m: int, n: int) -> int:
-        """Threads of the finalize kernel: a warp per row, ``COL_LANES`` threads per
-        column (whole warps of 32 / COL_LANES columns)."""
-        per_warp = 32 // COL_LANES
+        """Threads of the finalize kernel: ``row_lanes`` per row, ``col_lanes`` per column
+        (whole warps of 32 / col_lanes columns)."""
+        per_warp = 32 // self.col_lanes
         cols = [32 * -(-int(n * w) // per_warp) for w in self._widths]
-        return max(([32 * m] if self._rows else [1]) + cols)
+        rows = -(-self.row_lanes * m // 32) * 32  # whole warps
+        return max(([rows] if self._rows else [1]) + cols)
 
     def __call__(self, out: dict, m: int, n: int, extent: int, given: Mapping) -> None:
         if self.launch is not None:
@@ -180,15 +213,21 @@ class FinalizePlan:
                     out[name] = t
 
 
-def plan(epi: Epilogue, in_kernel: bool = False) -> FinalizePlan | None:
+def plan(
+    epi: Epilogue, in_kernel: bool = False, lanes: tuple[int, int] = (32, COL_LANES)
+) -> FinalizePlan | None:
     """The :class:`FinalizePlan` of ``epi`` (``in_kernel``: the GEMM kernel finalizes what
-    it can), or None when nothing needs finalizing."""
-    return FinalizePlan(epi, in_kernel) if _finalizing(epi) else None
+    it can; ``lanes``: threads per row and per column result in the finalize kernel), or
+    None when nothing needs finalizing."""
+    return FinalizePlan(epi, in_kernel, lanes) if _finalizing(epi) else None
 
 
-def compile_artifacts(epi: Epilogue, dump_dir: str) -> tuple[str, bytes]:
-    """(PTX, cubin) of ``epi``'s finalize kernel; for inspection and CPU tests."""
-    fn = FinalizeKey(epi).compile(
+def compile_artifacts(
+    epi: Epilogue, dump_dir: str, lanes: tuple[int, int] = (32, COL_LANES)
+) -> tuple[str, bytes]:
+    """(PTX, cubin) of ``epi``'s finalize kernel with ``lanes`` threads per row and per
+    column result; for inspection and CPU tests."""
+    fn = FinalizeKey(epi, row_lanes=lanes[0], col_lanes=lanes[1]).compile(
         options=f"--keep-ptx --keep-cubin --gpu-arch sm_90a --dump-dir {dump_dir}"
     )
     return fn.__ptx__, fn.__cubin__

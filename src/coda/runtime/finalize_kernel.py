@@ -1,12 +1,14 @@
 """The epilogue's finalize kernel (CuTeDSL): every per-tile partial -> result, one launch.
 
 Sits in ``coda.runtime`` under :mod:`coda.runtime.finalize` (imported only when a
-finalize kernel is compiled: it imports CuTeDSL). Warp ``w`` finalizes row ``w`` of every
-row result (its lanes stride over the row's tiles: coalesced however many tiles there
-are) and columns ``w * 32 / COL_LANES`` onward of every column result (``COL_LANES``
-threads per column), each primitive emitting its own ``trace_finalize`` (combine the
-tiles' partials, apply ``post``). The grid's
-``extent`` threads cover 32 x M (rows) and COL_LANES x the longest column result.
+finalize kernel is compiled: it imports CuTeDSL). ``row_lanes`` neighbouring threads
+finalize each row of every row result (they stride over the row's tiles: coalesced
+however many tiles there are) and ``col_lanes`` threads each column of every column
+result (warp ``w`` holds columns ``w * 32 / col_lanes`` onward), each primitive emitting
+its own ``trace_finalize`` (combine the tiles' partials, apply ``post``); the thread
+counts come from :func:`coda.runtime.finalize.lanes` (part of the compile key). The grid's
+``extent`` threads cover row_lanes x M (rows) and col_lanes x the longest column
+result.
 
 It is launched as a programmatic dependent of the GEMM kernel (``use_pdl``: the GEMM
 kernel lets it start as soon as every one of its CTAs runs, see
@@ -27,7 +29,6 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Int32
 
-from ..primitives.base import COL_LANES
 from ..primitives.tracing import TraceFinalize
 
 THREADS = 128
@@ -37,10 +38,12 @@ class FinalizeKernel:
     """Compile-time object: ``prims`` (primitives with ``traces_finalize``), ``names``
     (the tensors they read and write, in argument order), the epilogue's value specs."""
 
-    def __init__(self, prims, names, specs):
+    def __init__(self, prims, names, specs, row_lanes: int, col_lanes: int):
         self.prims = prims
         self.names = names
         self.specs = specs
+        self.row_lanes = row_lanes
+        self.col_lanes = col_lanes
 
     @cute.jit
     def __call__(self, tensors, m: Int32, n: Int32, extent: Int32, stream):
@@ -55,18 +58,19 @@ class FinalizeKernel:
         bidx, _, _ = cute.arch.block_idx()
         index = bidx * THREADS + tidx
         lane = tidx % 32
-        per_warp = 32 // COL_LANES  # consecutive columns in a warp
+        per_warp = 32 // self.col_lanes  # consecutive columns in a warp
         by_name = {name: tensors[i] for i, name in enumerate(self.names)}
         fin = TraceFinalize(
-            row=index // 32,
-            lane=lane,
+            row=index // self.row_lanes,
+            lane=index % self.row_lanes,
             col=(index // 32) * per_warp + lane % per_warp,
             tensors=by_name,
             m=m,
             n=n,
             specs=self.specs,
+            lanes=self.row_lanes,
             col_lane=lane // per_warp,
-            col_lanes=COL_LANES,
+            col_lanes=self.col_lanes,
         )
         # the GEMM grid (this launch's programmatic prerequisite) has finished and its
         # partials are visible from here on

@@ -43,6 +43,12 @@ def unsupported(epi: Epilogue) -> str | None:
     return None
 
 
+def not_rollable(epi: Epilogue) -> list[str]:
+    """Labels of the primitives of ``epi`` whose trace needs a static subtile column
+    (``Primitive.rollable`` False): with any, ``GemmConfig.rolled_epilogue`` is refused."""
+    return [p.label for p in epi.primitives if not p.rollable]
+
+
 #: columns of the probe block :func:`zero_outside` evaluates elementwise functions on
 _PROBE_COLS = 8
 
@@ -280,14 +286,47 @@ class FusedVisitor:
         tile.stored = {}
         sub = TraceSubtile(tile=tile, subtile=ctx.subtile, coords=ctx.coords)
         values: dict[str, Any] = {"acc": acc}
+        # an unrolled band ends in its last subtile's trace: each primitive writes its
+        # band state out right after tracing it (as early as it can)
+        ends = sub.band_done
         for p, state in zip(self.epilogue.primitives, states, strict=True):
             p.trace(sub, values, state)
+            if ends:
+                p.trace_end_band(sub, state)
         return tuple(tile.stored[p.out] for p in self.stores)
 
     def end_tile(self, tctx: Any, vstate: Any) -> None:
         tile, states = vstate
         for p, state in zip(self.epilogue.primitives, states, strict=True):
             p.trace_end_tile(tile, state)
+
+    @property
+    def rollable(self) -> bool:
+        """Every primitive's trace takes a runtime subtile column (``Primitive.rollable``):
+        the kernel may run a band's subtiles in a runtime loop
+        (``GemmConfig.rolled_epilogue``)."""
+        return not not_rollable(self.epilogue)
+
+    def _band(self, ctx: Any, vstate: Any):
+        from ..primitives.tracing import TraceSubtile
+
+        tile, states = vstate
+        return TraceSubtile(tile=tile, subtile=ctx.subtile, coords=ctx.coords), states
+
+    def begin_band(self, ctx: Any, vstate: Any, rolled: bool) -> None:
+        """Before band ``ctx.subtile[0]``'s subtiles (``ctx``: its first subtile)."""
+        sub, states = self._band(ctx, vstate)
+        vstate[0].rolled = rolled
+        for p, state in zip(self.epilogue.primitives, states, strict=True):
+            p.trace_begin_band(sub, state, rolled)
+
+    def end_band(self, ctx: Any, vstate: Any) -> None:
+        """After band ``ctx.subtile[0]``'s last subtile of a rolled loop (an unrolled
+        band ended in its last subtile's ``visit``)."""
+        if vstate[0].rolled:
+            sub, states = self._band(ctx, vstate)
+            for p, state in zip(self.epilogue.primitives, states, strict=True):
+                p.trace_end_band(sub, state)
 
     # ---- the finalize in the kernel ------------------------------------------------------
     def _arrive(self, tctx: Any, tile: Any) -> None:

@@ -1,7 +1,7 @@
 """GPU fuzzer: random compositions run fused on the GPU against eager references.
 
     python -m coda.testing.fuzz --examples 300 [--seed 0] [--workers 8] [--out fuzz.json]
-                                [--staggered] [--cooperative]
+                                [--staggered] [--cooperative] [--rolled]
 
 Sits in ``coda.testing``; the same property the CPU suite checks, on the real kernel.
 Each example draws an epilogue (``epilogues()``), a ragged problem size, an operand
@@ -21,7 +21,8 @@ drawn from one seeded hypothesis run; ``--workers`` processes split them (each c
 its own kernels) and the parent merges their JSON into one summary. ``--staggered`` runs
 every example with ``GemmConfig.staggered_copies`` on; ``--cooperative`` on cooperative
 256 x 128 tiles (both warpgroups' epilogues at once on 128-row halves), where the
-composition's buffers fit shared memory there (the record says which config ran).
+composition's buffers fit shared memory there (the record says which config ran);
+``--rolled`` with ``GemmConfig.rolled_epilogue`` (each band's subtiles in a runtime loop).
 """
 
 from __future__ import annotations
@@ -96,6 +97,7 @@ def _draw_and_run(
     out_path: str,
     staggered: bool = False,
     cooperative: bool = False,
+    rolled: bool = False,
 ) -> None:
     import attrs
     from hypothesis import HealthCheck, Phase, given, settings
@@ -151,6 +153,9 @@ def _draw_and_run(
         if staggered:
             config = attrs.evolve(choose_epilogue_config(m, n, k), staggered_copies=True)
             rec["staggered"] = True
+        if rolled:
+            config = attrs.evolve(choose_epilogue_config(m, n, k), rolled_epilogue=True)
+            rec["rolled"] = True
         if cooperative:
             config = cooperative_config(epi, m, dtype)
             rec["config"] = "cooperative 256x128" if config else "default (does not fit)"
@@ -206,6 +211,7 @@ def main(argv: list[str] | None = None) -> int:
         "--staggered", action="store_true", help="run with GemmConfig.staggered_copies on"
     )
     p.add_argument("--cooperative", action="store_true", help="run on cooperative 256-row tiles")
+    p.add_argument("--rolled", action="store_true", help="run with GemmConfig.rolled_epilogue on")
     args = p.parse_args(argv)
     if args.worker is not None:
         _draw_and_run(
@@ -216,6 +222,7 @@ def main(argv: list[str] | None = None) -> int:
             args.part,
             args.staggered,
             args.cooperative,
+            args.rolled,
         )
         return 0
     t0 = time.time()
@@ -239,6 +246,7 @@ def main(argv: list[str] | None = None) -> int:
                 part,
                 *(["--staggered"] if args.staggered else []),
                 *(["--cooperative"] if args.cooperative else []),
+                *(["--rolled"] if args.rolled else []),
             ]
             procs.append((subprocess.Popen(cmd), part))
         records = []
@@ -257,6 +265,7 @@ def main(argv: list[str] | None = None) -> int:
         "seed": args.seed,
         "staggered_copies": args.staggered,
         "cooperative": args.cooperative,
+        "rolled_epilogue": args.rolled,
         "command": " ".join(["python -m coda.testing.fuzz", *(argv or sys.argv[1:])]),
         "versions": {
             "torch": torch.__version__,

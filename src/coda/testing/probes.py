@@ -84,6 +84,8 @@ class MainloopCycles(Primitive):
     ) -> dict[str, torch.Tensor]:
         return {self.name: partials[self.partials].amax(1)}
 
+    rollable = True  # nothing it traces depends on the subtile's column
+
     def trace(self, ctx: Any, values: dict[str, Any], state: Any) -> None:
         return None
 
