@@ -77,15 +77,26 @@ def size_class(m: int, n: int, num_sms: int) -> tuple[bool, bool, bool]:
 #: ``ROWS_IN_GEMM_MAX_N`` columns (``size_class``'s short rows: <= 64 tiles of 128) and
 #: for longer ones (an LM head's ~1000 tiles: a warp's 32 lanes, coalesced); and per
 #: column result for columns of at most ``COLS_IN_GEMM_MAX_M`` rows (<= 32 tiles) and
-#: longer ones. Measured on an H100 at M = 16384, N = K = 2048 (16 tiles a row, 128 a
-#: column; ``results/finalize_lanes_ab_h100.json``): the finalize's tail after the GEMM
-#: went 7.1 -> 4.3 us (log-sum-exp + target, 32 -> 16 threads a row: the grid fits one
-#: wave), 3.8 -> 2.5 us (RMSNorm's sum of squares) and 15.9 -> 10.5 us (RMSNorm's
-#: dgamma column sum + column max, 8 -> 16 threads a column: one round of loads each).
+#: longer ones. Measured at M = 16384, N = K = 2048 (16 tiles a row, 128 a column): the
+#: finalize's tail after the GEMM went 7.1 -> 4.3 us for log-sum-exp + target (32 -> 16
+#: threads a row: the grid fits one wave), 3.8 -> 2.5 us for RMSNorm's sum of squares
+#: (H100, ``results/finalize_lanes_ab_h100.json``) and 11.7 -> 6.1 us for the dgamma
+#: column sum + column max (16 -> 32 threads a column with ``COLUMNS_SPREAD_SMEM``; 8
+#: threads, the engine before: 15.1; H200, ``results/finalize_spread_h200.json``).
 SHORT_ROW_LANES = 16
 LONG_ROW_LANES = 32
 SHORT_COL_LANES = COL_LANES
-LONG_COL_LANES = 16
+LONG_COL_LANES = 32
+
+
+#: Shared memory each CTA of a finalize kernel with column results only reserves (and
+#: never uses), so that at most 4 of its CTAs share an SM. It runs as the GEMM's
+#: programmatic dependent, so its CTAs land on the SMs the GEMM frees first: 16 to an
+#: SM, a grid of a few hundred CTAs sat on ~16 SMs and read the (tiles, cols) partials
+#: there (the column sums' finalize of RMSNorm's dgamma at M = 16384, N = 2048 ended
+#: 11.7 us after the GEMM on an H200, 8.9 us spread, with 16 threads a column; row
+#: results fill every SM with thousands of CTAs).
+COLUMNS_SPREAD_SMEM = 48 * 1024
 
 
 def lanes(m: int, n: int) -> tuple[int, int]:
@@ -110,6 +121,8 @@ class FinalizeKey:
     #: threads per row result and per column result (``lanes``)
     row_lanes: int = 32
     col_lanes: int = COL_LANES
+    #: shared memory each CTA reserves to spread the grid over the SMs (0: none)
+    spread_smem: int = 0
 
     def traced(self) -> tuple[Primitive, ...]:
         return traced_finalizers(self.epilogue)
@@ -134,10 +147,24 @@ class FinalizeKey:
             name: tuple(f"{name}:{d}" for d in range(_rank(self.epilogue, name))) for name in names
         }
         kernel = FinalizeKernel(
-            self.traced(), names, self.epilogue.values, self.row_lanes, self.col_lanes
+            self.traced(),
+            names,
+            self.epilogue.values,
+            self.row_lanes,
+            self.col_lanes,
+            self.spread_smem,
         )
         opts = f"{gemm_kernels.TVM_FFI} {options or ''}".strip()
         return cute.compile(kernel, *fake_args(kernel, shapes), options=opts)
+
+
+def key_for(epi: Epilogue, lanes: tuple[int, int] = (32, COL_LANES)) -> FinalizeKey:
+    """The finalize kernel of ``epi`` with ``lanes`` threads per row and per column
+    result; with column results only, its CTAs spread over the SMs
+    (``COLUMNS_SPREAD_SMEM``)."""
+    rows, _ = _extent_widths(epi, traced_finalizers(epi))
+    spread = 0 if rows else COLUMNS_SPREAD_SMEM
+    return FinalizeKey(epi, row_lanes=lanes[0], col_lanes=lanes[1], spread_smem=spread)
 
 
 def _rank(epi: Epilogue, name: str) -> int:
@@ -170,7 +197,7 @@ class FinalizePlan:
     def __init__(
         self, epi: Epilogue, in_kernel: bool = False, lanes: tuple[int, int] = (32, COL_LANES)
     ):
-        key = FinalizeKey(epi, row_lanes=lanes[0], col_lanes=lanes[1])
+        key = key_for(epi, lanes)
         self.row_lanes, self.col_lanes = lanes
         traced = key.traced()
         #: the GEMM kernel finalizes ``traced`` itself: nothing to launch here
@@ -227,7 +254,7 @@ def compile_artifacts(
 ) -> tuple[str, bytes]:
     """(PTX, cubin) of ``epi``'s finalize kernel with ``lanes`` threads per row and per
     column result; for inspection and CPU tests."""
-    fn = FinalizeKey(epi, row_lanes=lanes[0], col_lanes=lanes[1]).compile(
+    fn = key_for(epi, lanes).compile(
         options=f"--keep-ptx --keep-cubin --gpu-arch sm_90a --dump-dir {dump_dir}"
     )
     return fn.__ptx__, fn.__cubin__

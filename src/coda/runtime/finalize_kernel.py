@@ -38,19 +38,30 @@ class FinalizeKernel:
     """Compile-time object: ``prims`` (primitives with ``traces_finalize``), ``names``
     (the tensors they read and write, in argument order), the epilogue's value specs."""
 
-    def __init__(self, prims, names, specs, row_lanes: int, col_lanes: int):
+    def __init__(self, prims, names, specs, row_lanes: int, col_lanes: int, spread_smem: int = 0):
         self.prims = prims
         self.names = names
         self.specs = specs
         self.row_lanes = row_lanes
         self.col_lanes = col_lanes
+        #: shared memory each CTA reserves (and never uses), so that few CTAs share an SM
+        self.spread_smem = spread_smem
 
     @cute.jit
     def __call__(self, tensors, m: Int32, n: Int32, extent: Int32, stream):
         blocks = (extent + THREADS - 1) // THREADS
-        self.kernel(tensors, m, n).launch(
-            grid=(blocks, 1, 1), block=(THREADS, 1, 1), stream=stream, use_pdl=True
-        )
+        if cutlass.const_expr(self.spread_smem > 0):
+            self.kernel(tensors, m, n).launch(
+                grid=(blocks, 1, 1),
+                block=(THREADS, 1, 1),
+                stream=stream,
+                use_pdl=True,
+                smem=self.spread_smem,
+            )
+        else:
+            self.kernel(tensors, m, n).launch(
+                grid=(blocks, 1, 1), block=(THREADS, 1, 1), stream=stream, use_pdl=True
+            )
 
     @cute.kernel
     def kernel(self, tensors, m: Int32, n: Int32):
