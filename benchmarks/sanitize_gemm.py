@@ -12,6 +12,10 @@ two warpgroups' epilogues run at once) over a ragged problem where every CTA run
 several tiles. Cooperative 256-row tiles run three catalogue epilogues in every layout
 (loads alternating the two 128-row halves in one ring, row and column reductions, a
 half past the last row); ``--cooperative-only`` runs just those (a quicker racecheck).
+Rolled epilogues (``GemmConfig.rolled_epilogue``: each band's subtiles in a runtime loop)
+run four catalogue epilogues in every layout, with the finalize in the GEMM kernel and in
+the finalize kernel (column-only finalizes spread over the SMs); ``--rolled-only`` runs
+just those.
 """
 
 import sys
@@ -34,6 +38,21 @@ a0 = torch.randn(m, k, device="cuda").to(torch.bfloat16)
 b0 = torch.randn(n, k, device="cuda").to(torch.bfloat16)
 ref = a0.float() @ b0.float().t()
 COOPERATIVE = GemmConfig(tile_m=256, tile_n=128)
+ROLLED = GemmConfig(tile_n=128, cluster_m=2, rolled_epilogue=True)
+for layout in LAYOUTS:
+    a, b = operands(a0, b0, layout)
+    for tiles_per_sm in (IN_GEMM, 0):  # the finalize in the GEMM kernel, then in its own
+        finalize.IN_GEMM_MAX_TILES_PER_SM = tiles_per_sm
+        for name in ("rmsnorm_fwd", "dgamma_colsum", "swiglu_bwd", "lse_target"):
+            other = EPILOGUES[name]
+            _, _, more = make_inputs(other, m, n, k, torch.bfloat16, seed=4)
+            got = other(a, b, config=ROLLED, **{key: v.cuda() for key, v in more.items()})
+            assert all(torch.isfinite(t).all() for t in got.values() if t.is_floating_point())
+    finalize.IN_GEMM_MAX_TILES_PER_SM = IN_GEMM
+    torch.cuda.synchronize()
+    print(f"sanitize_gemm {layout} {m}x{n}x{k}: rolled epilogues ran")
+if "--rolled-only" in sys.argv:
+    sys.exit(0)
 mc, nc = 1000, 8200  # 2 clusters of 256-row tiles x 65 columns: CTAs run two tiles
 a1 = torch.randn(mc, k, device="cuda").to(torch.bfloat16)
 b1 = torch.randn(nc, k, device="cuda").to(torch.bfloat16)
