@@ -752,7 +752,9 @@ class PingPongGemm(Producers, EpilogueIO):
                         for sn in cutlass.range_constexpr(sub_n):
                             lread = self._epilogue_subtile(sub, lread, sm, sn)
                     if const_expr(bands):
-                        self.visitor.end_band(self._band_ctx(sub, sm), vstate)
+                        # the band's coordinates again after a rolled loop (kept out of
+                        # the loop's live registers)
+                        self.visitor.end_band(self._band_ctx(sub, sm), vstate, rolled)
                 self.visitor.end_tile(tctx, vstate)
                 if const_expr(not concurrent):
                     # The other warpgroup reuses the epilogue buffers: drain our stores first.

@@ -21,7 +21,7 @@ time by the kernel's epilogue driver:
   accumulator fragment (a ``TensorSSA``), ``loaded`` one fp32 fragment per
   ``load_dtypes`` entry; it returns one fp32 fragment per ``store_dtypes`` entry;
 * ``end_tile(tctx, state)`` after the last subtile;
-* optional ``begin_band(ctx, state, rolled)`` / ``end_band(ctx, state)`` around each
+* optional ``begin_band(ctx, state, rolled)`` / ``end_band(ctx, state, rolled)`` around each
   64-row band of subtiles (``ctx``: the band's first subtile); with ``rollable`` True a
   visitor may be run rolled (``GemmConfig.rolled_epilogue``): a band's subtiles in a
   runtime loop over one copy of ``visit``'s code, ``ctx.subtile[1]`` then a DSL integer

@@ -40,8 +40,9 @@ from coda.specs import TensorSpec, ValueSpec
 
 __all__ = ["COL_LANES", "Primitive", "Source"]
 
-#: Threads that finalize one column result in the epilogue's finalize kernel (a warp
-#: holds 32 / COL_LANES consecutive columns; see ``Primitive.trace_finalize``). With one
+#: Threads that finalize one column result in the epilogue's finalize kernel for short
+#: columns (``coda.runtime.finalize.lanes`` picks per problem size; a warp holds
+#: 32 / lanes consecutive columns; see ``Primitive.trace_finalize``). With one
 #: thread per column a 16384-row problem's column (128 tiles) was a chain of 16 rounds
 #: of 8 loads on a grid of only N threads: 8.8 us per column result at N = 2048 (H100).
 COL_LANES = 8

@@ -59,8 +59,6 @@ class TraceTile:
     #: values that are exactly 0 outside M x N in this kernel
     #: (``coda.runtime.fused.zero_outside``): sums over them need no bounds mask
     zero_outside: frozenset = frozenset()
-    #: this band's subtiles run in a runtime loop (``GemmConfig.rolled_epilogue``)
-    rolled: bool = False
 
     @property
     def tile_coord(self):

@@ -113,7 +113,7 @@ class EpiloguePlan:
         num_sms: int,
         config: GemmConfig,
         finalize_in_kernel: bool = False,
-        finalize_lanes: tuple[int, int] = (32, finalize.COL_LANES),
+        finalize_lanes: tuple[int, int] = finalize.DEFAULT_LANES,
     ):
         self.epi = epi
         self.device = device

@@ -89,6 +89,10 @@ SHORT_COL_LANES = COL_LANES
 LONG_COL_LANES = 32
 
 
+#: (threads per row result, per column result) of a finalize kernel built without a size
+#: in mind (``FinalizeKey``'s defaults, tests and inspection)
+DEFAULT_LANES = (32, COL_LANES)
+
 #: Shared memory each CTA of a finalize kernel with column results only reserves (and
 #: never uses), so that at most 4 of its CTAs share an SM. It runs as the GEMM's
 #: programmatic dependent, so its CTAs land on the SMs the GEMM frees first: 16 to an
@@ -119,8 +123,8 @@ class FinalizeKey:
     epilogue: Epilogue
     dsl: str = attrs.field(factory=gemm_kernels.dsl_version)
     #: threads per row result and per column result (``lanes``)
-    row_lanes: int = 32
-    col_lanes: int = COL_LANES
+    row_lanes: int = DEFAULT_LANES[0]
+    col_lanes: int = DEFAULT_LANES[1]
     #: shared memory each CTA reserves to spread the grid over the SMs (0: none)
     spread_smem: int = 0
 
@@ -158,7 +162,7 @@ class FinalizeKey:
         return cute.compile(kernel, *fake_args(kernel, shapes), options=opts)
 
 
-def key_for(epi: Epilogue, lanes: tuple[int, int] = (32, COL_LANES)) -> FinalizeKey:
+def key_for(epi: Epilogue, lanes: tuple[int, int] = DEFAULT_LANES) -> FinalizeKey:
     """The finalize kernel of ``epi`` with ``lanes`` threads per row and per column
     result; with column results only, its CTAs spread over the SMs
     (``COLUMNS_SPREAD_SMEM``)."""
@@ -195,7 +199,7 @@ class FinalizePlan:
     """
 
     def __init__(
-        self, epi: Epilogue, in_kernel: bool = False, lanes: tuple[int, int] = (32, COL_LANES)
+        self, epi: Epilogue, in_kernel: bool = False, lanes: tuple[int, int] = DEFAULT_LANES
     ):
         key = key_for(epi, lanes)
         self.row_lanes, self.col_lanes = lanes
@@ -241,7 +245,7 @@ class FinalizePlan:
 
 
 def plan(
-    epi: Epilogue, in_kernel: bool = False, lanes: tuple[int, int] = (32, COL_LANES)
+    epi: Epilogue, in_kernel: bool = False, lanes: tuple[int, int] = DEFAULT_LANES
 ) -> FinalizePlan | None:
     """The :class:`FinalizePlan` of ``epi`` (``in_kernel``: the GEMM kernel finalizes what
     it can; ``lanes``: threads per row and per column result in the finalize kernel), or
@@ -250,7 +254,7 @@ def plan(
 
 
 def compile_artifacts(
-    epi: Epilogue, dump_dir: str, lanes: tuple[int, int] = (32, COL_LANES)
+    epi: Epilogue, dump_dir: str, lanes: tuple[int, int] = DEFAULT_LANES
 ) -> tuple[str, bytes]:
     """(PTX, cubin) of ``epi``'s finalize kernel with ``lanes`` threads per row and per
     column result; for inspection and CPU tests."""

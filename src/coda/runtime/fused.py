@@ -316,14 +316,13 @@ class FusedVisitor:
     def begin_band(self, ctx: Any, vstate: Any, rolled: bool) -> None:
         """Before band ``ctx.subtile[0]``'s subtiles (``ctx``: its first subtile)."""
         sub, states = self._band(ctx, vstate)
-        vstate[0].rolled = rolled
         for p, state in zip(self.epilogue.primitives, states, strict=True):
             p.trace_begin_band(sub, state, rolled)
 
-    def end_band(self, ctx: Any, vstate: Any) -> None:
+    def end_band(self, ctx: Any, vstate: Any, rolled: bool) -> None:
         """After band ``ctx.subtile[0]``'s last subtile of a rolled loop (an unrolled
         band ended in its last subtile's ``visit``)."""
-        if vstate[0].rolled:
+        if rolled:
             sub, states = self._band(ctx, vstate)
             for p, state in zip(self.epilogue.primitives, states, strict=True):
                 p.trace_end_band(sub, state)
