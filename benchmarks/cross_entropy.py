@@ -329,10 +329,17 @@ def main(argv=None) -> None:
         choices=EXTRA,
         help="which A/B contenders of EXTRA to time beside the five (default: all)",
     )
+    p.add_argument(
+        "--skip",
+        nargs="*",
+        default=[],
+        choices=[c for c in CONTENDERS if c not in ("coda", "compile")],
+        help="leave these contenders out (A/B runs of coda against torch.compile)",
+    )
     p.add_argument("--out", default="benchmarks/results/cross_entropy_h200.json")
     args = p.parse_args(argv)
     fns = loss_functions()
-    for name in set(EXTRA) - set(args.extras):
+    for name in (set(EXTRA) - set(args.extras)) | set(args.skip):
         fns[name] = None
     result: dict = {"rows": [], "workspace": [], "floor": [], "sweep": []}
     env = _environment()

@@ -33,7 +33,7 @@ DEFAULT_NUM_SMS = 132
 _TILE_M = (128, 256)
 # PingPong gives each consumer warpgroup a whole tile, so the fp32 accumulator of a
 # 128 x tile_n tile lives in one warpgroup's registers: tile_n <= 192 keeps it below
-# the 232-register setmaxnreg budget with room for the epilogue. tile_n is a multiple
+# the 240-register setmaxnreg budget with room for the epilogue. tile_n is a multiple
 # of the 32-column epilogue subtile (16-column subtiles measured ~15x slower on the
 # H200 and are not offered).
 _TILE_N = (64, 96, 128, 160, 192)
@@ -329,7 +329,7 @@ MAP_EPI_N = 64
 def choose_epilogue_config(m: int, n: int, k: int, num_sms: int = DEFAULT_NUM_SMS) -> GemmConfig:
     """Config for a GEMM with a fused epilogue: 128x128 tiles.
 
-    A 128x192 tile keeps 192 fp32 accumulator registers per thread of the 232 a consumer
+    A 128x192 tile keeps 192 fp32 accumulator registers per thread of the 240 a consumer
     warpgroup has, leaving few for epilogue values, reductions and running states (many
     epilogues spill); 128x128 leaves about 100. Unlike plain GEMMs, fused ones gained
     nothing from 128x192 on long-running problems where it does not spill (H200,

@@ -11,12 +11,12 @@ Schedule (one CTA = 3 warpgroups, 384 threads, persistent over output tiles):
 * warpgroup 2 is the producer: its first warp walks the tile schedule and issues TMA
   loads of A (M, K) and B (N, K) k-tiles into a ``ab_stages``-deep shared-memory ring
   guarded by an mbarrier pipeline; in a 2x1 (1x2) cluster B (A) is multicast to both
-  CTAs. It gives its registers away with ``setmaxnreg`` (40 per thread).
+  CTAs. It gives its registers away with ``setmaxnreg`` (24 per thread).
 * warpgroups 0 and 1 are consumers that own alternate tiles of the schedule (PingPong).
   Two pairs of named barriers order them: the *mma* pair makes their WGMMA mainloops
   take turns, the *epi* pair makes their epilogues take turns. So while warpgroup 0
   runs the epilogue of tile t, warpgroup 1 runs the tensor cores on tile t+1, and the
-  epilogue hides behind the matmul. Consumers take 232 registers each.
+  epilogue hides behind the matmul. Consumers take 240 registers each.
   With ``concurrent_epilogues`` (problems of one k-tile, whose epilogue is the whole
   kernel) the epi pair is not used: each warpgroup stores through its own half of the
   store buffers and has its own scratch, and both epilogues run at once.
@@ -70,16 +70,14 @@ THREADS_PER_WG = 128
 NUM_CONSUMER_WGS = 2
 PRODUCER_WARP = NUM_CONSUMER_WGS * 4  # first warp of warpgroup 2: A/B loads
 EPI_LOAD_WARP = PRODUCER_WARP + 1  # second warp of warpgroup 2: epilogue operand loads
-REGS_PRODUCER = 40
-REGS_CONSUMER = 232
-#: Cooperative tiles run the epilogue of both consumer warpgroups at once after a long
-#: mainloop; with 232 registers the log-sum-exp and SiLU + max epilogues spilled 1-3
-#: registers there (their 128 x 128 accumulator half plus the per-warpgroup buffer,
-#: scratch and A-descriptor offsets). The producer warps run a loop of TMA issues and
-#: fit in 24 (the split FlashAttention-3 uses for two consumer warpgroups):
-#: 24 x 128 + 240 x 256 = 64512 of the SM's 65536.
-REGS_PRODUCER_COOPERATIVE = 24
-REGS_CONSUMER_COOPERATIVE = 240
+#: Registers per thread after ``setmaxnreg``: the producer warps run a loop of TMA issues
+#: and fit in 24 (the split FlashAttention-3 uses for two consumer warpgroups), the
+#: consumers take the rest: 24 x 128 + 240 x 256 = 64512 of the SM's 65536. The
+#: consumers' 128 x 128 fp32 accumulator is 128 of them; with 232 (a 40 / 232 split)
+#: cooperative tiles' log-sum-exp and SiLU + max epilogues spilled 1-3 registers, and so
+#: did PingPong's log-sum-exp with its two-instruction exp (``LogSumExp``).
+REGS_PRODUCER = 24
+REGS_CONSUMER = 240
 
 
 @attrs.define
@@ -535,9 +533,7 @@ class PingPongGemm(Producers, EpilogueIO):
 
         if warp_idx >= PRODUCER_WARP:
             # ------------------------------------------------------------ producers
-            cute.arch.setmaxregister_decrease(
-                REGS_PRODUCER_COOPERATIVE if const_expr(self.cooperative) else REGS_PRODUCER
-            )
+            cute.arch.setmaxregister_decrease(REGS_PRODUCER)
             if warp_idx == PRODUCER_WARP and const_expr(self.mainloop):
                 self._produce_ab(
                     tma_a,
@@ -563,9 +559,7 @@ class PingPongGemm(Producers, EpilogueIO):
 
         if warp_idx < PRODUCER_WARP:
             # ------------------------------------------------------------ consumers
-            cute.arch.setmaxregister_increase(
-                REGS_CONSUMER_COOPERATIVE if const_expr(self.cooperative) else REGS_CONSUMER
-            )
+            cute.arch.setmaxregister_increase(REGS_CONSUMER)
             wg = cute.arch.make_warp_uniform(warp_idx // 4)
             wg_tidx = tidx % THREADS_PER_WG
             is_store_warp = warp_idx % 4 == 0

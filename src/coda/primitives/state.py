@@ -87,6 +87,13 @@ class StateTransition(Primitive):
         return tuple(out)
 
 
+#: ``LogSumExp``'s running-sum rescale uses ``exp_diff`` when a thread holds at most this
+#: many elements of a row per subtile (32-column subtiles: 8), libdevice's ``exp`` for
+#: more (64-column subtiles: 16). Chosen by the sm_90a register allocation of the
+#: 128 x 128 PingPong kernels: each other combination spilled 1-4 registers.
+LSE_FAST_RESCALE_TERMS = 8
+
+
 @attrs.frozen
 class LogSumExp(StateTransition):
     """Online log-sum-exp per row of tile value ``of`` -> output ``name`` (M,)."""
@@ -159,19 +166,30 @@ class LogSumExp(StateTransition):
         from coda.primitives import tracing
 
         v = ctx.view_of(self.of)
-        x = tracing.masked(values[self.of], v.layout, v.coords, v.shape_mn, float("-inf"))
+        x = tracing.masked(
+            values[self.of], v.layout, v.coords, v.shape_mn, float("-inf"), rows=False
+        )
         sub_max = tracing.row_reduce("max", x, v.frag)
         band = state[ctx.subtile[0]]
         for r, smax in sub_max.items():
             old = band.old(ctx, r)
             new_m = smax if old is None else tracing.fr.combine("max", old[0], smax)
             base = tracing.finite_or_zero(new_m)
+            members = v.frag.row_members(r)
             total = tracing.Float32(0.0)
-            for i in v.frag.row_members(r):
-                total = total + tracing.exp(x[i] - base)
+            for i in members:
+                # every term is exp(v - max) <= 1: the two-instruction exp_diff
+                # (ex2.approx of one FMA) is accurate to ~2 ulp + |v - max| 2^-24 there
+                total = total + tracing.exp_diff(x[i], base)
             total = tracing.fr.quad_allreduce("sum", total)
             if old is not None:
-                total = total + old[1] * tracing.exp(old[0] - base)
+                # the running sum's rescale, once per row: exp_diff too for a 32-column
+                # subtile's 8 terms a row, libdevice's exp for more (which register
+                # allocation leaves spill-free in both cases: LSE_FAST_RESCALE_TERMS)
+                if len(members) <= LSE_FAST_RESCALE_TERMS:
+                    total = total + old[1] * tracing.exp_diff(old[0], base)
+                else:
+                    total = total + old[1] * tracing.exp(old[0] - base)
             band.put(r, (new_m, total))
 
     rollable = True
@@ -279,12 +297,15 @@ class TargetSelect(StateTransition):
         from coda.primitives import tracing
 
         v = ctx.view_of(self.of)
-        x = tracing.masked(values[self.of], v.layout, v.coords, v.shape_mn, 0.0)
+        # no per-element bounds mask: a target past the columns is -1 here (selects
+        # nothing), and rows past M are never written
+        x = tracing.to_rmem(values[self.of], v.layout)
         target = ctx.extra(self.target)
         band = state[ctx.subtile[0]]
         for r in v.frag.rows:
             row = tracing.row_of(ctx, r)
             want = tracing.load_index(target, row, ctx.shape_mn[0], self.ignore_index)
+            want = tracing.index_below(want, v.shape_mn[1])
             picked = tracing.Float32(0.0)
             for i in v.frag.row_members(r):
                 picked = picked + tracing.select_eq(v.coords[i][1], want, x[i])

@@ -246,16 +246,31 @@ def gather(layout, coords, vec, axis: cutlass.Constexpr[int], limit, groups: cut
 
 
 @cute.jit
-def masked(value, layout, coords, shape_mn, fill: cutlass.Constexpr[float]):
-    """rmem copy of fragment ``value`` with out-of-bounds elements set to ``fill``."""
+def masked(
+    value,
+    layout,
+    coords,
+    shape_mn,
+    fill: cutlass.Constexpr[float],
+    rows: cutlass.Constexpr[bool] = True,
+):
+    """rmem copy of fragment ``value`` with out-of-bounds elements set to ``fill``.
+
+    ``rows=False`` masks the columns past N only: for per-row results, whose rows past M
+    are never written (``write_row_partial`` checks the row), so their values may be
+    anything; it saves a compare per element."""
     src = cute.make_rmem_tensor(layout, Float32)
     src.store(value)
     out = cute.make_rmem_tensor(layout, Float32)
     for i in cutlass.range_constexpr(cute.size(layout)):
         r, c = coords[i]
         out[i] = Float32(fill)
-        if r < shape_mn[0] and c < shape_mn[1]:
-            out[i] = src[i]
+        if cutlass.const_expr(rows):
+            if r < shape_mn[0] and c < shape_mn[1]:
+                out[i] = src[i]
+        else:
+            if c < shape_mn[1]:
+                out[i] = src[i]
     return out
 
 
@@ -397,6 +412,13 @@ def _write_rows(ctx: TraceSubtile, rows, names: tuple[str, ...]) -> None:
 
 def exp(x):
     return cute.math.exp(x)
+
+
+def exp_diff(x, y):
+    """exp(x - y) for x <= y (softmax terms): ``coda.primitives.math.exp_diff``."""
+    from coda.primitives import math as cm
+
+    return cm.exp_diff(x, y)
 
 
 @cute.jit
