@@ -65,6 +65,8 @@ sin, cos (*)           coda's own, registers only (libdevice's Payne-Hanek array
 sigmoid                ``rcp.approx.ftz.f32(1 + exp(-x))`` (<= 1 ulp reciprocal)      (**)
 silu                   ``x * rcp.approx.ftz.f32(1 + exp(-x))`` (silu(-inf) = nan as  (**)
                        in torch)
+exp_fast, sigmoid_     ``ex2.approx.ftz.f32(x log2 e)``: two instructions instead of    2 +
+fast, silu_fast (****)  libdevice's eight; sigmoid / silu on it as above               |x|/2
 softplus               ``where(x > 20, x, log1p(exp(x)))`` (torch's beta=1,           2.6
                        threshold=20)
 gelu_tanh              ``0.5 x (1 + tanh(k (x + 0.044715 x^3)))``, k = sqrt(2/pi),   (*)
@@ -94,6 +96,16 @@ instructions with its column-only bounds mask, its fused / plain at M = 16384, N
 2048 on an H100 1.035-1.053 -> 0.998-1.012; spill-free since the PingPong consumers
 took 240 registers, ``coda.mainloop.kernel.REGS_CONSUMER``).
 
+(****) exp_fast, sigmoid_fast, silu_fast: for values stored in 16 bits (their error is far
+below bf16's 2^-9): the rounding of x log2 e adds up to |x| 2^-24 relative error to
+``ex2.approx``'s 2 ulp (6e-6 at |x| = 100), and results below 2^-126 flush to 0. Edge
+values as torch's: exp_fast(+-inf) = inf / 0, sigmoid_fast(+-inf) = 1 / 0. SwiGLU's ops
+(``ops.swiglu``, ``ops.swiglu_backward``) use them: on an H200 (M = 16384, N = K = 2048)
+their epilogues' fused / plain went 1.009-1.012 -> 0.978-0.996 (forward) and 1.237-1.243
+-> 1.211-1.217 (backward) (``benchmarks/results/swiglu_fast_exp_ab_h200.json``). Checked on
+the GPU against float64 within 1e-6 + (2e-6 + |x| 2^-23) relative
+(``tests/test_math_cute_gpu.py::assert_fast_close``).
+
 (*) gelu_tanh: <= 4.4e-7 absolute; relative error grows for x < -3, where 1 + tanh(...)
 cancels (torch's fp32 kernel: the same). Signed zeros may differ from torch (relu(-0.0) is
 not guaranteed to match); NaN and +-inf follow torch. sin/cos are NaN past |x| ~ 3.29e6,
@@ -118,6 +130,7 @@ __all__ = [
     "exp",
     "exp2",
     "exp_diff",
+    "exp_fast",
     "gelu_tanh",
     "log",
     "log1p",
@@ -128,7 +141,9 @@ __all__ = [
     "round_to",
     "rsqrt",
     "sigmoid",
+    "sigmoid_fast",
     "silu",
+    "silu_fast",
     "sin",
     "softplus",
     "sqrt",
@@ -324,6 +339,24 @@ def _cute_silu(x: Any) -> Any:
     return x * _cute_reciprocal(1.0 + _cute().math.exp(-x))
 
 
+def _cute_exp_fast(x: Any) -> Any:
+    if not _in_device_code():
+        return _cute().math.exp(x)
+    # as exp_diff: the NVVM intrinsic is scalar-only, fragments take fast-math exp2
+    t = x * LOG2E
+    if isinstance(t, _cute().TensorSSA):
+        return _cute().math.exp2(t, fastmath=True)
+    return _cute().math.exp2(t, approx=True, ftz=True)
+
+
+def _cute_sigmoid_fast(x: Any) -> Any:
+    return _cute_reciprocal(1.0 + _cute_exp_fast(-x))
+
+
+def _cute_silu_fast(x: Any) -> Any:
+    return x * _cute_reciprocal(1.0 + _cute_exp_fast(-x))
+
+
 def _cute_softplus(x: Any) -> Any:
     cm = _cute().math
     return _cute_where(x > _SOFTPLUS_THRESHOLD, x, cm.log1p(cm.exp(x)))
@@ -470,6 +503,27 @@ sqrt = _unary("sqrt", torch.sqrt, _cute_math("sqrt"), "square root")
 rsqrt = _unary("rsqrt", torch.rsqrt, _cute_math("rsqrt"), "1 / sqrt(x)")
 sigmoid = _unary("sigmoid", torch.sigmoid, _cute_sigmoid, "1 / (1 + exp(-x))")
 silu = _unary("silu", F.silu, _cute_silu, "x * sigmoid(x) (a.k.a. swish)")
+exp_fast = _unary(
+    "exp_fast",
+    torch.exp,
+    _cute_exp_fast,
+    "e**x as ex2.approx.ftz(x log2 e) in kernels (two instructions; within 2 ulp + |x| / 2 "
+    "ulp, results below 2^-126 flush to 0); torch.exp on tensors",
+)
+sigmoid_fast = _unary(
+    "sigmoid_fast",
+    torch.sigmoid,
+    _cute_sigmoid_fast,
+    "sigmoid with exp_fast (for 16-bit results: within 2 ulp + |x| / 2 ulp of fp32); "
+    "torch.sigmoid on tensors",
+)
+silu_fast = _unary(
+    "silu_fast",
+    F.silu,
+    _cute_silu_fast,
+    "silu with exp_fast (for 16-bit results: within 3 ulp + |x| / 2 ulp of fp32); "
+    "F.silu on tensors",
+)
 tanh = _unary("tanh", torch.tanh, _cute_math("tanh"), "hyperbolic tangent")
 relu = _unary("relu", torch.relu, lambda x: _cute_max(x, 0.0, "relu"), "max(x, 0)")
 softplus = _unary(
