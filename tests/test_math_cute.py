@@ -110,6 +110,8 @@ def torch_reference(name: str, x: torch.Tensor, y: torch.Tensor, s: float, dtype
 #: cases computed by coda's own sin/cos on the CuTeDSL side: NaN where |x| is beyond the
 #: reduction's range, |fp32(x * 2/pi)| > 2^21 (|x| > ~3.29e6), where torch is still accurate
 SINCOS_CASES = {"sin": False, "cos": True}  # name -> is cos
+#: sin / cos.approx after the same reduction: NaN past the same range as sin / cos
+FAST_SINCOS_CASES = ("sin_fast", "cos_fast")
 
 
 def sincos_in_range(x: torch.Tensor) -> torch.Tensor:
@@ -122,7 +124,7 @@ def expected(name: str, x: torch.Tensor, y: torch.Tensor, s: float, dtype) -> to
     """What the CuTeDSL case should give: ``torch_reference``, NaN where sin/cos of x are
     out of range."""
     ref = torch_reference(name, x, y, s, dtype)
-    if name in SINCOS_CASES:
+    if name in SINCOS_CASES or name in FAST_SINCOS_CASES:
         ref = torch.where(sincos_in_range(x), ref, torch.nan)
     return ref
 
@@ -417,10 +419,26 @@ def test_ptx_uses_no_local_memory(ptx):
     assert ".local" not in ptx
 
 
+@pytest.fixture(scope="module")
+def accurate_ptx(tmp_path_factory):
+    """The kernel of every case but the ``*_fast`` functions' and the ops built on them."""
+    fast = {n for n in CASES if n.endswith("_fast")} | {"rope_x", "swiglu_backward_dg"}
+    f = compile_kernel([n for n in CASES if n not in fast], tmp_path_factory.mktemp("acc_ptx"))
+    return f.__ptx__
+
+
 @pytest.mark.compile
 @pytest.mark.parametrize("instruction", ["tanh.approx", "sin.approx", "cos.approx", "lg2.approx"])
-def test_ptx_avoids_inaccurate_fast_intrinsics(ptx, instruction):
-    assert instruction not in ptx
+def test_ptx_avoids_inaccurate_fast_intrinsics(accurate_ptx, instruction):
+    assert instruction not in accurate_ptx
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("instruction", ["sin.approx", "cos.approx"])
+def test_fast_sincos_use_the_approx_instructions(ptx, instruction):
+    """sin_fast / cos_fast: the .approx instructions after the reduction (and no other
+    function brings them: ``test_ptx_avoids_inaccurate_fast_intrinsics``)."""
+    assert instruction in ptx
 
 
 @pytest.mark.compile

@@ -33,9 +33,11 @@ results below 2^-126, i.e. x < -87, flush to 0) replaces the IEEE division, whos
 per-element slow-path call (``CALL.REL``, ``BSSY`` / ``BSYNC`` in the SASS: 7240 -> 5336
 instructions in the SwiGLU-backward kernel) kept that epilogue far longer than the GEMM
 tile it hides behind (fused / plain 1.71 at M=16384, N=K=2048, measured before the
-change; host ``cute.jit`` code keeps the division). The fast variants were rejected:
-``tanh.approx.f32`` has a relative error of ~2^-11; ``sin/cos.approx.f32`` an absolute
-error of ~2^-20 on [-pi, pi] only, useless for RoPE-sized angles; ``exp(x)`` as
+change; host ``cute.jit`` code keeps the division). The fast variants were rejected
+for the accurate functions (the ``*_fast`` ones below take them where results are stored
+in 16 bits): ``tanh.approx.f32`` has a relative error of ~2^-11; ``sin/cos.approx.f32``
+an absolute error of ~2^-20 on [-pi, pi] only (without a reduction: useless for RoPE-sized
+angles); ``exp(x)`` as
 ``ex2.approx(x * log2 e)`` loses ~|x| ulp in the product (~7e-6 relative at |x| = 80);
 ``lg2.approx`` has an absolute, not relative, error bound (bad near x = 1).
 
@@ -67,6 +69,8 @@ silu                   ``x * rcp.approx.ftz.f32(1 + exp(-x))`` (silu(-inf) = nan
                        in torch)
 exp_fast, sigmoid_     ``ex2.approx.ftz.f32(x log2 e)``: two instructions instead of    2 +
 fast, silu_fast (****)  libdevice's eight; sigmoid / silu on it as above               |x|/2
+sin_fast, cos_fast     ``sin/cos.approx.f32`` of x reduced to [-pi, pi] by whole turns   (~5e-7
+(****)                 (sin/cos's three-FMA split, times 4); NaN past sin/cos's range  abs)
 softplus               ``where(x > 20, x, log1p(exp(x)))`` (torch's beta=1,           2.6
                        threshold=20)
 gelu_tanh              ``0.5 x (1 + tanh(k (x + 0.044715 x^3)))``, k = sqrt(2/pi),   (*)
@@ -96,14 +100,19 @@ instructions with its column-only bounds mask, its fused / plain at M = 16384, N
 2048 on an H100 1.035-1.053 -> 0.998-1.012; spill-free since the PingPong consumers
 took 240 registers, ``coda.mainloop.kernel.REGS_CONSUMER``).
 
-(****) exp_fast, sigmoid_fast, silu_fast: for values stored in 16 bits (their error is far
-below bf16's 2^-9): the rounding of x log2 e adds up to |x| 2^-24 relative error to
-``ex2.approx``'s 2 ulp (6e-6 at |x| = 100), and results below 2^-126 flush to 0. Edge
-values as torch's: exp_fast(+-inf) = inf / 0, sigmoid_fast(+-inf) = 1 / 0. SwiGLU's ops
-(``ops.swiglu``, ``ops.swiglu_backward``) use them: on an H200 (M = 16384, N = K = 2048)
-their epilogues' fused / plain went 1.009-1.012 -> 0.978-0.996 (forward) and 1.237-1.243
--> 1.211-1.217 (backward) (``benchmarks/results/swiglu_fast_exp_ab_h200.json``). Checked on
-the GPU against float64 within 1e-6 + (2e-6 + |x| 2^-23) relative
+(****) The fast functions, for values stored in 16 bits. sin_fast / cos_fast: the
+``.approx`` instructions' absolute error (PTX: 2^-20.9 on [-pi, pi]) after an exact
+reduction; RoPE's ops (``ops.rope``, ``ops.rope_inverse``) use them: the catalogue's
+``rope`` kernel 3200 -> 2136 SASS instructions; checked on the GPU within 2e-6 absolute
+(``tests/test_math_cute_gpu.py::FAST_SINCOS_TOL``). exp_fast, sigmoid_fast, silu_fast
+(their error is far below bf16's 2^-9): the rounding of x log2 e adds up to |x| 2^-24
+relative error to ``ex2.approx``'s 2 ulp (6e-6 at |x| = 100), and results below 2^-126
+flush to 0. Edge values as torch's: exp_fast(+-inf) = inf / 0, sigmoid_fast(+-inf) = 1 /
+0. SwiGLU's ops (``ops.swiglu``, ``ops.swiglu_backward``) use them: on an H200 (M = 16384,
+N = K = 2048) their epilogues' fused / plain went 1.009-1.012 -> 0.978-0.996 (forward) and
+1.237-1.243 -> 1.211-1.217 (backward)
+(``benchmarks/results/swiglu_fast_exp_ab_h200.json``). Checked on the GPU against float64
+within 1e-6 + (2e-6 + |x| 2^-23) relative
 (``tests/test_math_cute_gpu.py::assert_fast_close``).
 
 (*) gelu_tanh: <= 4.4e-7 absolute; relative error grows for x < -3, where 1 + tanh(...)
@@ -126,6 +135,7 @@ __all__ = [
     "abs",
     "clamp",
     "cos",
+    "cos_fast",
     "erf",
     "exp",
     "exp2",
@@ -145,6 +155,7 @@ __all__ = [
     "silu",
     "silu_fast",
     "sin",
+    "sin_fast",
     "softplus",
     "sqrt",
     "tanh",
@@ -473,6 +484,38 @@ def _cute_cos(x: Any) -> Any:
     return _cute_sincos(x, 1)
 
 
+def _cute_sincos_fast(x: Any, cos: bool) -> Any:
+    """sin x or cos x by ``sin/cos.approx.f32`` of x reduced to [-pi, pi] (whole turns
+    taken off with the same three-FMA split as ``_cute_sincos``, scaled by 4: exact); NaN
+    where ``_cute_sincos`` gives NaN. Host code: the accurate ones."""
+    if not _in_device_code():
+        return _cute_cos(x) if cos else _cute_sin(x)
+    cm = _cute().math
+    turns = x * (_SINCOS_TWO_OVER_PI / 4)  # fp32(1 / (2 pi)): exact scaling of fp32(2 / pi)
+    j = cm.roundeven(turns)
+    r = _cute_fma(-j, 4 * _SINCOS_PIO2_C1, x)
+    r = _cute_fma(-j, 4 * _SINCOS_PIO2_C2, r)
+    r = _cute_fma(-j, 4 * _SINCOS_PIO2_C3, r)
+    op = cm.cos if cos else cm.sin
+    if isinstance(r, _cute().TensorSSA):
+        value = op(r, fastmath=True)
+    else:
+        value = op(r, approx=True, ftz=True)
+    if not cos:
+        value = _cute_where(x == 0.0, x, value)  # sin(-0) = -0, as torch
+    return _cute_where(cm.abs(turns) <= _SINCOS_MAX_QUARTER_TURNS / 4, value, _pymath.nan)
+
+
+@_cute_in_fp32
+def _cute_sin_fast(x: Any) -> Any:
+    return _cute_sincos_fast(x, False)
+
+
+@_cute_in_fp32
+def _cute_cos_fast(x: Any) -> Any:
+    return _cute_sincos_fast(x, True)
+
+
 def _cute_math(name: str) -> Callable[[Any], Any]:
     def op(x: Any) -> Any:
         return getattr(_cute().math, name)(x)
@@ -532,6 +575,20 @@ softplus = _unary(
 erf = _unary("erf", torch.erf, _cute_math("erf"), "the error function")
 cos = _unary("cos", torch.cos, _cute_cos, "cosine (radians)")
 sin = _unary("sin", torch.sin, _cute_sin, "sine (radians)")
+cos_fast = _unary(
+    "cos_fast",
+    torch.cos,
+    _cute_cos_fast,
+    "cosine by cos.approx.f32 of the argument reduced to [-pi, pi] in kernels (within "
+    "~1e-6 absolute: for values stored in 16 bits); torch.cos on tensors",
+)
+sin_fast = _unary(
+    "sin_fast",
+    torch.sin,
+    _cute_sin_fast,
+    "sine by sin.approx.f32 of the argument reduced to [-pi, pi] in kernels (within "
+    "~1e-6 absolute: for values stored in 16 bits); torch.sin on tensors",
+)
 # `abs` shadows the builtin on purpose (mirrors torch/numpy naming)
 abs = _unary("abs", torch.abs, _cute_math("abs"), "absolute value")  # noqa: A001
 

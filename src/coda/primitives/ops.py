@@ -111,7 +111,7 @@ def rope(x: Any, y: Any, pos: Any, freq: Any) -> tuple[Any, Any]:
     angle = pos * freq (pos: row vector, one position per token; freq: col vector of
     width W/2, one frequency per pair); returns (x c - y s, y c + x s)."""
     angle = pos * freq
-    c, s = cm.cos(angle), cm.sin(angle)
+    c, s = cm.cos_fast(angle), cm.sin_fast(angle)
     return x * c - y * s, y * c + x * s
 
 
@@ -119,5 +119,5 @@ def rope_inverse(x: Any, y: Any, pos: Any, freq: Any) -> tuple[Any, Any]:
     """The inverse rotation of ``rope`` (its backward, since rotations are orthogonal):
     (x c + y s, y c - x s)."""
     angle = pos * freq
-    c, s = cm.cos(angle), cm.sin(angle)
+    c, s = cm.cos_fast(angle), cm.sin_fast(angle)
     return x * c + y * s, y * c - x * s

@@ -205,7 +205,10 @@ class TileReduce(Primitive):
             # 0 outside M x N already (the sum's identity): no per-element bounds mask
             vals = tracing.to_rmem(x, v.layout)
         else:
-            vals = tracing.masked(x, v.layout, v.coords, v.shape_mn, _IDENTITY[self.op])
+            # per-row results: rows past M are never written, only columns past N masked
+            vals = tracing.masked(
+                x, v.layout, v.coords, v.shape_mn, _IDENTITY[self.op], rows=self.per == "col"
+            )
         if self.per == "col":
             tracing.col_accumulate(ctx, op, vals, v, self)
             return
