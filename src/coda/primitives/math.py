@@ -350,14 +350,20 @@ def _cute_silu(x: Any) -> Any:
     return x * _cute_reciprocal(1.0 + _cute().math.exp(-x))
 
 
+def _cute_approx(name: str, t: Any) -> Any:
+    """``cute.math.<name>`` (exp2, sin, cos) as its PTX ``.approx.ftz`` instruction, in
+    device code. The NVVM intrinsic is scalar-only: fragments take the fast-math lowering
+    (the same instruction)."""
+    op = getattr(_cute().math, name)
+    if isinstance(t, _cute().TensorSSA):
+        return op(t, fastmath=True)
+    return op(t, approx=True, ftz=True)
+
+
 def _cute_exp_fast(x: Any) -> Any:
     if not _in_device_code():
         return _cute().math.exp(x)
-    # as exp_diff: the NVVM intrinsic is scalar-only, fragments take fast-math exp2
-    t = x * LOG2E
-    if isinstance(t, _cute().TensorSSA):
-        return _cute().math.exp2(t, fastmath=True)
-    return _cute().math.exp2(t, approx=True, ftz=True)
+    return _cute_approx("exp2", x * LOG2E)
 
 
 def _cute_sigmoid_fast(x: Any) -> Any:
@@ -365,7 +371,7 @@ def _cute_sigmoid_fast(x: Any) -> Any:
 
 
 def _cute_silu_fast(x: Any) -> Any:
-    return x * _cute_reciprocal(1.0 + _cute_exp_fast(-x))
+    return x * _cute_sigmoid_fast(x)
 
 
 def _cute_softplus(x: Any) -> Any:
@@ -496,11 +502,7 @@ def _cute_sincos_fast(x: Any, cos: bool) -> Any:
     r = _cute_fma(-j, 4 * _SINCOS_PIO2_C1, x)
     r = _cute_fma(-j, 4 * _SINCOS_PIO2_C2, r)
     r = _cute_fma(-j, 4 * _SINCOS_PIO2_C3, r)
-    op = cm.cos if cos else cm.sin
-    if isinstance(r, _cute().TensorSSA):
-        value = op(r, fastmath=True)
-    else:
-        value = op(r, approx=True, ftz=True)
+    value = _cute_approx("cos" if cos else "sin", r)
     if not cos:
         value = _cute_where(x == 0.0, x, value)  # sin(-0) = -0, as torch
     return _cute_where(cm.abs(turns) <= _SINCOS_MAX_QUARTER_TURNS / 4, value, _pymath.nan)
@@ -624,12 +626,8 @@ def _cute_exp_diff(x: Any, y: Any) -> Any:
     if not _in_device_code():
         return _cute().math.exp(x - y)
     # x * LOG2E - y * LOG2E contracts into one FMA per element; y * LOG2E is shared by the
-    # elements of a row (one value broadcast), so the compiler computes it once. The NVVM
-    # intrinsic is scalar-only: fragments take the fast-math lowering (the same ex2.approx)
-    t = x * LOG2E - y * LOG2E
-    if isinstance(t, _cute().TensorSSA):
-        return _cute().math.exp2(t, fastmath=True)
-    return _cute().math.exp2(t, approx=True, ftz=True)
+    # elements of a row (one value broadcast), so the compiler computes it once
+    return _cute_approx("exp2", x * LOG2E - y * LOG2E)
 
 
 def exp_diff(x: Any, y: Any) -> Any:

@@ -163,6 +163,7 @@ class LogSumExp(StateTransition):
         return {}
 
     def trace(self, ctx: Any, values: dict[str, Any], state: dict) -> None:
+        from coda.primitives import math as cm
         from coda.primitives import tracing
 
         v = ctx.view_of(self.of)
@@ -180,14 +181,14 @@ class LogSumExp(StateTransition):
             for i in members:
                 # every term is exp(v - max) <= 1: the two-instruction exp_diff
                 # (ex2.approx of one FMA) is accurate to ~2 ulp + |v - max| 2^-24 there
-                total = total + tracing.exp_diff(x[i], base)
+                total = total + cm.exp_diff(x[i], base)
             total = tracing.fr.quad_allreduce("sum", total)
             if old is not None:
                 # the running sum's rescale, once per row: exp_diff too for a 32-column
                 # subtile's 8 terms a row, libdevice's exp for more (which register
                 # allocation leaves spill-free in both cases: LSE_FAST_RESCALE_TERMS)
                 if len(members) <= LSE_FAST_RESCALE_TERMS:
-                    total = total + old[1] * tracing.exp_diff(old[0], base)
+                    total = total + old[1] * cm.exp_diff(old[0], base)
                 else:
                     total = total + old[1] * tracing.exp(old[0] - base)
             band.put(r, (new_m, total))

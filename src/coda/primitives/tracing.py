@@ -414,13 +414,6 @@ def exp(x):
     return cute.math.exp(x)
 
 
-def exp_diff(x, y):
-    """exp(x - y) for x <= y (softmax terms): ``coda.primitives.math.exp_diff``."""
-    from coda.primitives import math as cm
-
-    return cm.exp_diff(x, y)
-
-
 @cute.jit
 def finite_or_zero(m):
     """``m`` unless it is -inf (a row with no in-bounds element yet), else 0."""
