@@ -91,6 +91,31 @@ def load_staggered(copy, smem, regs, parity):
         regs[None, None, n].store(_halves_swapped(parity, got[n], got[1 - n]))
 
 
+def widen_to_f32(values):
+    """fp32 values of a register fragment of 16-bit floats. bf16 -> fp32 is exact and
+    only moves bits, so a 32-bit register holding two bf16 elements (``values`` compact:
+    element ``i`` in 16-bit slot ``i``) gives its low one by a shift and its high one by
+    a mask: one integer instruction an element (the generic conversion unpacks the high
+    half first, a PRMT and a shift). fp16 and other layouts convert element by element."""
+    n = cute.size(values.layout)
+    if const_expr(
+        values.element_type is not cutlass.BFloat16
+        or n % 2 != 0
+        or cute.cosize(values.layout) != n
+    ):
+        return values.load().to(Float32)
+    words = cute.make_tensor(
+        cute.recast_ptr(values.iterator, dtype=cutlass.Uint32), cute.make_layout(n // 2)
+    ).load()
+    out = cute.make_rmem_tensor(values.layout, Float32)
+    bits = cute.recast_ptr(out.iterator, dtype=cutlass.Uint32)
+    halves = cute.make_layout(n // 2, stride=2)
+    low, high = words << 16, words & 0xFFFF0000  # the bits of elements 2k, 2k + 1
+    cute.make_tensor(bits, halves).store(cute.TensorSSA(low, words.shape, cutlass.Uint32))
+    cute.make_tensor(bits + 1, halves).store(cute.TensorSSA(high, words.shape, cutlass.Uint32))
+    return out.load()
+
+
 class _SubtileCopy:
     """What a subtile copy of one tensor needs: the tiled copy (None: element by element),
     the registers it moves and their ``values`` view (the visitor's fragment), the copy's
@@ -138,7 +163,7 @@ class SubtileLoad(_SubtileCopy):
             )
         else:
             cute.copy(self.copy, self.smem_part[None, None, None, stage], self.regs)
-        return self.values.load().to(Float32)
+        return widen_to_f32(self.values)
 
 
 class EpilogueIO:

@@ -101,8 +101,9 @@ def swiglu_backward(g: Any, u: Any, dy: Any) -> tuple[Any, Any]:
     dg = dy * u * sig(g) * (1 + g (1 - sig(g))), du = dy * silu(g). sig by
     ``cm.sigmoid_fast`` (dg and du are stored in 16 bits)."""
     s = cm.sigmoid_fast(g)
-    dg = dy * u * s * (1.0 + g * (1.0 - s))
-    du = dy * g * s
+    dys = dy * s  # shared by both: du = dy silu(g) = dy s g
+    dg = dys * u * (1.0 + g * (1.0 - s))
+    du = dys * g
     return dg, du
 
 
