@@ -238,13 +238,17 @@ def test_column_reductions_reduce_scatter_across_lanes(tmp_path):
     columns of each 64 x 32 subtile; combining them over the 8 lanes that share columns
     by reduce-scatter takes 7 shuffles per reduction per subtile (a butterfly per column:
     24) and one shared-memory update per lane (before: 8 per lane in lanes 0-3), so a
-    128 x 128 tile's 8 subtiles make 2 x 8 x 7 = 112 shuffles (before: 384)."""
+    128 x 128 tile's 8 subtiles make 2 x 8 x 7 = 112 shuffles (before: 384), in each of
+    the kernel's two traces of the tile epilogue (its column max masks the rows past M:
+    traced apart for the tiles inside M x N, ``FusedVisitor.splits_interior``)."""
     if find_nvdisasm() is None:
         pytest.skip("nvdisasm not installed")
-    _, cubin = _compile(EPILOGUES["dgamma_colsum"], tmp_path, LAYOUTS["dgrad"])
+    epi = EPILOGUES["dgamma_colsum"]
+    traces = 2 if FusedVisitor(epi).splits_interior else 1
+    _, cubin = _compile(epi, tmp_path, LAYOUTS["dgrad"])
     ops = opcode_counts(disassemble(cubin))
-    assert count_prefix(ops, "SHFL") <= 2 * 8 * 7, ops
-    assert count_prefix(ops, "STS") <= 2 * 8, ops
+    assert count_prefix(ops, "SHFL") <= traces * 2 * 8 * 7, ops
+    assert count_prefix(ops, "STS") <= traces * 2 * 8, ops
     assert count_prefix(ops, "LDL") == 0 and count_prefix(ops, "STL") == 0
 
 

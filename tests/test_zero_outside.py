@@ -4,6 +4,9 @@ the catalogue and on hand-made compositions, and the masks' absence in the SASS)
 
 from __future__ import annotations
 
+import re
+
+import attrs
 import pytest
 import torch
 
@@ -61,3 +64,51 @@ def test_sums_over_zero_outside_values_compile_without_bounds_selects(name, tmp_
         assert ops_.get("FSEL", 0) > 0
     else:
         assert ops_.get("FSEL", 0) == 0
+
+
+@pytest.mark.parametrize(
+    ("name", "splits"),
+    [
+        ("lse_target", True),  # -inf outside, whatever acc holds there
+        ("silu_max", True),  # a max: out-of-bounds zeros must not win it
+        ("dgamma_colsum", True),  # its column max of acc
+        ("rmsnorm_fwd", False),  # a sum over x, 0 outside
+        ("swiglu_bwd", False),
+        ("residual_store", False),
+        ("rope", False),
+    ],
+)
+def test_epilogues_that_mask_are_traced_apart_for_interior_tiles(name, splits):
+    assert FusedVisitor(EPILOGUES[name]).splits_interior is splits
+
+
+class _InteriorOnly(FusedVisitor):
+    """The interior trace alone: every tile traced as lying inside M x N."""
+
+    @property
+    def splits_interior(self) -> bool:
+        return False
+
+    def begin_tile(self, tctx):
+        return super().begin_tile(attrs.evolve(tctx, interior=True))
+
+
+def _bounds_selects(visitor, tmp_path) -> int:
+    """FSELs of -inf (a max's or log-sum-exp's bounds mask) in the kernel's SASS."""
+    cfg = epilogue_choice(visitor.epilogue, bf16, 16384, 2048, 2048, num_sms=132)[0]
+    key = gemm_kernels.GemmKernelKey(cfg, bf16, visitor, 132, "k", "k")
+    _, cubin = gemm_kernels.compile_artifacts(key, str(tmp_path))
+    if find_nvdisasm() is None:
+        pytest.skip("nvdisasm not installed")
+    sass = disassemble(cubin)
+    ops_ = opcode_counts(sass)
+    assert count_prefix(ops_, "LDL") == 0 and count_prefix(ops_, "STL") == 0
+    return len(re.findall(r"FSEL\b[^;]*-INF", sass))
+
+
+@pytest.mark.compile
+def test_the_interior_trace_of_a_log_sum_exp_has_no_bounds_masks(tmp_path):
+    # the kernel holds both traces: the edge tiles' masks remain, the interior's go
+    epi = EPILOGUES["lse_target"]
+    assert _bounds_selects(FusedVisitor(epi), tmp_path / "split") > 0
+    assert _bounds_selects(_InteriorOnly(epi), tmp_path / "interior") == 0

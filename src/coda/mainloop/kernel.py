@@ -81,6 +81,34 @@ REGS_CONSUMER = 240
 
 
 @attrs.define
+class _EpilogueParts:
+    """What every tile's epilogue of one consumer warpgroup shares (built once, before
+    the persistent tile loop): output tensors and their shared buffers, the subtile
+    copies, the store / load pipelines and the warpgroup's barrier."""
+
+    wg: object
+    mD: object
+    sD: object
+    tma_d: object
+    ids: object  # (row, col) of every output element, by tiles
+    shape_mn: tuple
+    extras: object
+    frag: object
+    scratch: object
+    epi_bar: object
+    thr_coord: object
+    acc: object
+    acc_sub: object
+    loads: list
+    stores: list
+    load_pipe: object
+    store_pipe: object
+    is_store_warp: object
+    first_buf: object
+    own_bufs: int
+
+
+@attrs.define
 class _SubtileLoop:
     """What every subtile of one tile's epilogue shares (built once per tile, read-only
     in the subtile loop: nothing in it is carried from one subtile to the next)."""
@@ -629,8 +657,6 @@ class PingPongGemm(Producers, EpilogueIO):
             cooperative = self.cooperative
             mainloop = self.mainloop
             wants_clocks = getattr(self.visitor, "wants_clocks", False)
-            rolled = self.rolled
-            bands = hasattr(self.visitor, "begin_band")
             if const_expr(not mainloop):
                 acc.fill(0.0)  # never read by the epilogue; defined all the same
             if const_expr(not cooperative):
@@ -650,6 +676,29 @@ class PingPongGemm(Producers, EpilogueIO):
                 if wg == 1:
                     lread.advance(1)
 
+            parts = _EpilogueParts(
+                wg=wg,
+                mD=mD,
+                sD=sD,
+                tma_d=tma_d,
+                ids=idD_all,
+                shape_mn=(M, N),
+                extras=extras,
+                frag=frag_geom,
+                scratch=scratch,
+                epi_bar=epi_bar,
+                thr_coord=thr_coord,
+                acc=tRS_rAcc,
+                acc_sub=tRS_rD,
+                loads=loads,
+                stores=stores,
+                load_pipe=load_pipe,
+                store_pipe=store_pipe,
+                is_store_warp=is_store_warp,
+                first_buf=first_buf,
+                own_bufs=own_bufs,
+            )
+            splits = getattr(self.visitor, "splits_interior", False)
             # PingPong: the warpgroups take alternate tiles; cooperative: both take each
             t = Int32(bidz) if const_expr(cooperative) else Int32(bidz) + wg * num_clusters
             while t < sched.num_work:
@@ -691,75 +740,25 @@ class PingPongGemm(Producers, EpilogueIO):
                 # ---- epilogue (takes its turn on the store path, unless concurrent)
                 if const_expr(not concurrent):
                     self._turn_wait(_Barrier.EPI_TURN, wg)
-                bSG = []
-                for i in cutlass.range_constexpr(n_stores):
-                    gD = cute.local_tile(mD[i], self._tile(self.store_widths[i]), (tm, tn))
-                    bSG.append(
-                        cpasync.tma_partition(
-                            tma_d[i],
-                            0,
-                            cute.make_layout(1),
-                            cute.group_modes(sD[i], 0, 2),
-                            cute.zipped_divide(gD, self._box(self.store_widths[i])),
-                        )
-                    )
-                tile_ids = idD_all[(None, None, tm, tn)]
-                tctx = TileContext(
-                    tile_coord=(tm, tn),
-                    shape_mn=(M, N),
-                    extras=extras,
-                    frag=frag_geom,
-                    scratch=scratch,
-                    barrier=epi_bar,
-                    config=cfg,
-                    clocks=tuple(clocks) if const_expr(wants_clocks) else None,
-                )
-                vstate = self.visitor.begin_tile(tctx)
-                sub = _SubtileLoop(
-                    tctx=tctx,
-                    vstate=vstate,
-                    tile_ids=tile_ids,
-                    thr_coord=thr_coord,
-                    acc=tRS_rAcc,
-                    acc_sub=tRS_rD,
-                    loads=loads,
-                    stores=stores,
-                    load_pipe=load_pipe,
-                    store_pipe=store_pipe,
-                    epi_bar=epi_bar,
-                    is_store_warp=is_store_warp,
-                    tma_d=tma_d,
-                    bSG=bSG,
-                    first_buf=first_buf,
-                    own_bufs=own_bufs,
-                    t=t,
-                )
-                # subtiles row-major within the tile (n fastest), by 64-row bands
-                for sm in cutlass.range_constexpr(sub_m):
-                    if const_expr(bands):
-                        self.visitor.begin_band(self._band_ctx(sub, sm), vstate, rolled)
-                    if const_expr(rolled):
-                        # one copy of the subtile's code, run sub_n times
-                        for sn in cutlass.range(sub_n, unroll=1):
-                            lread = self._epilogue_subtile(sub, lread, sm, sn)
+                # The tile's epilogue; a visitor that masks elements outside M x N is
+                # traced twice: without the masks for tiles inside M x N, with them for
+                # the edge tiles (a runtime branch per tile, uniform over the warpgroup).
+                clk = tuple(clocks) if const_expr(wants_clocks) else None
+                if const_expr(splits):
+                    inside = ((tm + 1) * cfg.tile_m <= M) & ((tn + 1) * cfg.tile_n <= N)
+                    if inside:
+                        self._tile_epilogue(parts, tm, tn, t, clk, lread.clone(), True)
                     else:
-                        for sn in cutlass.range_constexpr(sub_n):
-                            lread = self._epilogue_subtile(sub, lread, sm, sn)
-                    if const_expr(bands):
-                        # the band's coordinates again after a rolled loop (kept out of
-                        # the loop's live registers)
-                        self.visitor.end_band(self._band_ctx(sub, sm), vstate, rolled)
-                self.visitor.end_tile(tctx, vstate)
-                if const_expr(not concurrent):
-                    # The other warpgroup reuses the epilogue buffers: drain our stores first.
-                    if const_expr(n_stores > 0):
-                        if is_store_warp:
-                            store_pipe.producer_tail()
-                    self._turn_arrive(_Barrier.EPI_TURN, 1 - wg)
+                        self._tile_epilogue(parts, tm, tn, t, clk, lread.clone(), False)
+                else:
+                    self._tile_epilogue(parts, tm, tn, t, clk, lread.clone(), False)
+                if const_expr(n_loads > 0):
+                    # the subtiles' loads the tile's epilogue consumed
+                    lread.advance(n_sub * (2 if const_expr(cooperative) else 1))
                 if const_expr(hasattr(self.visitor, "after_tile")):
                     # work off the store path (e.g. finalizing results), while the other
-                    # warpgroup runs its epilogue
-                    self.visitor.after_tile(tctx, vstate)
+                    # warpgroup runs its epilogue; once per tile, outside the branch
+                    self.visitor.after_tile(self._tile_ctx(parts, tm, tn, clk, False))
 
                 if const_expr(cooperative):
                     if const_expr(self.scratch_floats > 0):
@@ -779,6 +778,90 @@ class PingPongGemm(Producers, EpilogueIO):
                     store_pipe.producer_tail()
 
     # ------------------------------------------------------------------- helpers
+    @cute.jit
+    def _tile_epilogue(
+        self, parts, tm, tn, t, clocks, lread, interior: cutlass.Constexpr[bool]
+    ) -> None:
+        """Tile (tm, tn)'s epilogue, from the visitor's ``begin_tile`` to its
+        ``end_tile``: its subtiles (consuming the load ring from ``lread``, a copy the
+        caller advances), the store drain and the epilogue turn's hand-over.
+        ``interior``: traced for tiles inside M x N only (``TileContext.interior``)."""
+        cfg = self.config
+        n_stores = len(self.store_dtypes)
+        sub_m, sub_n = cfg.subtiles_per_tile
+        concurrent = self.concurrent
+        rolled = self.rolled
+        bands = hasattr(self.visitor, "begin_band")
+        is_store_warp, store_pipe = parts.is_store_warp, parts.store_pipe
+        bSG = []
+        for i in cutlass.range_constexpr(n_stores):
+            gD = cute.local_tile(parts.mD[i], self._tile(self.store_widths[i]), (tm, tn))
+            bSG.append(
+                cpasync.tma_partition(
+                    parts.tma_d[i],
+                    0,
+                    cute.make_layout(1),
+                    cute.group_modes(parts.sD[i], 0, 2),
+                    cute.zipped_divide(gD, self._box(self.store_widths[i])),
+                )
+            )
+        tctx = self._tile_ctx(parts, tm, tn, clocks, interior)
+        vstate = self.visitor.begin_tile(tctx)
+        sub = _SubtileLoop(
+            tctx=tctx,
+            vstate=vstate,
+            tile_ids=parts.ids[(None, None, tm, tn)],
+            thr_coord=parts.thr_coord,
+            acc=parts.acc,
+            acc_sub=parts.acc_sub,
+            loads=parts.loads,
+            stores=parts.stores,
+            load_pipe=parts.load_pipe,
+            store_pipe=store_pipe,
+            epi_bar=parts.epi_bar,
+            is_store_warp=is_store_warp,
+            tma_d=parts.tma_d,
+            bSG=bSG,
+            first_buf=parts.first_buf,
+            own_bufs=parts.own_bufs,
+            t=t,
+        )
+        # subtiles row-major within the tile (n fastest), by 64-row bands
+        for sm in cutlass.range_constexpr(sub_m):
+            if const_expr(bands):
+                self.visitor.begin_band(self._band_ctx(sub, sm), vstate, rolled)
+            if const_expr(rolled):
+                # one copy of the subtile's code, run sub_n times
+                for sn in cutlass.range(sub_n, unroll=1):
+                    lread = self._epilogue_subtile(sub, lread, sm, sn)
+            else:
+                for sn in cutlass.range_constexpr(sub_n):
+                    lread = self._epilogue_subtile(sub, lread, sm, sn)
+            if const_expr(bands):
+                # the band's coordinates again after a rolled loop (kept out of the
+                # loop's live registers)
+                self.visitor.end_band(self._band_ctx(sub, sm), vstate, rolled)
+        self.visitor.end_tile(tctx, vstate)
+        if const_expr(not concurrent):
+            # The other warpgroup reuses the epilogue buffers: drain our stores first.
+            if const_expr(n_stores > 0):
+                if is_store_warp:
+                    store_pipe.producer_tail()
+            self._turn_arrive(_Barrier.EPI_TURN, 1 - parts.wg)
+
+    def _tile_ctx(self, parts, tm, tn, clocks, interior: bool) -> TileContext:
+        return TileContext(
+            tile_coord=(tm, tn),
+            shape_mn=parts.shape_mn,
+            extras=parts.extras,
+            frag=parts.frag,
+            scratch=parts.scratch,
+            barrier=parts.epi_bar,
+            config=self.config,
+            clocks=clocks,
+            interior=interior,
+        )
+
     def _band_ctx(self, sub, sm: int) -> SubtileContext:
         """The context of band ``sm``'s first subtile (for the visitor's band hooks)."""
         cfg = self.config

@@ -26,9 +26,13 @@ time by the kernel's epilogue driver:
   visitor may be run rolled (``GemmConfig.rolled_epilogue``): a band's subtiles in a
   runtime loop over one copy of ``visit``'s code, ``ctx.subtile[1]`` then a DSL integer
   and state carried across the band set up in ``begin_band``;
-* optional ``after_tile(tctx, state)``, once the warpgroup has handed the epilogue's
+* optional ``after_tile(tctx)``, once the warpgroup has handed the epilogue's
   shared memory and store path to the other warpgroup: work that needs neither (e.g.
-  finalizing results from global partials) overlaps the other's epilogue there.
+  finalizing results from global partials) overlaps the other's epilogue there. It gets
+  no per-tile state: it is traced once per tile, outside the branch of a visitor with
+  ``splits_interior`` (whose tile epilogue, ``begin_tile`` to ``end_tile``, is traced
+  twice: once with ``tctx.interior`` True, for the tiles inside M x N, once for the
+  edge tiles).
 
 Extra global tensors and scalars (vectors, partial outputs, runtime floats) travel in the
 kernel's ``extras`` tuple and reach the hooks as ``ctx.extras``; the visitor reads and
@@ -56,6 +60,9 @@ class TileContext:
     tensor-core turn; the read is issued with the turn's barrier, whose blocking is
     deferred, so it does not wait for the turn) and when its last WGMMA completed; a map
     pass (no mainloop) gives its epilogue's start twice. None otherwise.
+    ``interior``: True when this trace of the epilogue runs only for tiles that lie
+    inside M x N (a visitor with ``splits_interior`` is traced twice, once for those
+    tiles, with no bounds checks to make, and once for the edge tiles).
     """
 
     tile_coord: Any
@@ -66,6 +73,7 @@ class TileContext:
     barrier: Any
     config: Any
     clocks: Any = None
+    interior: bool = False
 
 
 @attrs.frozen

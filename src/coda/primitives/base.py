@@ -144,6 +144,14 @@ class Primitive(abc.ABC):
         wide; reached in the trace through ``tile.scratch_for(self)``. Default: none."""
         return 0
 
+    def masks_edges(self, zero_outside: frozenset[str]) -> bool:
+        """True when ``trace`` masks elements outside M x N (``tracing.masked``), given
+        the values known to be 0 there (``zero_outside``): the kernel then traces the
+        epilogue twice, once for tiles inside M x N, where ``ctx.tile.interior`` is
+        True and the masks can go (``tracing.masked(..., interior=...)``), and once for
+        the edge tiles. Default: False."""
+        return False
+
     def trace_begin_tile(self, tile: Any) -> Any:
         """Trace-time twin of ``begin_tile``: emit per-tile setup, return the per-tile
         state (Python objects holding DSL values; ``None`` for stateless primitives).

@@ -162,13 +162,22 @@ class LogSumExp(StateTransition):
     def trace_begin_tile(self, tile: Any) -> dict:
         return {}
 
+    def masks_edges(self, zero_outside: frozenset[str]) -> bool:
+        return True  # the columns past N must not count: -inf there, whatever the value
+
     def trace(self, ctx: Any, values: dict[str, Any], state: dict) -> None:
         from coda.primitives import math as cm
         from coda.primitives import tracing
 
         v = ctx.view_of(self.of)
         x = tracing.masked(
-            values[self.of], v.layout, v.coords, v.shape_mn, float("-inf"), rows=False
+            values[self.of],
+            v.layout,
+            v.coords,
+            v.shape_mn,
+            float("-inf"),
+            rows=False,
+            interior=ctx.tile.interior,
         )
         sub_max = tracing.row_reduce("max", x, v.frag)
         band = state[ctx.subtile[0]]

@@ -193,6 +193,10 @@ class TileReduce(Primitive):
     def trace_begin_tile(self, tile: Any) -> dict:
         return {}
 
+    def masks_edges(self, zero_outside: frozenset[str]) -> bool:
+        # a sum over a value that is 0 outside M x N needs no mask (see trace)
+        return not (self.op in ("sum", "sumsq") and self.of in zero_outside)
+
     def trace(self, ctx: Any, values: dict[str, Any], state: dict) -> None:
         from coda.primitives import tracing
 
@@ -207,7 +211,13 @@ class TileReduce(Primitive):
         else:
             # per-row results: rows past M are never written, only columns past N masked
             vals = tracing.masked(
-                x, v.layout, v.coords, v.shape_mn, _IDENTITY[self.op], rows=self.per == "col"
+                x,
+                v.layout,
+                v.coords,
+                v.shape_mn,
+                _IDENTITY[self.op],
+                rows=self.per == "col",
+                interior=ctx.tile.interior,
             )
         if self.per == "col":
             tracing.col_accumulate(ctx, op, vals, v, self)

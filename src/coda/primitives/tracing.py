@@ -73,6 +73,11 @@ class TraceTile:
         return self.mainloop.frag
 
     @property
+    def interior(self) -> bool:
+        """This trace runs for tiles inside M x N only (``TileContext.interior``)."""
+        return getattr(self.mainloop, "interior", False)
+
+    @property
     def config(self):
         return self.mainloop.config
 
@@ -253,14 +258,19 @@ def masked(
     shape_mn,
     fill: cutlass.Constexpr[float],
     rows: cutlass.Constexpr[bool] = True,
+    interior: cutlass.Constexpr[bool] = False,
 ):
     """rmem copy of fragment ``value`` with out-of-bounds elements set to ``fill``.
 
     ``rows=False`` masks the columns past N only: for per-row results, whose rows past M
     are never written (``write_row_partial`` checks the row), so their values may be
-    anything; it saves a compare per element."""
+    anything; it saves a compare per element. ``interior=True`` (pass
+    ``ctx.tile.interior``, with ``Primitive.masks_edges`` saying True): the trace is for
+    tiles inside M x N, nothing to mask."""
     src = cute.make_rmem_tensor(layout, Float32)
     src.store(value)
+    if cutlass.const_expr(interior):
+        return src
     out = cute.make_rmem_tensor(layout, Float32)
     for i in cutlass.range_constexpr(cute.size(layout)):
         r, c = coords[i]

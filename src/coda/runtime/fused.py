@@ -265,17 +265,20 @@ class FusedVisitor:
         return tuple(out)
 
     # ---- mainloop visitor hooks ----------------------------------------------------------
-    def begin_tile(self, tctx: Any) -> Any:
+    def _trace_tile(self, tctx: Any) -> Any:
         from ..primitives.tracing import TraceTile
 
         index = {s.name: i for i, s in enumerate(self.extras_specs)}
-        tile = TraceTile(
+        return TraceTile(
             mainloop=tctx,
             extras_index=index,
             specs=self.epilogue.values,
             scratch_offsets=self.scratch_offsets(tctx.config),
             zero_outside=zero_outside(self.epilogue),
         )
+
+    def begin_tile(self, tctx: Any) -> Any:
+        tile = self._trace_tile(tctx)
         return tile, [p.trace_begin_tile(tile) for p in self.epilogue.primitives]
 
     def visit(self, ctx: Any, acc: Any, loaded: tuple, vstate: Any) -> tuple:
@@ -299,6 +302,14 @@ class FusedVisitor:
         tile, states = vstate
         for p, state in zip(self.epilogue.primitives, states, strict=True):
             p.trace_end_tile(tile, state)
+
+    @property
+    def splits_interior(self) -> bool:
+        """Some primitive masks elements outside M x N (``Primitive.masks_edges``): the
+        kernel traces the tile's epilogue twice, without the masks for the tiles inside
+        M x N and with them for the edge tiles."""
+        zero = zero_outside(self.epilogue)
+        return any(p.masks_edges(zero) for p in self.epilogue.primitives)
 
     @property
     def rollable(self) -> bool:
@@ -352,7 +363,7 @@ class FusedVisitor:
                 counters, tiles_m + tn, tiles_m, flag, tctx.barrier
             )
 
-    def after_tile(self, tctx: Any, vstate: Any) -> None:
+    def after_tile(self, tctx: Any) -> None:
         """After the warpgroup has handed the epilogue to the other one: the tile
         arrives at its row's (column's) counter; the last tile of a row of tiles
         finalizes the row results of its rows (a thread per row), the last of a column
@@ -361,7 +372,7 @@ class FusedVisitor:
             return
         from ..primitives import tracing
 
-        tile, _ = vstate
+        tile = self._trace_tile(tctx)
         # arriving here, not in end_tile, keeps its barriers and fences off the epilogue
         # turn: the other warpgroup's epilogue runs meanwhile
         self._arrive(tctx, tile)
