@@ -97,8 +97,8 @@ class _EpilogueParts:
     scratch: object
     epi_bar: object
     thr_coord: object
-    acc: object
-    acc_sub: object
+    acc: object  # the accumulator, viewed by subtiles
+    acc_sub: object  # one subtile's accumulator registers
     loads: list
     stores: list
     load_pipe: object
@@ -111,24 +111,15 @@ class _EpilogueParts:
 @attrs.define
 class _SubtileLoop:
     """What every subtile of one tile's epilogue shares (built once per tile, read-only
-    in the subtile loop: nothing in it is carried from one subtile to the next)."""
+    in the subtile loop: nothing in it is carried from one subtile to the next): the
+    warpgroup's ``parts`` and this tile's context, visitor state, element coordinates,
+    TMA store partitions and schedule index."""
 
+    parts: _EpilogueParts
     tctx: TileContext
     vstate: object
     tile_ids: object
-    thr_coord: object
-    acc: object  # the accumulator, viewed by subtiles
-    acc_sub: object  # one subtile's accumulator registers
-    loads: list
-    stores: list
-    load_pipe: object
-    store_pipe: object
-    epi_bar: object
-    is_store_warp: object
-    tma_d: object
     bSG: list
-    first_buf: object
-    own_bufs: int
     t: object
 
 
@@ -808,22 +799,11 @@ class PingPongGemm(Producers, EpilogueIO):
         tctx = self._tile_ctx(parts, tm, tn, clocks, interior)
         vstate = self.visitor.begin_tile(tctx)
         sub = _SubtileLoop(
+            parts=parts,
             tctx=tctx,
             vstate=vstate,
             tile_ids=parts.ids[(None, None, tm, tn)],
-            thr_coord=parts.thr_coord,
-            acc=parts.acc,
-            acc_sub=parts.acc_sub,
-            loads=parts.loads,
-            stores=parts.stores,
-            load_pipe=parts.load_pipe,
-            store_pipe=store_pipe,
-            epi_bar=parts.epi_bar,
-            is_store_warp=is_store_warp,
-            tma_d=parts.tma_d,
             bSG=bSG,
-            first_buf=parts.first_buf,
-            own_bufs=parts.own_bufs,
             t=t,
         )
         # subtiles row-major within the tile (n fastest), by 64-row bands
@@ -865,7 +845,9 @@ class PingPongGemm(Producers, EpilogueIO):
     def _band_ctx(self, sub, sm: int) -> SubtileContext:
         """The context of band ``sm``'s first subtile (for the visitor's band hooks)."""
         cfg = self.config
-        coords = sub.thr_coord.partition_S(cute.local_tile(sub.tile_ids, cfg.epi_tile, (sm, 0)))
+        coords = sub.parts.thr_coord.partition_S(
+            cute.local_tile(sub.tile_ids, cfg.epi_tile, (sm, 0))
+        )
         return SubtileContext(tile=sub.tctx, subtile=(sm, 0), coords=coords)
 
     @cute.jit
@@ -882,16 +864,11 @@ class PingPongGemm(Producers, EpilogueIO):
         # A runtime buffer index (it varies with the tile): a static one lets the
         # compiler hoist every (output, buffer) smem address out of the persistent loop,
         # and those registers spill in heavy epilogues.
-        buf = sub.first_buf + (sub.t + s) % sub.own_bufs
-        # locals, not ``sub.x``: a method called on a name inside a runtime ``if`` makes
+        p = sub.parts
+        buf = p.first_buf + (sub.t + s) % p.own_bufs
+        # locals, not ``p.x``: a method called on a name inside a runtime ``if`` makes
         # the DSL carry that name through the branch
-        acc, acc_sub, store_pipe, tma_d, bSG = (
-            sub.acc,
-            sub.acc_sub,
-            sub.store_pipe,
-            sub.tma_d,
-            sub.bSG,
-        )
+        acc, acc_sub, store_pipe, tma_d, bSG = p.acc, p.acc_sub, p.store_pipe, p.tma_d, sub.bSG
         if const_expr(isinstance(sn, int)):
             cute.autovec_copy(acc[None, None, None, (sm, sn)], acc_sub)
         else:
@@ -901,26 +878,26 @@ class PingPongGemm(Producers, EpilogueIO):
                     cute.autovec_copy(acc[None, None, None, (sm, j)], acc_sub)
         loaded = []
         if const_expr(n_loads > 0):
-            sub.load_pipe.consumer_wait(lread)
+            p.load_pipe.consumer_wait(lread)
             for i in cutlass.range_constexpr(n_loads):
-                loaded.append(sub.loads[i](lread.index))
+                loaded.append(p.loads[i](lread.index))
             cute.arch.fence_view_async_shared()
-            self._release(sub.load_pipe, lread, 1)
+            self._release(p.load_pipe, lread, 1)
             lread.advance(2 if const_expr(self.cooperative) else 1)
-        coords = sub.thr_coord.partition_S(cute.local_tile(sub.tile_ids, cfg.epi_tile, (sm, sn)))
+        coords = p.thr_coord.partition_S(cute.local_tile(sub.tile_ids, cfg.epi_tile, (sm, sn)))
         ctx = SubtileContext(tile=sub.tctx, subtile=(sm, sn), coords=coords)
         outs = self.visitor.visit(ctx, acc_sub.load(), tuple(loaded), sub.vstate)
         if const_expr(n_stores > 0):
             for i in cutlass.range_constexpr(n_stores):
-                sub.stores[i].values.store(outs[i].to(self.store_dtypes[i]))
-            if sub.is_store_warp:
+                p.stores[i].values.store(outs[i].to(self.store_dtypes[i]))
+            if p.is_store_warp:
                 store_pipe.producer_acquire()
-            sub.epi_bar.arrive_and_wait()
+            p.epi_bar.arrive_and_wait()
             for i in cutlass.range_constexpr(n_stores):
-                sub.stores[i](buf)
+                p.stores[i](buf)
             cute.arch.fence_proxy("async.shared", space="cta")
-            sub.epi_bar.arrive_and_wait()
-            if sub.is_store_warp:
+            p.epi_bar.arrive_and_wait()
+            if p.is_store_warp:
                 for i in cutlass.range_constexpr(n_stores):
                     cute.copy(
                         tma_d[i],
