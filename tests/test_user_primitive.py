@@ -17,7 +17,7 @@ import torch
 from hypothesis import given, settings
 
 from _independent import evaluate, register
-from coda import Epilogue, Primitive, TileStore, ValueSpec, simulate
+from coda import Elementwise, Epilogue, Primitive, TileLoad, TileStore, ValueSpec, ops, simulate
 from coda.errors import KindError
 from coda.primitives import ReferenceEnv, Subtile, Tile
 from coda.specs import TensorSpec
@@ -166,3 +166,28 @@ def test_user_primitive_without_trace_cannot_be_fused():
         Clamp("c", "acc").trace(None, {}, None)
     epi = Epilogue().add(Clamp("c", "acc")).add(TileStore("c", torch.float32))
     assert "has no CuTeDSL trace" in unsupported(epi)
+
+
+def test_a_user_primitive_that_masks_edges_gets_the_interior_trace():
+    """``Primitive.masks_edges`` is how a user's primitive asks the kernel to trace the
+    tile epilogue apart for tiles inside M x N (``TileContext.interior``): False by
+    default, so a primitive that says nothing keeps one trace, masks and all."""
+    from coda.runtime.fused import FusedVisitor
+
+    @attrs.frozen
+    class MaskingClamp(Clamp):
+        def masks_edges(self, zero_outside: frozenset[str]) -> bool:
+            return self.of not in zero_outside
+
+    plain = Epilogue().add(Clamp("c", "acc"), TileStore("c", torch.float32))
+    assert not FusedVisitor(plain).splits_interior
+    masking = Epilogue().add(MaskingClamp("c", "acc"), TileStore("c", torch.float32))
+    # acc is 0 outside M x N: this primitive's own rule says no mask is needed there
+    assert not FusedVisitor(masking).splits_interior
+    over_load = Epilogue().add(
+        TileLoad("x", torch.bfloat16),
+        Elementwise("s", ops.sigmoid, ins=("x",)),  # 0.5 outside M x N
+        MaskingClamp("c", "s"),
+        TileStore("c", torch.float32),
+    )
+    assert FusedVisitor(over_load).splits_interior
