@@ -23,6 +23,8 @@ A primitive has four faces, one per stage of its life:
    visitor of the GEMM kernel, on register fragments of one subtile (see
    ``coda.primitives.tracing``). They sit next to the simulator hooks in every kind; the
    base ``trace`` raises ``NotImplementedError`` (a primitive without it cannot be fused).
+   ``masks_edges`` says whether ``trace`` masks elements outside M x N: the kernel then
+   traces the tile's epilogue apart for the tiles inside M x N, without the masks.
 """
 
 from __future__ import annotations
