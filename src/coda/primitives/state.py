@@ -199,7 +199,7 @@ class LogSumExp(StateTransition):
                 if len(members) <= LSE_FAST_RESCALE_TERMS:
                     total = total + old[1] * cm.exp_diff(old[0], base)
                 else:
-                    total = total + old[1] * tracing.exp(old[0] - base)
+                    total = total + old[1] * cm.exp(old[0] - base)
             band.put(r, (new_m, total))
 
     rollable = True

@@ -205,7 +205,7 @@ class TileReduce(Primitive):
         if self.op == "sumsq":
             x = x * x
         op = "max" if self.op == "max" else "sum"
-        if op == "sum" and self.of in ctx.tile.zero_outside:
+        if not self.masks_edges(ctx.tile.zero_outside):
             # 0 outside M x N already (the sum's identity): no per-element bounds mask
             vals = tracing.to_rmem(x, v.layout)
         else:

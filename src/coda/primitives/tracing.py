@@ -420,10 +420,6 @@ def _write_rows(ctx: TraceSubtile, rows, names: tuple[str, ...]) -> None:
             write_row_partial(out, row, tn, v, m, live)
 
 
-def exp(x):
-    return cute.math.exp(x)
-
-
 @cute.jit
 def finite_or_zero(m):
     """``m`` unless it is -inf (a row with no in-bounds element yet), else 0."""
