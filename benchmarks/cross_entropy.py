@@ -32,6 +32,9 @@ saved for backward, for "fwd+bwd" the gradients).
   (``STATS_PASS="map"``), or the statistics in the logits GEMM's epilogue at every H
   (``STATS_PASS="epilogue"``;
   the default takes the map pass from H = ``ce_fused.STATS_MAP_MIN_K`` on).
+* coda_map_grad: coda with the logits stored and the gradient's map pass over them
+  (``GRAD_PASS="map"``) instead of the shifted softmax (R = exp(z - c) stored by the
+  logits GEMM, no M x V pass between the GEMMs).
 * eager: ``F.cross_entropy((h @ W.T).float(), t)``, Hugging Face's formulation.
 * compile: ``torch.compile`` of the same function.
 * liger: Liger-Kernel's ``LigerFusedLinearCrossEntropyLoss`` (``liger-kernel``).
@@ -79,6 +82,7 @@ EXTRA = (
     "coda_stats_epilogue",
     "coda_coop_dh",
     "coda_coop_dh_dw",
+    "coda_map_grad",
 )
 
 
@@ -107,6 +111,9 @@ KNOBS = {
     "coda_stats_map": {"STATS_PASS": "map"},
     # ... or always in the logits GEMM's epilogue (the default below STATS_MAP_MIN_K)
     "coda_stats_epilogue": {"STATS_PASS": "epilogue"},
+    # the logits stored and the gradient's map pass over them (the default before the
+    # shifted softmax, and still the path of bias / softcap / smoothing / rstd gradients)
+    "coda_map_grad": {"GRAD_PASS": "map"},
 }
 
 

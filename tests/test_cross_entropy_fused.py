@@ -97,13 +97,20 @@ def _inputs(M=20, H=16, V=43, grad=(True, True, False, False)):
     return tensors, target
 
 
-def _fused_counts(chunks, dh=True, dW=True, defer=True):
+def _fused_counts(chunks, dh=True, dW=True, defer=True, shifted=False):
     """The forward's calls: per row chunk the logits GEMM (``run_epilogue``) and the map
     pass; the dh and dW GEMMs (``matmul``) of every chunk but the last (of the one
     chunk too when the last chunk's are not deferred: ``ce_fused.DEFER_ONE_CHUNK``
-    off)."""
+    off). ``shifted`` (``ce_fused.GRAD_PASS``): no map pass, and dh a GEMM with its row
+    factor in the epilogue (``run_epilogue``)."""
+    early = chunks - 1 if chunks > 1 or defer else 1
+    if shifted:
+        out = {"fused.run_epilogue": chunks + dh * early}
+        if dW * early:
+            out["fused.matmul"] = dW * early
+        return out
     out = {"fused.run_epilogue": chunks, "fused.run_map": chunks}
-    gemms = (dh + dW) * (chunks - 1 if chunks > 1 or defer else 1)
+    gemms = (dh + dW) * early
     if gemms:
         out["fused.matmul"] = gemms
     return out
@@ -118,17 +125,20 @@ def _backward_counts(chunks, dh=True, dW=True, defer=True):
     return {"fused.run_epilogue": n} if n else {}
 
 
-def test_automatic_choice_runs_the_gradients_in_the_forward(monkeypatch):
+@pytest.mark.parametrize("grad_pass", ["shifted", "map"])
+def test_automatic_choice_runs_the_gradients_in_the_forward(monkeypatch, grad_pass):
     """Grad mode, h and W requiring grad, a mean loss: per row chunk of 8 rows (3 chunks
-    of M = 20) the logits GEMM + epilogue and the map pass, the dh and dW GEMMs of the
-    first two chunks: 3 logits-sized GEMMs per chunk in all, the last chunk's dh and dW
-    in the backward. With one chunk of 64 rows, the same: the logits GEMM and the map
-    pass in the forward, dh and dW in the backward."""
+    of M = 20) the logits GEMM + epilogue (and with ``GRAD_PASS = "map"`` the map pass),
+    the dh and dW GEMMs of the first two chunks: 3 logits-sized GEMMs per chunk in all,
+    the last chunk's dh and dW in the backward. With one chunk of 64 rows, the same: the
+    logits GEMM (and the map pass) in the forward, dh and dW in the backward."""
+    assert ce_fused.GRAD_PASS == "shifted"  # the default
+    monkeypatch.setattr(ce_fused, "GRAD_PASS", grad_pass)
     for rows, chunks in ((8, 3), (64, 1)):
         calls = Calls(monkeypatch)
         (h, W, b, r), target = _inputs()
         loss = linear_cross_entropy(h, W, target, chunk_rows=rows)
-        assert calls.take() == _fused_counts(chunks)
+        assert calls.take() == _fused_counts(chunks, shifted=grad_pass == "shifted")
         loss.backward()
         assert calls.take() == _backward_counts(chunks)
         assert h.grad is not None and W.grad is not None
@@ -234,8 +244,10 @@ def test_many_row_chunks_round_dW_once(V, monkeypatch):
         hl, Wl = leaves((h, W), BF16)
         loss = linear_cross_entropy(hl, Wl, target, reduction="sum", chunk_rows=rows)
         grads.append(torch.autograd.grad(loss, Wl)[0])
-        if rows == 1:  # the forward's 40 logits GEMMs, the backward's dh and dW GEMMs
-            assert calls.take()["fused.run_epilogue"] == M + 2
+        if rows == 1:  # the forward's 40 logits GEMMs (and on the shifted path the dh
+            # GEMMs of 39 of them, row factors in their epilogue), the backward's dh and dW
+            shifted = (M - 1) * (ce_fused.GRAD_PASS == "shifted")
+            assert calls.take()["fused.run_epilogue"] == M + 2 + shifted
         else:
             calls.take()
     one, many = grads

@@ -103,6 +103,8 @@ PATHS = {
     "recompute_chunked": dict(grad_in_forward=False, chunk_size=4096),
     "fused": dict(grad_in_forward=True),
     "fused_rows128": dict(grad_in_forward=True, chunk_rows=128),  # 2 to 8 row chunks
+    # the gradient's map pass where the default takes the shifted softmax (GRAD_PASS)
+    "fused_map": dict(grad_in_forward=True, chunk_rows=128, grad_pass="map"),
     "fused_acc32": dict(grad_in_forward=True, chunk_rows=128, acc_dtype=torch.float32),
 }
 
@@ -131,8 +133,12 @@ def test_matches_float64_no_worse_than_eager_bf16(name, shape, path, monkeypatch
     if fused and opts.get("reduction") == "none":
         pytest.skip("per-row losses run the recompute path only")
     monkeypatch.setattr(ce_fused, "ACC_STORE_DTYPE", kwargs.pop("acc_dtype", None))
+    monkeypatch.setattr(ce_fused, "GRAD_PASS", kwargs.pop("grad_pass", "shifted"))
     passes = MapPasses(monkeypatch)
     bias, rstd = opts.pop("bias", False), opts.pop("rstd", False)
+    shifted = fused and ce_fused.shifted_ok(
+        BF16, bias, opts.get("softcap"), opts.get("label_smoothing", 0.0), True, True, rstd
+    )
     M, H, V = shape
     tensors = inputs(M, H, V, seed=M + V, bias=bias, rstd=rstd)
     target = tensors[-1]
@@ -141,7 +147,7 @@ def test_matches_float64_no_worse_than_eager_bf16(name, shape, path, monkeypatch
     if opts.get("reduction") == "none":
         upstream = torch.randn(M, device="cuda")
     ours = grads_of(_coda, tensors, target, BF16, upstream, **kwargs, **opts)
-    chunks = -(-M // kwargs.get("chunk_rows", M)) if fused else 0
+    chunks = -(-M // kwargs.get("chunk_rows", M)) if fused and not shifted else 0
     assert passes.n == chunks, (passes.n, chunks)  # the path asked for is the one that ran
     truth = grads_of(textbook, tensors, target, F64, upstream, **opts)
     eager = grads_of(textbook, tensors, target, BF16, upstream, **opts)
@@ -203,6 +209,36 @@ def test_stats_map_pass_option(monkeypatch):
                    **opts)  # fmt: skip
     assert passes.n == 8
     _assert_like(got, default, truth, eager, "default")
+
+
+@pytest.mark.parametrize("stats_pass", ["epilogue", "map"])
+def test_shifted_softmax_ragged_vocab(monkeypatch, stats_pass):
+    """The shifted softmax (``ce_fused.GRAD_PASS``, the default without bias, softcap,
+    smoothing or an rstd gradient) on V = 50257 (a 1-column tail whose targets the torch
+    side handles) with z-loss, 1000 rows in chunks of 256, its statistics and R in the
+    logits GEMM's epilogue or (``STATS_PASS = "map"``) in one map pass over the plain
+    GEMM's stored acc: loss and gradients against float64 by the 2 x eager rule, and as
+    close to float64 as the gradient's map pass (``GRAD_PASS = "map"``)."""
+    M, H, V = 1000, 256, 50257
+    opts = dict(z_loss=1e-4)
+    tensors = inputs(M, H, V, seed=11)
+    target, tensors = tensors[-1], tensors[:-1]
+    target[::7] = V - 1  # the tail column
+    truth = grads_of(textbook, tensors, target, F64, None, **opts)
+    eager = grads_of(textbook, tensors, target, BF16, None, **opts)
+    monkeypatch.setattr(ce_fused, "GRAD_PASS", "map")
+    mapped = grads_of(_coda, tensors, target, BF16, None, grad_in_forward=True, chunk_rows=256,
+                      **opts)  # fmt: skip
+    monkeypatch.setattr(ce_fused, "GRAD_PASS", "shifted")
+    monkeypatch.setattr(ce_fused, "STATS_PASS", stats_pass)
+    passes = MapPasses(monkeypatch)
+    got = grads_of(_coda, tensors, target, BF16, None, grad_in_forward=True, chunk_rows=256,
+                   **opts)  # fmt: skip
+    assert passes.n == (4 if stats_pass == "map" else 0)
+    for n, a, b, t, e in zip(["loss", "dh", "dW"], got, mapped, truth, eager, strict=True):
+        assert torch.isfinite(a).all(), n
+        assert_close_to_reference(a, t, name=n, baseline=e, atol=1e-3, floor=1e-3)
+        assert_close_to_reference(a, t, name=f"{n} vs map", baseline=b, atol=1e-4, floor=1e-3)
 
 
 @pytest.mark.parametrize("grad_in_forward", [False, True])

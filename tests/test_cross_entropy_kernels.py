@@ -4,7 +4,8 @@ PingPong GEMM and compile for sm_90a; in the config ``epi(A, B)`` picks for them
 (``epilogue_choice``: 128 x 128 tiles unless those spill) the SASS runs the GEMM on HGMMA
 with no local memory (LDL/STL), and the default loss's kernels keep 128 x 128 tiles (on
 both paths: recompute, and gradient-in-forward with its stored acc, map pass, and the last
-row chunk's dW GEMM on transposed operands adding the fp32 sum of the other chunks).
+row chunk's dW GEMM on transposed operands adding the fp32 sum of the other chunks; and
+the shifted softmax's store, map and row-scaled dh kernels).
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from coda.fusions.ce_epilogues import (
     grad_epilogue,
     grad_map_epilogue,
     scaled_total_epilogue,
+    shifted_map_epilogue,
+    shifted_store_epilogue,
     stats_epilogue,
     stats_map_epilogue,
     stats_store_epilogue,
@@ -83,6 +86,18 @@ KERNELS = {
         ("m", "n"),
     ),
     "scaled_dh": (scaled_total_epilogue(bf16, False), True, (2048, 2048, 128256), ("k", "n")),
+    # the shifted softmax (``ce_fused.GRAD_PASS``): the logits GEMM storing R = exp(z - c)
+    # beside lse and zt (with the deferred RMSNorm's rstd too), its map variant over a
+    # stored acc, and dh = g * (sr * R @ W[:V'] + the tail's fp32 part)
+    "shifted_store": (shifted_store_epilogue(bf16, False), True),
+    "shifted_store_rstd": (shifted_store_epilogue(bf16, True), True),
+    "shifted_map": (shifted_map_epilogue(bf16, bf16, True), True, (16384, 8192, MAP_K)),
+    "row_scaled_dh": (
+        scaled_total_epilogue(bf16, True, True),
+        True,
+        (2048, 2048, 128256),
+        ("k", "n"),
+    ),
     # OneHot at width 1/2 (pairs across lanes) feeding a row and a column reduction
     "onehot_half": (
         Epilogue().add(

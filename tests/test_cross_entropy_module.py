@@ -93,6 +93,9 @@ def test_grad_in_forward_passes_through(monkeypatch):
     calls = []
     real = ce_fused.run_map
     monkeypatch.setattr(ce_fused, "run_map", lambda *a, **k: calls.append(1) or real(*a, **k))
+    # the map pass marks the path (one per row chunk); the default shifted softmax
+    # (``ce_fused.GRAD_PASS``) runs none
+    monkeypatch.setattr(ce_fused, "GRAD_PASS", "map")
     x, W, _, labels = _data(3)
     results = []
     for flag, runs in ((None, 4), (True, 4), (False, 0)):

@@ -35,6 +35,19 @@ dW GEMMs scale acc (plus, for dW over several row chunks, the fp32 sum of the ea
 chunks, a ``TileLoad`` of ``PARTIAL_SUM``) by the loss's upstream gradient and store the
 total rounded once to the gradient's dtype.
 
+**Shifted softmax** (``ce_fused``'s default where the options allow: no bias, softcap or
+label smoothing): ``shifted_store_epilogue`` stores, in place of the logits, their
+exponentials against a per-row shift c known before the GEMM (``SHIFT``: the target's
+logit plus a margin, from a dot product per row),
+
+    R = exp(min(z - c, ``SHIFT_CLAMP``))                          (``SHIFTED``)
+
+beside the exact lse and zt of z. The softmax exp(z - lse) = R * exp(c - lse) is then R
+times a per-row factor, so the gradient's M x V pass over the stored logits disappears:
+the dh GEMM scales its rows in its epilogue and the dW GEMM's other operand carries the
+factor (``ce_fused``). ``shifted_map_epilogue`` is the same over a stored acc (``run_map``,
+written in place).
+
 **The padded tail** (recompute path; the gradient-in-forward path computes the V mod 8
 tail columns in torch). TMA moves M x N tiles in rows of 16 bytes, so every chunk is a
 multiple of 8 columns; the last V mod 8 columns run as an 8-column chunk over a
@@ -73,6 +86,10 @@ from coda.primitives import math as cm
 __all__ = [
     "GRAD_SCALE",
     "PARTIAL_SUM",
+    "ROW_SCALE",
+    "SHIFT",
+    "SHIFTED",
+    "SHIFT_CLAMP",
     "STORED_ACC",
     "TOTAL",
     "RoundTo",
@@ -81,6 +98,9 @@ __all__ = [
     "scaled_total_epilogue",
     "grad_epilogue",
     "grad_map_epilogue",
+    "shifted_exp",
+    "shifted_map_epilogue",
+    "shifted_store_epilogue",
     "stats_epilogue",
     "stats_map_epilogue",
     "stats_store_epilogue",
@@ -97,6 +117,14 @@ PARTIAL_SUM = "partial_sum"
 GRAD_SCALE = "grad_scale"
 #: name of ``scaled_total_epilogue``'s output: (acc + partial sum) * scale, output dtype
 TOTAL = "total"
+#: name of ``scaled_total_epilogue``'s optional fp32 row vector scaling acc
+ROW_SCALE = "row_scale"
+#: name of the per-row shift c (fp32) of ``shifted_store_epilogue``
+SHIFT = "shift"
+#: name of the stored exp(min(z - c, SHIFT_CLAMP))
+SHIFTED = "shifted"
+#: largest exponent of R: exp(64) * V * |W| stays far inside fp32 in the GEMMs that read R
+SHIFT_CLAMP = 64.0
 
 
 @attrs.frozen
@@ -243,6 +271,42 @@ def _grad(
     return Epilogue(prims)
 
 
+def shifted_exp(z: Any, c: Any) -> Any:
+    """exp(min(z - c, SHIFT_CLAMP)): the softmax numerator against the row shift c."""
+    return cm.exp_fast(cm.minimum(z - c, SHIFT_CLAMP))
+
+
+def _shifted(rstd: bool, out_dtype: torch.dtype, src: str) -> list:
+    """z from ``src``, its exact lse and zt, and R = ``shifted_exp(z, SHIFT)`` stored as
+    ``SHIFTED``."""
+    prims, z = _logits(None, rstd, None, src)
+    prims.append(LogSumExp("lse", of=z))
+    prims.append(
+        TargetSelect("zt", of=z, target="tloc", ignore_index=-1, target_dtype=TARGET_DTYPE)
+    )
+    prims.append(VecLoad(SHIFT, per="row", dtype=F32))
+    prims.append(Elementwise("r", shifted_exp, ins=(z, SHIFT)))
+    prims.append(TileStore("r", out_dtype, name=SHIFTED))
+    return prims
+
+
+@functools.cache
+def shifted_store_epilogue(out_dtype: torch.dtype, rstd: bool) -> Epilogue:
+    """The shifted-softmax forward after the logits GEMM (see the module doc): outputs
+    ``lse`` and ``zt`` of z = (rstd *) acc, exact from the fp32 acc; stores
+    ``SHIFTED`` = exp(min(z - c, ``SHIFT_CLAMP``)) in ``out_dtype``. Inputs ``tloc``,
+    ``SHIFT`` (fp32 per row) and, with ``rstd``, ``rstd``."""
+    return Epilogue(_shifted(rstd, out_dtype, "acc"))
+
+
+@functools.cache
+def shifted_map_epilogue(acc_dtype: torch.dtype, out_dtype: torch.dtype, rstd: bool) -> Epilogue:
+    """``shifted_store_epilogue`` without a GEMM (``run_map``) over the acc a plain GEMM
+    stored (``STORED_ACC``, ``acc_dtype``): the statistics of exactly those stored values
+    and R written over them in place when the dtypes agree. Reads no ``acc``."""
+    return Epilogue([TileLoad(STORED_ACC, acc_dtype), *_shifted(rstd, out_dtype, STORED_ACC)])
+
+
 @functools.cache
 def stats_epilogue(
     bias_dtype: torch.dtype | None,
@@ -333,19 +397,29 @@ def grad_map_epilogue(
 
 
 @functools.cache
-def scaled_total_epilogue(out_dtype: torch.dtype, partial: bool) -> Epilogue:
-    """``TOTAL`` = ``GRAD_SCALE`` * (acc [+ ``PARTIAL_SUM``, an fp32 M x N input]),
-    rounded once to ``out_dtype``; ``GRAD_SCALE`` is an fp32 column vector (the loss's
-    upstream gradient, broadcast). The backward GEMMs of the gradient-in-forward path's
-    last row chunk: dh of its rows (``PARTIAL_SUM``: the V mod 8 tail's fp32 product) and
-    dW (``PARTIAL_SUM``: the earlier chunks' fp32 sum), written scaled and in their
-    dtypes, with no cast or scaling pass."""
+def scaled_total_epilogue(
+    out_dtype: torch.dtype, partial: bool, row_scale: bool = False
+) -> Epilogue:
+    """``TOTAL`` = ``GRAD_SCALE`` * ([``ROW_SCALE`` *] acc [+ ``PARTIAL_SUM``, an fp32
+    M x N input]), rounded once to ``out_dtype``; ``GRAD_SCALE`` is an fp32 column vector
+    (the loss's upstream gradient, broadcast), ``ROW_SCALE`` an fp32 row vector (the
+    shifted softmax's per-row factor). The backward GEMMs of the gradient-in-forward
+    path's last row chunk: dh of its rows (``PARTIAL_SUM``: the V mod 8 tail's fp32
+    product) and dW (``PARTIAL_SUM``: the earlier chunks' fp32 sum), written scaled and
+    in their dtypes, with no cast or scaling pass; with ``row_scale`` also the shifted
+    path's dh of every row chunk."""
     prims: list = [VecLoad(GRAD_SCALE, per="col", dtype=F32)]
     src = "acc"
+    if row_scale:
+        prims += [
+            VecLoad(ROW_SCALE, per="row", dtype=F32),
+            Elementwise("row_scaled", ops.mul, ins=("acc", ROW_SCALE)),
+        ]
+        src = "row_scaled"
     if partial:
         prims += [
             TileLoad(PARTIAL_SUM, F32),
-            Elementwise("unscaled", ops.add, ins=("acc", PARTIAL_SUM)),
+            Elementwise("unscaled", ops.add, ins=(src, PARTIAL_SUM)),
         ]
         src = "unscaled"
     prims += [

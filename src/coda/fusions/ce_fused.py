@@ -73,17 +73,32 @@ from coda.fusions._dispatch import matmul, run_epilogue, run_map
 from coda.fusions.ce_epilogues import (
     GRAD_SCALE,
     PARTIAL_SUM,
+    ROW_SCALE,
+    SHIFT,
+    SHIFT_CLAMP,
+    SHIFTED,
     STORED_ACC,
     TOTAL,
     grad_map_epilogue,
     scaled_total_epilogue,
+    shifted_map_epilogue,
+    shifted_store_epilogue,
     stats_map_epilogue,
     stats_store_epilogue,
 )
 from coda.fusions.ce_operands import check_operands, check_targets, local_targets
 from coda.mainloop.config import GemmConfig, long_running
 
-__all__ = ["ACC_STORE_DTYPE", "STATS_PASS", "lce_fused_finish", "lce_fused_loss", "stats_by_map"]
+__all__ = [
+    "ACC_STORE_DTYPE",
+    "GRAD_PASS",
+    "SHIFT_MARGIN",
+    "STATS_PASS",
+    "lce_fused_finish",
+    "lce_fused_loss",
+    "shifted_ok",
+    "stats_by_map",
+]
 
 F32 = torch.float32
 
@@ -146,6 +161,23 @@ DEFER_ONE_CHUNK: bool = True
 #: (h's dtype) buffer for dlogits. Read at call time.
 ACC_STORE_DTYPE: torch.dtype | None = None
 
+#: How the gradient's softmax reaches the dh and dW GEMMs. "shifted" (the default where
+#: ``shifted_ok``: no bias, softcap or label smoothing, the acc stored in h's dtype): the
+#: logits GEMM's epilogue stores R = exp(z - c) against a per-row shift c known before it
+#: (the target's logit + ``SHIFT_MARGIN``) instead of z, the softmax is R times a per-row
+#: factor, and no M x V pass runs between the GEMMs (see ``_Walk._shifted_grads``). "map":
+#: the logits stored, then the gradient map pass over them (the other options' path).
+#: Read at call time, by the op and its fake alike.
+GRAD_PASS: str = "shifted"
+#: c = z[target] + SHIFT_MARGIN. R's entries run from exp(-87) (fp32's smallest normal;
+#: below it they flush to 0) to exp(SHIFT_CLAMP): the softmax is exact for every entry
+#: with p >= exp(-(87 - SHIFT_MARGIN)) = e^-47 (those below are dropped: they add at
+#: most V e^-47 ~ 1e-15 of a row's gradient) in every row whose largest logit is within
+#: SHIFT_MARGIN + SHIFT_CLAMP = 104 of its target logit (a loss below ~104 nats on that
+#: row). Beyond that the largest logits' softmax weights saturate at exp(SHIFT_CLAMP)
+#: (equal, finite); the loss, lse and every other row stay exact.
+SHIFT_MARGIN: float = 40.0
+
 
 @attrs.frozen
 class _Spec:
@@ -164,6 +196,8 @@ class _Spec:
     need_dW: bool
     need_dbias: bool
     need_drstd: bool
+    #: the shifted-softmax gradient (``GRAD_PASS``, ``shifted_ok``)
+    shifted: bool = False
 
     @property
     def main(self) -> int:
@@ -186,6 +220,34 @@ class _Spec:
 
 
 # ---- per-row math shared by the fused columns and the tail -------------------------------
+
+
+def shifted_ok(
+    out_dtype: torch.dtype,
+    bias: bool,
+    softcap: float | None,
+    label_smoothing: float,
+    need_dh: bool,
+    need_dW: bool,
+    need_drstd: bool,
+) -> bool:
+    """Whether a fused loss with these options takes the shifted-softmax gradient
+    (``GRAD_PASS``): a GEMM needs dlogits, no bias (its gradient would be a column sum of
+    the softmax), no softcap (a per-element factor), no label smoothing, no rstd
+    gradient (its row sums of R * acc beside the statistics spill the 128 x 128 tile's
+    registers: 3 STL at sm_90a), and the acc stored in h's dtype (``ACC_STORE_DTYPE``
+    None or equal)."""
+    if GRAD_PASS not in ("shifted", "map"):
+        raise ValueError(f"ce_fused.GRAD_PASS must be 'shifted' or 'map'; got {GRAD_PASS!r}")
+    return (
+        GRAD_PASS == "shifted"
+        and (need_dh or need_dW)
+        and not bias
+        and softcap is None
+        and not label_smoothing
+        and not need_drstd
+        and ACC_STORE_DTYPE in (None, out_dtype)
+    )
 
 
 def _row_losses(spec: _Spec, lse, zt, zsum, valid) -> torch.Tensor:
@@ -283,7 +345,8 @@ class _Walk:
         self.defer = self.several or DEFER_ONE_CHUNK
         self._allocate(M, H, W.shape[0])
         self.bufs = self._buffers(min(rows, M))
-        self.last: tuple = (None, None)
+        self.last: tuple = (None, None, None)
+        self.ones = torch.ones(H, dtype=F32, device=h.device) if spec.shifted else None
 
     def _allocate(self, M: int, H: int, V: int) -> None:
         """The per-row losses and the gradients asked for: dh of the rows before the last
@@ -312,7 +375,7 @@ class _Walk:
         return row_buffers(m, spec.main, spec.acc_dtype, spec.out_dtype, spec.store, self.h.device)
 
     def run(self) -> list[torch.Tensor | None]:
-        """[loss, dh, dW, dbias, drstd, dl_last, dl_tail] as ``lce_fused_loss`` returns
+        """[loss, dh, dW, dbias, drstd, dl_last, dl_tail, dl_scale] as ``lce_fused_loss`` returns
         them (dh and dW the partial ones when the last chunk is deferred; None: not
         made)."""
         for i, (r0, r1) in enumerate(self.plan):
@@ -329,6 +392,9 @@ class _Walk:
         r_c = None if self.rstd is None else self.rstd[r0:r1]
         tloc = local_targets(t_c, valid_c, 0, spec.main)
         hf = h_c.float() if spec.tail else None
+        if spec.shifted and spec.main:
+            self._shifted_chunk(i, r0, r1, h_c, t_c, valid_c, tloc, r_c, hf)
+            return
         stats, acc = self._main_stats(h_c, tloc, r_c, r1 - r0) if spec.main else (None, None)
         tail = _tail(spec, hf, self.W_tail, self.b_tail, r_c, t_c, valid_c) if spec.tail else None
         lse, zt, zsum = _merge(stats, None if tail is None else tail.stats())
@@ -343,12 +409,93 @@ class _Walk:
         if not spec.store:
             return
         if self.defer and i == len(self.plan) - 1:  # lce_fused_finish's GEMMs read these
-            self.last = (dl, dl_t)
+            self.last = (dl, dl_t, None)
             return
         if spec.need_dh:
             self._dh(r0, r1, dl, dl_t)
         if spec.need_dW:
             self._dW(i, hf, h_c, dl, dl_t)
+
+    # ---- the shifted-softmax chunk (GRAD_PASS "shifted") -----------------------------------
+    def _shifted_chunk(self, i, r0, r1, h_c, t_c, valid_c, tloc, r_c, hf) -> None:
+        """One row chunk with the softmax left as R = exp(z - c) times a per-row factor:
+        statistics and R from the logits GEMM (or its stored acc, ``stats_by_map``); the
+        row losses; the factor sr = dL/dacc / R; the target's entry of R set to its whole
+        gradient over sr; dh = sr * (R @ W) and dW (+)= R.T @ (sr * h) (see the module
+        doc), or those left to ``lce_fused_finish`` for the last chunk."""
+        spec, m = self.spec, r1 - r0
+        shift = self._shift(h_c, t_c, valid_c, r_c)
+        out = self._shifted_stats(h_c, tloc, r_c, shift, m)
+        R = out[SHIFTED]
+        tail = _tail(spec, hf, self.W_tail, None, r_c, t_c, valid_c) if spec.tail else None
+        lse, zt, _ = _merge((out["lse"], out["zt"], None), None if tail is None else tail.stats())
+        self.row_loss[r0:r1] = _row_losses(spec, lse, zt, None, valid_c)
+        ga, gt, _ = _coefficients(spec, lse, valid_c, self.inv)
+        # s = dL/dz / R on the fused columns (0 on ignored rows), sr = dL/dacc / R
+        s = torch.where(valid_c, ga * torch.exp(torch.clamp(shift - lse, max=80.0)), 0.0)
+        sr = s if r_c is None else s * r_c
+        self._patch_target(R, tloc, valid_c, ga, gt, out["zt"], lse, shift)
+        dl_t = None
+        if tail is not None:
+            dl_t = self._tail_grads(tail, lse, ga, gt, None, r_c, r0, r1)
+        if self.defer and i == len(self.plan) - 1:  # lce_fused_finish's GEMMs read these
+            self.last = (R, dl_t, sr)
+            return
+        if spec.need_dh:
+            partial = None if dl_t is None else dl_t @ self.W_tail.float()
+            _scaled_gemm(self.dh[r0:r1], R, self.W_main.t(), self.ones, partial, sr, CHUNK_DH_TILES)
+        if spec.need_dW:
+            self._dW(i, hf, _row_scaled(h_c, sr), R, dl_t)
+
+    def _shift(self, h_c, t_c, valid_c, r_c) -> torch.Tensor:
+        """c = z[target] + ``SHIFT_MARGIN`` per row (``SHIFT_MARGIN`` on ignored rows):
+        one dot product of h with its target's weight row, in h's dtype (c needs no more
+        than a few nats of accuracy: R is exact for any c in its window), over slices of
+        ``SLICE_ROWS`` rows (the gathered weight rows are a slice's temporary)."""
+        V = self.W.shape[0]
+        ok = valid_c & (t_c >= 0) & (t_c < V)
+        index = torch.where(ok, t_c, 0)
+        zt = torch.empty(h_c.shape[0], dtype=F32, device=h_c.device)
+        for a, b in ce_chunks.row_chunks(h_c.shape[0], SLICE_ROWS):
+            rows = self.W.index_select(0, index[a:b])
+            zt[a:b] = torch.bmm(h_c[a:b].unsqueeze(1), rows.unsqueeze(2)).view(-1)
+        if r_c is not None:
+            zt = zt * r_c
+        return torch.where(ok, zt, 0.0) + SHIFT_MARGIN
+
+    def _shifted_stats(self, h_c, tloc, r_c, shift, m: int) -> dict:
+        """lse, zt, R (and RACC) of the fused columns: the logits GEMM's epilogue, or
+        (``stats_by_map``) the plain GEMM's stored acc and one map pass writing R over it."""
+        spec = self.spec
+        vec = {SHIFT: shift, **self._vectors(r_c)}
+        if stats_by_map(m, spec.main, self.h.shape[1]):
+            bufs = self._out(STORED_ACC, 0, m)
+            if bufs is None:  # CPU: the reference returns new tensors
+                acc = matmul(h_c, self.W_main, out_dtype=spec.acc_dtype)
+            else:
+                acc = matmul(h_c, self.W_main, out=bufs[STORED_ACC])
+            epi = shifted_map_epilogue(spec.acc_dtype, spec.out_dtype, spec.rstd)
+            outputs = None if bufs is None else {SHIFTED: acc}
+            return run_map(
+                epi, m, spec.main, self.h, outputs, **{STORED_ACC: acc}, tloc=tloc, **vec
+            )
+        epi = shifted_store_epilogue(spec.out_dtype, spec.rstd)
+        return run_epilogue(epi, h_c, self.W_main, self._out(SHIFTED, 0, m), tloc=tloc, **vec)
+
+    @staticmethod
+    def _patch_target(R, tloc, valid_c, ga, gt, zt_main, lse, shift) -> None:
+        """R[row, target] = the target column's whole gradient over the row's factor s
+        = ga exp(c - lse): (ga p_t + gt) / s = exp(lse - c) (expm1(zt - lse) + 1 + gt / ga),
+        exact in fp32 where p_t - 1 would cancel in R's dtype (rows whose target is on the
+        fused columns; exp(lse - c) capped as R is)."""
+        hit = valid_c & (tloc >= 0)
+        q = torch.where(ga != 0, 1.0 + gt / torch.where(ga != 0, ga, 1.0), 0.0)
+        value = torch.exp(torch.clamp(lse - shift, max=SHIFT_CLAMP)) * (
+            torch.expm1(zt_main - lse) + q
+        )
+        flat = R.view(-1)
+        index = torch.arange(R.shape[0], device=R.device) * R.shape[1] + torch.where(hit, tloc, 0)
+        flat[index] = torch.where(hit, value, flat[index].float()).to(R.dtype)
 
     def _main_stats(self, h_c, tloc, r_c, m: int):
         """Step 1: ((lse, zt, zsum), stored acc) of the fused columns."""
@@ -423,7 +570,8 @@ class _Walk:
         """Step 5 of a chunk not deferred: dW = dlogits.T @ h_c in W's dtype with one row
         chunk (``DEFER_ONE_CHUNK`` off); with several, the fp32 dW sum (+)= it (the first
         chunk writes, the next ones add; the backward adds the last chunk's and rounds
-        once)."""
+        once). The shifted path passes ``h_c`` = sr * h (the GEMM's operand); the tail's
+        fp32 dlogits then multiply ``hf`` (the chunk's h in fp32) all the same."""
         main = self.spec.main
         if self.dW32 is None:
             if dl is not None:
@@ -491,13 +639,17 @@ def _last_chunk(M, rows: int) -> tuple[bool, int]:
     return True, M - ((M - 1) // rows) * rows
 
 
-def _outputs_like(h, W, bias, rstd, rows: int, need: tuple[bool, ...]) -> list:
+def _outputs_like(
+    h, W, bias, rstd, rows: int, need: tuple[bool, ...], shifted: bool = False
+) -> list:
     """Empty tensors of the op's outputs, shape (0,) where not made: the 0-dim fp32
     loss; dh_part (rows before the last chunk, H) in h's dtype; with several row chunks
     the fp32 dW_part (V, H) of the chunks before the last; dbias (V,) in bias's dtype,
     fp32 drstd (M,); when dh or dW is asked for, the last chunk's dlogits (m_last, V') in
-    h's dtype and its tail's fp32 (m_last, V mod 8). With the last chunk not deferred
-    (one chunk, ``DEFER_ONE_CHUNK`` off): dh (M, H) and dW (V, H) whole, no dlogits."""
+    h's dtype and its tail's fp32 (m_last, V mod 8), and on the ``shifted`` path the
+    fp32 row factor (m_last,) of the last chunk's R (its dlogits are R times it). With
+    the last chunk not deferred (one chunk, ``DEFER_ONE_CHUNK`` off): dh (M, H) and dW
+    (V, H) whole, no dlogits."""
     need_dh, need_dW, need_dbias, need_drstd = need
     M, H = h.shape
     V = W.shape[0]
@@ -517,6 +669,7 @@ def _outputs_like(h, W, bias, rstd, rows: int, need: tuple[bool, ...]) -> list:
         h.new_empty((M,) if need_drstd else (0,), dtype=F32),
         h.new_empty((m_last, main) if last and main else (0,)),
         h.new_empty((m_last, V - main) if last and V - main else (0,), dtype=F32),
+        h.new_empty((m_last,) if last and main and shifted else (0,), dtype=F32),
     ]
 
 
@@ -540,14 +693,15 @@ def lce_fused_loss(
     need_drstd: bool,
 ) -> tuple[
     torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-    torch.Tensor,
+    torch.Tensor, torch.Tensor,
 ]:  # fmt: skip
-    """(loss, dh, dW, dbias, drstd, dl_last, dl_tail): the fp32 scalar loss
+    """(loss, dh, dW, dbias, drstd, dl_last, dl_tail, dl_scale): the fp32 scalar loss
     sum_rows(row loss) / ``denom`` (a 0-dim fp32 tensor: the valid-row count, 1, or
     num_items_in_batch) of the logits softcap(rstd * h @ W.T + bias), and its gradients
     for an upstream gradient of 1: dbias (bias's dtype) and drstd (fp32); dh of the rows
     before the last chunk, with several chunks the fp32 dW sum of the chunks before the
-    last, and the last chunk's dlogits (h's dtype; the V mod 8 tail's in fp32), which
+    last, and the last chunk's dlogits (h's dtype; the V mod 8 tail's in fp32; on the
+    shifted path (``GRAD_PASS``) R and its fp32 row factor ``dl_scale``), which
     ``lce_fused_finish`` turns into dh and dW (with ``DEFER_ONE_CHUNK`` off and one row
     chunk: dh and dW whole in h's and W's dtypes, dl_last and dl_tail empty). Each is
     shape (0,) where not asked for (``need_*``). ``chunk_rows``: rows per chunk, 0 for
@@ -558,10 +712,14 @@ def lce_fused_loss(
     if check or not h.is_cuda:
         check_targets(target, V, ignore_index)
     acc_dtype = ACC_STORE_DTYPE or h.dtype
+    need_drstd = rstd is not None and need_drstd
+    shifted = shifted_ok(
+        h.dtype, bias is not None, softcap, label_smoothing, need_dh, need_dW, need_drstd
+    )
     spec = _Spec(
         V, acc_dtype, h.dtype, ignore_index, softcap, float(label_smoothing), float(z_loss),
         None if bias is None else bias.dtype, rstd is not None,
-        need_dh, need_dW, bias is not None and need_dbias, rstd is not None and need_drstd,
+        need_dh, need_dW, bias is not None and need_dbias, need_drstd, shifted,
     )  # fmt: skip
     rows = _chunk_rows(h, W, chunk_rows, need_dW)
     denom = denom.to(device=h.device, dtype=F32)
@@ -577,25 +735,45 @@ def _(
 ):  # fmt: skip
     need = (need_dh, need_dW, bias is not None and need_dbias, rstd is not None and need_drstd)
     rows = _chunk_rows(h, W, chunk_rows, need_dW)
-    return tuple(_outputs_like(h, W, bias, rstd, rows, need))
+    shifted = shifted_ok(h.dtype, bias is not None, softcap, label_smoothing, *need[:2], need[3])
+    return tuple(_outputs_like(h, W, bias, rstd, rows, need, shifted))
 
 
 # ---- the backward's GEMMs --------------------------------------------------------------------
 
 
-def _scaled_gemm(out, A, B, gvec, partial) -> None:
-    """out = g * (A @ B.T [+ partial]) rounded once into out's dtype, by
-    ``scaled_total_epilogue`` on the GEMM (or in torch when there is no A: V < 8)."""
+def _scaled_gemm(out, A, B, gvec, partial, row_scale=None, config=None) -> None:
+    """out = g * ([row_scale *] A @ B.T [+ partial]) rounded once into out's dtype, by
+    ``scaled_total_epilogue`` on the GEMM (or in torch when there is no A: V < 8);
+    ``config``: the GEMM's (default ``BACKWARD_TILES``)."""
     if A is None:
         out.copy_(partial * gvec)
         return
     tensors = {GRAD_SCALE: gvec}
     if partial is not None:
         tensors[PARTIAL_SUM] = partial
-    epi = scaled_total_epilogue(out.dtype, partial is not None)
-    got = run_epilogue(epi, A, B, {TOTAL: out}, config=BACKWARD_TILES, **tensors)[TOTAL]
+    if row_scale is not None:
+        tensors[ROW_SCALE] = row_scale
+    epi = scaled_total_epilogue(out.dtype, partial is not None, row_scale is not None)
+    config = BACKWARD_TILES if config is None else config
+    got = run_epilogue(epi, A, B, {TOTAL: out}, config=config, **tensors)[TOTAL]
     if got.data_ptr() != out.data_ptr():  # the CPU reference's new tensor
         out.copy_(got)
+
+
+#: rows per slice of the shifted path's O(rows x H) torch steps (the shift's gathered
+#: weight rows, the row-scaled h's fp32 product): their temporaries stay below
+#: SLICE_ROWS x H x 4 bytes (32 MiB at H = 4096) whatever the chunk
+SLICE_ROWS = 2048
+
+
+def _row_scaled(h: torch.Tensor, row_scale: torch.Tensor) -> torch.Tensor:
+    """row_scale[:, None] * h in fp32, rounded once into h's dtype: the dW GEMM's operand
+    on the shifted path (dW = R.T @ (sr * h)), slice by slice (``SLICE_ROWS``)."""
+    out = torch.empty_like(h)
+    for a, b in ce_chunks.row_chunks(h.shape[0], SLICE_ROWS):
+        out[a:b] = torch.mul(h[a:b], row_scale[a:b, None])
+    return out
 
 
 @custom_op("coda::lce_fused_finish", mutates_args=())
@@ -607,11 +785,12 @@ def lce_fused_finish(
     dW_part: torch.Tensor,
     dl_last: torch.Tensor,
     dl_tail: torch.Tensor,
+    dl_scale: torch.Tensor,
     need_dh: bool,
     need_dW: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(dh, dW) = g * the loss's gradients, from what ``lce_fused_loss`` left (its
-    outputs 1, 2, 5, 6) and the 0-dim upstream gradient ``g``: the last row chunk's
+    outputs 1, 2, 5, 6, 7) and the 0-dim upstream gradient ``g``: the last row chunk's
     dh and dW GEMMs with g and the fp32 partials folded into their epilogue, each
     written once in its input's dtype; the earlier dh rows times g (g rounded to h's
     dtype). Each is shape (0,) unless asked for."""
@@ -628,17 +807,19 @@ def lce_fused_finish(
     gvec = g.to(device=h.device, dtype=F32).reshape(1).expand(H).contiguous()
     A = dl_last if main else None
     h_last = h[row0:]
+    scale = dl_scale if main and dl_scale.numel() else None  # the shifted path's factor
     dh = torch.empty_like(h) if need_dh else h.new_empty((0,))
     if need_dh:
         if row0:
             torch.mul(dh_part[:row0], g.to(h.dtype), out=dh[:row0])
         partial = dl_tail @ W[main:].float() if V - main else None
-        _scaled_gemm(dh[row0:], A, W[:main].t(), gvec, partial)
+        _scaled_gemm(dh[row0:], A, W[:main].t(), gvec, partial, scale)
     dW = torch.empty_like(W) if need_dW else W.new_empty((0,))
     if need_dW:
         several = dW_part.dim() == 2
         if main:
-            _scaled_gemm(dW[:main], A.t(), h_last.t(), gvec, dW_part[:main] if several else None)
+            B = h_last if scale is None else _row_scaled(h_last, scale)
+            _scaled_gemm(dW[:main], A.t(), B.t(), gvec, dW_part[:main] if several else None)
         if V - main:
             part = dl_tail.T @ h_last.float()
             if several:
@@ -648,7 +829,7 @@ def lce_fused_finish(
 
 
 @lce_fused_finish.register_fake
-def _(g, h, W, dh_part, dW_part, dl_last, dl_tail, need_dh, need_dW):
+def _(g, h, W, dh_part, dW_part, dl_last, dl_tail, dl_scale, need_dh, need_dW):
     return (
         torch.empty_like(h) if need_dh else h.new_empty((0,)),
         torch.empty_like(W) if need_dW else W.new_empty((0,)),
@@ -724,7 +905,7 @@ def _fused_backward(ctx, g_loss, *unused):
     in g)."""
     if g_loss is None:
         return (None,) * 16
-    h, W, dh_saved, dW_saved, dbias, drstd, dl_last, dl_tail = ctx.saved_tensors
+    h, W, dh_saved, dW_saved, dbias, drstd, dl_last, dl_tail, dl_scale = ctx.saved_tensors
     need_dh, need_dW, need_dbias, need_drstd = ctx.need
     dbias, drstd = (dbias if need_dbias else None), (drstd if need_drstd else None)
     if dl_last.dim() != 2 and dl_tail.dim() != 2:  # nothing deferred: the gradients are whole
@@ -734,7 +915,7 @@ def _fused_backward(ctx, g_loss, *unused):
     through_g = g_loss.requires_grad and torch.is_grad_enabled()
     g = torch.ones_like(g_loss) if through_g else g_loss
     dh, dW = lce_fused_finish(
-        g.detach(), h.detach(), W.detach(), dh_saved, dW_saved, dl_last, dl_tail,
+        g.detach(), h.detach(), W.detach(), dh_saved, dW_saved, dl_last, dl_tail, dl_scale,
         need_dh, need_dW,
     )  # fmt: skip
     dh, dW = (dh if need_dh else None), (dW if need_dW else None)
