@@ -132,7 +132,7 @@ def test_automatic_choice_runs_the_gradients_in_the_forward(monkeypatch, grad_pa
     the dh and dW GEMMs of the first two chunks: 3 logits-sized GEMMs per chunk in all,
     the last chunk's dh and dW in the backward. With one chunk of 64 rows, the same: the
     logits GEMM (and the map pass) in the forward, dh and dW in the backward."""
-    assert ce_fused.GRAD_PASS == "shifted"  # the default
+    assert ce_fused.GRAD_PASS == "auto"  # the default: shifted at these sizes
     monkeypatch.setattr(ce_fused, "GRAD_PASS", grad_pass)
     for rows, chunks in ((8, 3), (64, 1)):
         calls = Calls(monkeypatch)
@@ -246,7 +246,7 @@ def test_many_row_chunks_round_dW_once(V, monkeypatch):
         grads.append(torch.autograd.grad(loss, Wl)[0])
         if rows == 1:  # the forward's 40 logits GEMMs (and on the shifted path the dh
             # GEMMs of 39 of them, row factors in their epilogue), the backward's dh and dW
-            shifted = (M - 1) * (ce_fused.GRAD_PASS == "shifted")
+            shifted = (M - 1) * (ce_fused.GRAD_PASS != "map")
             assert calls.take()["fused.run_epilogue"] == M + 2 + shifted
         else:
             calls.take()

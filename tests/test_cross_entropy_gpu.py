@@ -133,7 +133,7 @@ def test_matches_float64_no_worse_than_eager_bf16(name, shape, path, monkeypatch
     if fused and opts.get("reduction") == "none":
         pytest.skip("per-row losses run the recompute path only")
     monkeypatch.setattr(ce_fused, "ACC_STORE_DTYPE", kwargs.pop("acc_dtype", None))
-    monkeypatch.setattr(ce_fused, "GRAD_PASS", kwargs.pop("grad_pass", "shifted"))
+    monkeypatch.setattr(ce_fused, "GRAD_PASS", kwargs.pop("grad_pass", "auto"))
     passes = MapPasses(monkeypatch)
     bias, rstd = opts.pop("bias", False), opts.pop("rstd", False)
     shifted = fused and ce_fused.shifted_ok(

@@ -1,7 +1,8 @@
 """CPU CI of the loss's shifted-softmax gradient (``coda.fusions.ce_fused.GRAD_PASS``).
 
 The gradient-in-forward path's default for losses without bias, softcap, label smoothing
-or an rstd gradient: the logits GEMM stores R = exp(z - c) against a per-row shift c (the
+or an rstd gradient whose row chunks take their statistics in the logits GEMM's epilogue:
+the logits GEMM stores R = exp(z - c) against a per-row shift c (the
 target's logit + ``SHIFT_MARGIN``) and the softmax reaches the dh / dW GEMMs as R times a
 per-row factor. Checked here on the epilogues' CPU reference (the same ``Epilogue``
 objects the GPU runs):
@@ -12,7 +13,8 @@ objects the GPU runs):
 * the window of c: a row whose largest logit is 100 above its target logit (inside
   ``SHIFT_MARGIN + SHIFT_CLAMP``) is exact; one 140 above saturates only that row's
   softmax weights (finite), its loss and every other row stay exact;
-* which options take the path (``shifted_ok``), and the op against its fake (opcheck).
+* which options and sizes take the path (``shifted_ok``, ``GRAD_PASS = "auto"``), and the
+  op against its fake (opcheck).
 """
 
 from __future__ import annotations
@@ -131,6 +133,12 @@ def test_which_options_take_the_shifted_path():
     assert not ok(BF16, False, 30.0, 0.0, True, True, False)  # softcap
     assert not ok(BF16, False, None, 0.1, True, True, False)  # label smoothing
     assert not ok(BF16, False, None, 0.0, True, True, True)  # rstd gradient
+    # "auto" (the default): shifted where the row chunks take their statistics in the
+    # logits GEMM's epilogue, the map pass where they take them by a map pass anyway
+    assert ce_fused.GRAD_PASS == "auto"
+    assert ce_fused._takes_shifted(True, 2048, 128256, 4096)
+    assert not ce_fused._takes_shifted(True, 8192, 128256, 8192)  # ce_fused.stats_by_map
+    assert not ce_fused._takes_shifted(False, 2048, 128256, 4096)
 
 
 @pytest.mark.parametrize("rows", [0, 8])

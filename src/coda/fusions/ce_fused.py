@@ -161,14 +161,22 @@ DEFER_ONE_CHUNK: bool = True
 #: (h's dtype) buffer for dlogits. Read at call time.
 ACC_STORE_DTYPE: torch.dtype | None = None
 
-#: How the gradient's softmax reaches the dh and dW GEMMs. "shifted" (the default where
-#: ``shifted_ok``: no bias, softcap or label smoothing, the acc stored in h's dtype): the
-#: logits GEMM's epilogue stores R = exp(z - c) against a per-row shift c known before it
-#: (the target's logit + ``SHIFT_MARGIN``) instead of z, the softmax is R times a per-row
-#: factor, and no M x V pass runs between the GEMMs (see ``_Walk._shifted_grads``). "map":
-#: the logits stored, then the gradient map pass over them (the other options' path).
-#: Read at call time, by the op and its fake alike.
-GRAD_PASS: str = "shifted"
+#: How the gradient's softmax reaches the dh and dW GEMMs. "shifted" (where
+#: ``shifted_ok``: no bias, softcap, label smoothing or rstd gradient, the acc stored in
+#: h's dtype): the logits GEMM's epilogue stores R = exp(z - c) against a per-row shift c
+#: known before it (the target's logit + ``SHIFT_MARGIN``) instead of z, the softmax is R
+#: times a per-row factor, and no M x V pass runs between the GEMMs
+#: (``_Walk._shifted_chunk``). "map": the logits stored, then the gradient map pass over
+#: them (the other options' path). "auto" (the default): "shifted" where the row chunks
+#: take their statistics in the logits GEMM's epilogue, "map" where they take them by a
+#: map pass anyway (``stats_by_map``: H >= 8192 on long chunks). Measured on an H200
+#: (2026-11-26, one run of ``benchmarks/cross_entropy.py``, fwd+bwd, shifted vs map):
+#: 20.83 vs 21.38 ms at (H, M) = (2048, 8192), 42.51 vs 43.42 at (2048, 16384), 40.02 vs
+#: 40.49 at (4096, 8192), 83.88 vs 83.71 at (4096, 16384); at H = 8192, where the
+#: statistics come from a map pass, 78.81 vs 76.94 and 158.0 vs 156.2 (the shifted map
+#: pass spares one read of the row buffer, but its extra per-row work and the pre-pass
+#: did not pay there). Read at call time, by the op and its fake alike.
+GRAD_PASS: str = "auto"
 #: c = z[target] + SHIFT_MARGIN. R's entries run from exp(-87) (fp32's smallest normal;
 #: below it they flush to 0) to exp(SHIFT_CLAMP): the softmax is exact for every entry
 #: with p >= exp(-(87 - SHIFT_MARGIN)) = e^-47 (those below are dropped: they add at
@@ -237,10 +245,12 @@ def shifted_ok(
     gradient (its row sums of R * acc beside the statistics spill the 128 x 128 tile's
     registers: 3 STL at sm_90a), and the acc stored in h's dtype (``ACC_STORE_DTYPE``
     None or equal)."""
-    if GRAD_PASS not in ("shifted", "map"):
-        raise ValueError(f"ce_fused.GRAD_PASS must be 'shifted' or 'map'; got {GRAD_PASS!r}")
+    if GRAD_PASS not in ("auto", "shifted", "map"):
+        raise ValueError(
+            f"ce_fused.GRAD_PASS must be 'auto', 'shifted' or 'map'; got {GRAD_PASS!r}"
+        )
     return (
-        GRAD_PASS == "shifted"
+        GRAD_PASS != "map"
         and (need_dh or need_dW)
         and not bias
         and softcap is None
@@ -248,6 +258,15 @@ def shifted_ok(
         and not need_drstd
         and ACC_STORE_DTYPE in (None, out_dtype)
     )
+
+
+def _takes_shifted(eligible: bool, rows: int, V: int, H: int) -> bool:
+    """The shifted softmax for a call whose options allow it (``shifted_ok``), in row
+    chunks of ``rows`` rows: always with ``GRAD_PASS = "shifted"``, with "auto" where
+    those chunks take their statistics in the logits GEMM's epilogue."""
+    if not eligible:
+        return False
+    return GRAD_PASS == "shifted" or not stats_by_map(rows, ce_chunks.main_cols(V), H)
 
 
 def _row_losses(spec: _Spec, lse, zt, zsum, valid) -> torch.Tensor:
@@ -416,7 +435,7 @@ class _Walk:
         if spec.need_dW:
             self._dW(i, hf, h_c, dl, dl_t)
 
-    # ---- the shifted-softmax chunk (GRAD_PASS "shifted") -----------------------------------
+    # ---- the shifted-softmax chunk (GRAD_PASS) ---------------------------------------------
     def _shifted_chunk(self, i, r0, r1, h_c, t_c, valid_c, tloc, r_c, hf) -> None:
         """One row chunk with the softmax left as R = exp(z - c) times a per-row factor:
         statistics and R from the logits GEMM (or its stored acc, ``stats_by_map``); the
@@ -713,15 +732,16 @@ def lce_fused_loss(
         check_targets(target, V, ignore_index)
     acc_dtype = ACC_STORE_DTYPE or h.dtype
     need_drstd = rstd is not None and need_drstd
-    shifted = shifted_ok(
+    eligible = shifted_ok(
         h.dtype, bias is not None, softcap, label_smoothing, need_dh, need_dW, need_drstd
     )
+    rows = _chunk_rows(h, W, chunk_rows, need_dW)
+    shifted = _takes_shifted(eligible, rows, V, h.shape[1])
     spec = _Spec(
         V, acc_dtype, h.dtype, ignore_index, softcap, float(label_smoothing), float(z_loss),
         None if bias is None else bias.dtype, rstd is not None,
         need_dh, need_dW, bias is not None and need_dbias, need_drstd, shifted,
     )  # fmt: skip
-    rows = _chunk_rows(h, W, chunk_rows, need_dW)
     denom = denom.to(device=h.device, dtype=F32)
     got = _Walk(h, W, target, bias, rstd, denom, spec, rows).run()
     empty = _outputs_like(h, W, bias, rstd, rows, (False,) * 4)
@@ -735,7 +755,8 @@ def _(
 ):  # fmt: skip
     need = (need_dh, need_dW, bias is not None and need_dbias, rstd is not None and need_drstd)
     rows = _chunk_rows(h, W, chunk_rows, need_dW)
-    shifted = shifted_ok(h.dtype, bias is not None, softcap, label_smoothing, *need[:2], need[3])
+    eligible = shifted_ok(h.dtype, bias is not None, softcap, label_smoothing, *need[:2], need[3])
+    shifted = _takes_shifted(eligible, rows, W.shape[0], h.shape[1])
     return tuple(_outputs_like(h, W, bias, rstd, rows, need, shifted))
 
 
