@@ -829,23 +829,27 @@ def lce_fused_finish(
     A = dl_last if main else None
     h_last = h[row0:]
     scale = dl_scale if main and dl_scale.numel() else None  # the shifted path's factor
+    # dW first: on the shifted path its operand sr * h (the last chunk's rows) is a
+    # temporary that is freed before dh is allocated, so the peak stays R + dW + dh
+    dW = W.new_empty((0,))
+    if need_dW:
+        several = dW_part.dim() == 2
+        B = h_last if scale is None or not main else _row_scaled(h_last, scale)
+        dW = torch.empty_like(W)
+        if main:
+            _scaled_gemm(dW[:main], A.t(), B.t(), gvec, dW_part[:main] if several else None)
+        del B
+        if V - main:
+            part = dl_tail.T @ h_last.float()
+            if several:
+                part = part + dW_part[main:]
+            dW[main:] = part * gvec
     dh = torch.empty_like(h) if need_dh else h.new_empty((0,))
     if need_dh:
         if row0:
             torch.mul(dh_part[:row0], g.to(h.dtype), out=dh[:row0])
         partial = dl_tail @ W[main:].float() if V - main else None
         _scaled_gemm(dh[row0:], A, W[:main].t(), gvec, partial, scale)
-    dW = torch.empty_like(W) if need_dW else W.new_empty((0,))
-    if need_dW:
-        several = dW_part.dim() == 2
-        if main:
-            B = h_last if scale is None else _row_scaled(h_last, scale)
-            _scaled_gemm(dW[:main], A.t(), B.t(), gvec, dW_part[:main] if several else None)
-        if V - main:
-            part = dl_tail.T @ h_last.float()
-            if several:
-                part = part + dW_part[main:]
-            dW[main:] = part * gvec
     return dh, dW
 
 
