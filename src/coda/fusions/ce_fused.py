@@ -483,18 +483,14 @@ class _Walk:
         return torch.where(ok, zt, 0.0) + SHIFT_MARGIN
 
     def _shifted_stats(self, h_c, tloc, r_c, shift, m: int) -> dict:
-        """lse, zt, R (and RACC) of the fused columns: the logits GEMM's epilogue, or
+        """lse, zt and R of the fused columns: the logits GEMM's epilogue, or
         (``stats_by_map``) the plain GEMM's stored acc and one map pass writing R over it."""
         spec = self.spec
         vec = {SHIFT: shift, **self._vectors(r_c)}
         if stats_by_map(m, spec.main, self.h.shape[1]):
-            bufs = self._out(STORED_ACC, 0, m)
-            if bufs is None:  # CPU: the reference returns new tensors
-                acc = matmul(h_c, self.W_main, out_dtype=spec.acc_dtype)
-            else:
-                acc = matmul(h_c, self.W_main, out=bufs[STORED_ACC])
+            acc, on_device = self._stored_logits(h_c, m)
             epi = shifted_map_epilogue(spec.acc_dtype, spec.out_dtype, spec.rstd)
-            outputs = None if bufs is None else {SHIFTED: acc}
+            outputs = {SHIFTED: acc} if on_device else None
             return run_map(
                 epi, m, spec.main, self.h, outputs, **{STORED_ACC: acc}, tloc=tloc, **vec
             )
@@ -516,16 +512,20 @@ class _Walk:
         index = torch.arange(R.shape[0], device=R.device) * R.shape[1] + torch.where(hit, tloc, 0)
         flat[index] = torch.where(hit, value, flat[index].float()).to(R.dtype)
 
+    def _stored_logits(self, h_c, m: int) -> tuple[torch.Tensor, bool]:
+        """(acc, in the row buffer): the plain logits GEMM of the chunk's m rows, into
+        row buffer 0 on CUDA; a new tensor from the CPU reference."""
+        bufs = self._out(STORED_ACC, 0, m)
+        if bufs is None:
+            return matmul(h_c, self.W_main, out_dtype=self.spec.acc_dtype), False
+        return matmul(h_c, self.W_main, out=bufs[STORED_ACC]), True
+
     def _main_stats(self, h_c, tloc, r_c, m: int):
         """Step 1: ((lse, zt, zsum), stored acc) of the fused columns."""
         spec = self.spec
         opts = (spec.bias_dtype, spec.rstd, spec.softcap, spec.with_sum)
         if stats_by_map(m, spec.main, self.h.shape[1]):
-            bufs = self._out(STORED_ACC, 0, m)
-            if bufs is None:  # CPU: the reference returns new tensors
-                acc = matmul(h_c, self.W_main, out_dtype=spec.acc_dtype)
-            else:
-                acc = matmul(h_c, self.W_main, out=bufs[STORED_ACC])
+            acc, _ = self._stored_logits(h_c, m)
             out = run_map(
                 stats_map_epilogue(spec.acc_dtype, *opts), m, spec.main, self.h,
                 **{STORED_ACC: acc}, tloc=tloc, **self._vectors(r_c),
