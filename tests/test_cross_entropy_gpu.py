@@ -85,6 +85,8 @@ OPTIONS = {
     "smoothing_zloss": dict(label_smoothing=0.1, z_loss=1e-4),
     "softcap": dict(softcap=30.0),
     "bias_rstd": dict(bias=True, rstd=True),
+    # the shifted softmax with the rstd gradient taken from dh (no bias: ce_fused.shifted_ok)
+    "rstd_zloss": dict(rstd=True, z_loss=1e-4),
     "all_none": dict(
         bias=True, rstd=True, softcap=15.0, label_smoothing=0.05, z_loss=1e-4, reduction="none"
     ),

@@ -132,7 +132,8 @@ def test_which_options_take_the_shifted_path():
     assert not ok(BF16, True, None, 0.0, True, True, False)  # bias
     assert not ok(BF16, False, 30.0, 0.0, True, True, False)  # softcap
     assert not ok(BF16, False, None, 0.1, True, True, False)  # label smoothing
-    assert not ok(BF16, False, None, 0.0, True, True, True)  # rstd gradient
+    assert ok(BF16, False, None, 0.0, True, True, True)  # rstd gradient: from dh
+    assert not ok(BF16, False, None, 0.0, False, True, True)  # ... which is not made
     # "auto" (the default): shifted where the row chunks take their statistics in the
     # logits GEMM's epilogue, the map pass where they take them by a map pass anyway
     assert ce_fused.GRAD_PASS == "auto"
@@ -151,3 +152,35 @@ def test_opcheck_shifted(rows):
     last = 20 - (20 - 1) // rows * rows if rows else 20
     assert out[7].shape == (last,) and out[7].dtype == torch.float32
     torch.library.opcheck(ce_fused.lce_fused_loss, (*args, True, True, False, False))
+
+
+@pytest.mark.parametrize("chunk_rows", [None, 8])
+def test_rstd_gradient_from_dh(chunk_rows):
+    """With the deferred final RMSNorm's rstd requiring grad the shifted path takes drstd
+    from the dh rows (h . dh / rstd: ``ce_fused.drstd_from_dh``, the last row chunk's in
+    the backward): drstd, dh and dW against float64, as close as the map pass's."""
+    h, W, target = _problem(30, 24, 61, 9)
+    r = 0.5 + torch.rand(30, generator=torch.Generator().manual_seed(2))
+
+    def run(dtype):
+        hl = h.detach().to(dtype).requires_grad_()
+        Wl = W.detach().to(dtype).requires_grad_()
+        rl = r.to(F64 if dtype == F64 else torch.float32).requires_grad_()
+        if dtype == F64:
+            loss = textbook(hl, Wl, target, rstd=rl, z_loss=1e-3)
+        else:
+            loss = linear_cross_entropy(
+                hl, Wl, target, rstd=rl, z_loss=1e-3, grad_in_forward=True, chunk_rows=chunk_rows
+            )
+        return (loss.detach(), *torch.autograd.grad(2.0 * loss, (hl, Wl, rl)))
+
+    truth = run(F64)
+    got = run(BF16)
+    old = ce_fused.GRAD_PASS
+    ce_fused.GRAD_PASS = "map"
+    try:
+        ref = run(BF16)
+    finally:
+        ce_fused.GRAD_PASS = old
+    for name, a, b, t in zip(("loss", "dh", "dW", "drstd"), got, ref, truth, strict=True):
+        assert _err(a, t) <= 1.25 * _err(b, t) + 1e-4, (name, _err(a, t), _err(b, t))

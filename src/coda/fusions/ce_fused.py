@@ -241,10 +241,11 @@ def shifted_ok(
 ) -> bool:
     """Whether a fused loss with these options takes the shifted-softmax gradient
     (``GRAD_PASS``): a GEMM needs dlogits, no bias (its gradient would be a column sum of
-    the softmax), no softcap (a per-element factor), no label smoothing, no rstd
-    gradient (its row sums of R * acc beside the statistics spill the 128 x 128 tile's
-    registers: 3 STL at sm_90a), and the acc stored in h's dtype (``ACC_STORE_DTYPE``
-    None or equal)."""
+    the softmax), no softcap (a per-element factor), no label smoothing, an rstd
+    gradient only beside dh (it is taken from the dh rows: drstd = h . dh / rstd; the
+    row sums of R * acc beside the statistics would spill the 128 x 128 tile's registers,
+    3 STL at sm_90a), and the acc stored in h's dtype (``ACC_STORE_DTYPE`` None or
+    equal)."""
     if GRAD_PASS not in ("auto", "shifted", "map"):
         raise ValueError(
             f"ce_fused.GRAD_PASS must be 'auto', 'shifted' or 'map'; got {GRAD_PASS!r}"
@@ -255,7 +256,7 @@ def shifted_ok(
         and not bias
         and softcap is None
         and not label_smoothing
-        and not need_drstd
+        and (need_dh or not need_drstd)
         and ACC_STORE_DTYPE in (None, out_dtype)
     )
 
@@ -458,11 +459,13 @@ class _Walk:
         if tail is not None:
             dl_t = self._tail_grads(tail, lse, ga, gt, None, r_c, r0, r1)
         if self.defer and i == len(self.plan) - 1:  # lce_fused_finish's GEMMs read these
-            self.last = (R, dl_t, sr)
+            self.last = (R, dl_t, sr)  # (and the backward this chunk's drstd from its dh)
             return
         if spec.need_dh:
             partial = None if dl_t is None else dl_t @ self.W_tail.float()
             _scaled_gemm(self.dh[r0:r1], R, self.W_main.t(), self.ones, partial, sr, CHUNK_DH_TILES)
+        if spec.need_drstd:  # every column's, the tail's too: over the tail's own part
+            self.drstd[r0:r1] = drstd_from_dh(h_c, self.dh[r0:r1], r_c)
         if spec.need_dW:
             self._dW(i, hf, _row_scaled(h_c, sr), R, dl_t)
 
@@ -788,6 +791,17 @@ def _scaled_gemm(out, A, B, gvec, partial, row_scale=None, config=None) -> None:
 SLICE_ROWS = 2048
 
 
+def drstd_from_dh(h: torch.Tensor, dh: torch.Tensor, rstd: torch.Tensor) -> torch.Tensor:
+    """dL/drstd per row from dL/dh: with logits z = rstd * (h @ W.T),
+    dL/drstd = sum_v dL/dz_v (h . W_v) = h . (dL/dh) / rstd, in fp32 (slice by slice,
+    ``SLICE_ROWS``): the shifted path's rstd gradient, with no reduction beside the
+    statistics in the logits GEMM."""
+    out = torch.empty(h.shape[0], dtype=F32, device=h.device)
+    for a, b in ce_chunks.row_chunks(h.shape[0], SLICE_ROWS):
+        out[a:b] = (h[a:b].float() * dh[a:b].float()).sum(1)
+    return out / rstd
+
+
 def _row_scaled(h: torch.Tensor, row_scale: torch.Tensor) -> torch.Tensor:
     """row_scale[:, None] * h in fp32, rounded once into h's dtype: the dW GEMM's operand
     on the shifted path (dW = R.T @ (sr * h)), slice by slice (``SLICE_ROWS``)."""
@@ -867,7 +881,7 @@ def _(g, h, W, dh_part, dW_part, dl_last, dl_tail, dl_scale, need_dh, need_dW):
 def _fused_setup(ctx, inputs, output) -> None:
     ctx.need = (inputs[12], inputs[13], inputs[3] is not None and inputs[14],
                 inputs[4] is not None and inputs[15])  # fmt: skip
-    ctx.save_for_backward(inputs[0], inputs[1], *output[1:])
+    ctx.save_for_backward(inputs[0], inputs[1], *output[1:], inputs[4])
     ctx.mark_non_differentiable(*output[1:])
     # the forward's other outputs are never differentiated: no zero-filled (V x H for
     # the dW sum!) gradients materialized for them in the backward
@@ -930,7 +944,8 @@ def _fused_backward(ctx, g_loss, *unused):
     in g)."""
     if g_loss is None:
         return (None,) * 16
-    h, W, dh_saved, dW_saved, dbias, drstd, dl_last, dl_tail, dl_scale = ctx.saved_tensors
+    saved = ctx.saved_tensors
+    h, W, dh_saved, dW_saved, dbias, drstd, dl_last, dl_tail, dl_scale, rstd = saved
     need_dh, need_dW, need_dbias, need_drstd = ctx.need
     dbias, drstd = (dbias if need_dbias else None), (drstd if need_drstd else None)
     if dl_last.dim() != 2 and dl_tail.dim() != 2:  # nothing deferred: the gradients are whole
@@ -944,10 +959,18 @@ def _fused_backward(ctx, g_loss, *unused):
         need_dh, need_dW,
     )  # fmt: skip
     dh, dW = (dh if need_dh else None), (dW if need_dW else None)
+    last_drstd = None
+    if drstd is not None and dl_scale.numel():  # shifted: the last chunk's from its dh
+        row0 = h.shape[0] - dl_scale.shape[0]
+        last_drstd = drstd_from_dh(h.detach()[row0:], dh[row0:], rstd.detach()[row0:])
     if through_g:
+        if last_drstd is not None:
+            drstd = torch.cat([drstd[: drstd.shape[0] - last_drstd.shape[0]], last_drstd])
         dh, dW, dbias, drstd = _scaled([dh, dW, dbias, drstd], g_loss)
     else:
         dbias, drstd = _scaled([dbias, drstd], g_loss)
+        if last_drstd is not None:  # dh has g in it already
+            drstd = torch.cat([drstd[: drstd.shape[0] - last_drstd.shape[0]], last_drstd])
     return (dh, dW, None, dbias, drstd) + (None,) * 11
 
 
