@@ -64,12 +64,8 @@ GRAD_STEP = 256
 #: Column tile of the fused forward (its partials are per 128 columns).
 STATS_TILE = 128
 #: Default budget of the gradient-in-forward path's row buffer (of each, when the acc is
-#: stored in another dtype than the dlogits and they take two): 4096 rows of V = 128256.
-#: Measured on an H200 (2026-11-26, the shifted softmax, fwd+bwd, interleaved): 4096-row
-#: chunks against 2048 (512 MiB) took 40.09 vs 41.31 ms at H = 2048, M = 16384 and 19.97
-#: vs 20.83 at (2048, 8192) (fewer fp32 dW accumulator passes and per-chunk steps), and
-#: 79.14 vs 79.09 at (4096, 16384), for about 0.5 GiB more peak.
-GRAD_ROWS_BYTES = 2**30
+#: stored in another dtype than the dlogits and they take two).
+GRAD_ROWS_BYTES = 512 * 2**20
 #: Automatic row chunks of the gradient-in-forward path are multiples of this (tile_m).
 ROW_STEP = 128
 #: Narrowest column tile the fused kernels fall back to (partials per this many columns).
@@ -153,8 +149,8 @@ def grad_rows(
     accumulator. Then ONE chunk is taken whenever its workspace
     (``grad_in_forward_workspace``) is no larger than the budget chunks': less peak
     memory, and dW one GEMM over all tokens, rounded once, with no accumulator pass (e.g.
-    M = 8192, V = 128256: one chunk from H = 4096 on, a 2.0 GiB buffer where two chunks
-    take 1.0 GiB + a 2.0 GiB accumulator). ``deferred``: as ``grad_in_forward_workspace``
+    M = 8192, V = 128256: one chunk from H = 4096 on, a 2.0 GiB buffer where four chunks
+    take 0.5 GiB + a 2.0 GiB accumulator). ``deferred``: as ``grad_in_forward_workspace``
     takes it."""
     budget = GRAD_ROWS_BYTES if budget is None else budget
     per_row = max(main_cols(V), 1) * elem_bytes
