@@ -1,7 +1,7 @@
 """CPU CI of the loss's shifted-softmax gradient (``coda.fusions.ce_fused.GRAD_PASS``).
 
-The gradient-in-forward path's default for losses without bias, softcap, label smoothing
-or an rstd gradient whose row chunks take their statistics in the logits GEMM's epilogue:
+The gradient-in-forward path's default for losses without bias, softcap or label
+smoothing whose row chunks take their statistics in the logits GEMM's epilogue:
 the logits GEMM stores R = exp(z - c) against a per-row shift c (the
 target's logit + ``SHIFT_MARGIN``) and the softmax reaches the dh / dW GEMMs as R times a
 per-row factor. Checked here on the epilogues' CPU reference (the same ``Epilogue``
@@ -9,7 +9,8 @@ objects the GPU runs):
 
 * loss and gradients against float64, no worse than the map pass (``GRAD_PASS = "map"``)
   on the same bf16 inputs, on hypothesis-drawn problems (ragged V, targets in the V mod 8
-  tail, ignored rows, z-loss, rstd without its gradient, one and several row chunks);
+  tail, ignored rows, z-loss, rstd without its gradient, one and several row chunks), and
+  with the rstd gradient taken from dh;
 * the window of c: a row whose largest logit is 100 above its target logit (inside
   ``SHIFT_MARGIN + SHIFT_CLAMP``) is exact; one 140 above saturates only that row's
   softmax weights (finite), its loss and every other row stay exact;

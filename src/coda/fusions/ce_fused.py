@@ -45,6 +45,15 @@ its V mod 8 tail):
    ``accumulate=True``, TMA reduce-add), the last chunk's left to the backward (above).
    dW is never summed in bf16.
 
+**The shifted softmax** (``GRAD_PASS``, the default where ``shifted_ok`` and the
+statistics are taken in the logits GEMM's epilogue; ``_Walk._shifted_chunk``): step 1
+stores R = exp(z - c) against a per-row shift c (the target's logit + ``SHIFT_MARGIN``,
+one dot product per row beforehand) instead of the rounded acc, beside the exact lse and
+zt of the fp32 acc; the softmax is then R times the row factor s = ga exp(c - lse), the
+target's entry of R is set to its whole gradient over s (fp32), and step 4 disappears:
+dh = s * (R @ W) (the factor in the dh GEMM's epilogue), dW (+)= R.T @ (s * h) (on the
+other operand), drstd = h . dh / rstd. docs/cross-entropy.md, "The shifted softmax".
+
 In place (step 4) is safe in the engine: each address of the buffer is in exactly one
 (tile, subtile) box, the same box for the stored-acc TMA load and the dlogits TMA store
 (same dtype, width 1; split-K is never used with M x N loads); the consumer waits for that
