@@ -91,6 +91,7 @@ KERNELS = {
     # stored acc, and dh = g * (sr * R @ W[:V'] + the tail's fp32 part)
     "shifted_store": (shifted_store_epilogue(bf16, False), True),
     "shifted_store_rstd": (shifted_store_epilogue(bf16, True), True),
+    "shifted_store_softcap": (shifted_store_epilogue(bf16, True, 30.0), True),
     "shifted_map": (shifted_map_epilogue(bf16, bf16, True), True, (16384, 8192, MAP_K)),
     "row_scaled_dh": (
         scaled_total_epilogue(bf16, True, True),

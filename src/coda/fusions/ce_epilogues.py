@@ -276,35 +276,45 @@ def shifted_exp(z: Any, c: Any) -> Any:
     return cm.exp_fast(cm.minimum(z - c, SHIFT_CLAMP))
 
 
-def _shifted(rstd: bool, out_dtype: torch.dtype, src: str) -> list:
+def _shifted(rstd: bool, softcap: float | None, out_dtype: torch.dtype, src: str) -> list:
     """z from ``src``, its exact lse and zt, and R = ``shifted_exp(z, SHIFT)`` stored as
-    ``SHIFTED``."""
-    prims, z = _logits(None, rstd, None, src)
+    ``SHIFTED`` (with ``softcap``: times dz/ds = 1 - (z / cap)^2, the chain to the
+    pre-cap logits)."""
+    prims, z = _logits(None, rstd, softcap, src)
     prims.append(LogSumExp("lse", of=z))
     prims.append(
         TargetSelect("zt", of=z, target="tloc", ignore_index=-1, target_dtype=TARGET_DTYPE)
     )
     prims.append(VecLoad(SHIFT, per="row", dtype=F32))
     prims.append(Elementwise("r", shifted_exp, ins=(z, SHIFT)))
-    prims.append(TileStore("r", out_dtype, name=SHIFTED))
+    r = "r"
+    if softcap is not None:
+        prims.append(Elementwise("r_s", SoftcapGrad(softcap), ins=("r", z)))
+        r = "r_s"
+    prims.append(TileStore(r, out_dtype, name=SHIFTED))
     return prims
 
 
 @functools.cache
-def shifted_store_epilogue(out_dtype: torch.dtype, rstd: bool) -> Epilogue:
+def shifted_store_epilogue(
+    out_dtype: torch.dtype, rstd: bool, softcap: float | None = None
+) -> Epilogue:
     """The shifted-softmax forward after the logits GEMM (see the module doc): outputs
-    ``lse`` and ``zt`` of z = (rstd *) acc, exact from the fp32 acc; stores
-    ``SHIFTED`` = exp(min(z - c, ``SHIFT_CLAMP``)) in ``out_dtype``. Inputs ``tloc``,
-    ``SHIFT`` (fp32 per row) and, with ``rstd``, ``rstd``."""
-    return Epilogue(_shifted(rstd, out_dtype, "acc"))
+    ``lse`` and ``zt`` of z = [softcap of] (rstd *) acc, exact from the fp32 acc; stores
+    ``SHIFTED`` = exp(min(z - c, ``SHIFT_CLAMP``)) [* (1 - (z / cap)^2)] in
+    ``out_dtype``. Inputs ``tloc``, ``SHIFT`` (fp32 per row) and, with ``rstd``, ``rstd``."""
+    return Epilogue(_shifted(rstd, softcap, out_dtype, "acc"))
 
 
 @functools.cache
-def shifted_map_epilogue(acc_dtype: torch.dtype, out_dtype: torch.dtype, rstd: bool) -> Epilogue:
+def shifted_map_epilogue(
+    acc_dtype: torch.dtype, out_dtype: torch.dtype, rstd: bool, softcap: float | None = None
+) -> Epilogue:
     """``shifted_store_epilogue`` without a GEMM (``run_map``) over the acc a plain GEMM
     stored (``STORED_ACC``, ``acc_dtype``): the statistics of exactly those stored values
     and R written over them in place when the dtypes agree. Reads no ``acc``."""
-    return Epilogue([TileLoad(STORED_ACC, acc_dtype), *_shifted(rstd, out_dtype, STORED_ACC)])
+    prims = _shifted(rstd, softcap, out_dtype, STORED_ACC)
+    return Epilogue([TileLoad(STORED_ACC, acc_dtype), *prims])
 
 
 @functools.cache

@@ -250,7 +250,7 @@ def shifted_ok(
 ) -> bool:
     """Whether a fused loss with these options takes the shifted-softmax gradient
     (``GRAD_PASS``): a GEMM needs dlogits, no bias (its gradient would be a column sum of
-    the softmax), no softcap (a per-element factor), no label smoothing, an rstd
+    the softmax), no label smoothing (softcap's per-element chain factor rides in R), an rstd
     gradient only beside dh (it is taken from the dh rows: drstd = h . dh / rstd; the
     row sums of R * acc beside the statistics would spill the 128 x 128 tile's registers,
     3 STL at sm_90a), and the acc stored in h's dtype (``ACC_STORE_DTYPE`` None or
@@ -263,7 +263,6 @@ def shifted_ok(
         GRAD_PASS != "map"
         and (need_dh or need_dW)
         and not bias
-        and softcap is None
         and not label_smoothing
         and (need_dh or not need_drstd)
         and ACC_STORE_DTYPE in (None, out_dtype)
@@ -463,7 +462,7 @@ class _Walk:
         # s = dL/dz / R on the fused columns (0 on ignored rows), sr = dL/dacc / R
         s = torch.where(valid_c, ga * torch.exp(torch.clamp(shift - lse, max=80.0)), 0.0)
         sr = s if r_c is None else s * r_c
-        self._patch_target(R, tloc, valid_c, ga, gt, out["zt"], lse, shift)
+        self._patch_target(R, tloc, valid_c, ga, gt, out["zt"], lse, shift, spec.softcap)
         dl_t = None
         if tail is not None:
             dl_t = self._tail_grads(tail, lse, ga, gt, None, r_c, r0, r1)
@@ -492,6 +491,9 @@ class _Walk:
             zt[a:b] = torch.bmm(h_c[a:b].unsqueeze(1), rows.unsqueeze(2)).view(-1)
         if r_c is not None:
             zt = zt * r_c
+        cap = self.spec.softcap
+        if cap is not None:
+            zt = cap * torch.tanh(zt * (1.0 / cap))
         return torch.where(ok, zt, 0.0) + SHIFT_MARGIN
 
     def _shifted_stats(self, h_c, tloc, r_c, shift, m: int) -> dict:
@@ -501,25 +503,29 @@ class _Walk:
         vec = {SHIFT: shift, **self._vectors(r_c)}
         if stats_by_map(m, spec.main, self.h.shape[1]):
             acc, on_device = self._stored_logits(h_c, m)
-            epi = shifted_map_epilogue(spec.acc_dtype, spec.out_dtype, spec.rstd)
+            epi = shifted_map_epilogue(spec.acc_dtype, spec.out_dtype, spec.rstd, spec.softcap)
             outputs = {SHIFTED: acc} if on_device else None
             return run_map(
                 epi, m, spec.main, self.h, outputs, **{STORED_ACC: acc}, tloc=tloc, **vec
             )
-        epi = shifted_store_epilogue(spec.out_dtype, spec.rstd)
+        epi = shifted_store_epilogue(spec.out_dtype, spec.rstd, spec.softcap)
         return run_epilogue(epi, h_c, self.W_main, self._out(SHIFTED, 0, m), tloc=tloc, **vec)
 
     @staticmethod
-    def _patch_target(R, tloc, valid_c, ga, gt, zt_main, lse, shift) -> None:
+    def _patch_target(R, tloc, valid_c, ga, gt, zt_main, lse, shift, softcap=None) -> None:
         """R[row, target] = the target column's whole gradient over the row's factor s
         = ga exp(c - lse): (ga p_t + gt) / s = exp(lse - c) (expm1(zt - lse) + 1 + gt / ga),
         exact in fp32 where p_t - 1 would cancel in R's dtype (rows whose target is on the
-        fused columns; exp(lse - c) capped as R is)."""
+        fused columns; exp(lse - c) capped as R is); with ``softcap`` times the target's
+        chain factor 1 - (zt / cap)^2, as every entry of R has its own."""
         hit = valid_c & (tloc >= 0)
         q = torch.where(ga != 0, 1.0 + gt / torch.where(ga != 0, ga, 1.0), 0.0)
         value = torch.exp(torch.clamp(lse - shift, max=SHIFT_CLAMP)) * (
             torch.expm1(zt_main - lse) + q
         )
+        if softcap is not None:
+            u = zt_main * (1.0 / softcap)
+            value = value - value * (u * u)
         flat = R.view(-1)
         index = torch.arange(R.shape[0], device=R.device) * R.shape[1] + torch.where(hit, tloc, 0)
         flat[index] = torch.where(hit, value, flat[index].float()).to(R.dtype)
