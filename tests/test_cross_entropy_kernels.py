@@ -92,12 +92,26 @@ KERNELS = {
     "shifted_store": (shifted_store_epilogue(bf16, False), True),
     "shifted_store_rstd": (shifted_store_epilogue(bf16, True), True),
     "shifted_store_softcap": (shifted_store_epilogue(bf16, True, 30.0), True),
+    # label smoothing: the row sums of z beside lse and zt; dh / dW with rank-1 terms
+    "shifted_store_sum": (shifted_store_epilogue(bf16, True, None, True), True),
     "shifted_map": (shifted_map_epilogue(bf16, bf16, True), True, (16384, 8192, MAP_K)),
     "row_scaled_dh": (
         scaled_total_epilogue(bf16, True, True),
         True,
         (2048, 2048, 128256),
         ("k", "n"),
+    ),
+    "row_scaled_rank1_dh": (
+        scaled_total_epilogue(bf16, True, True, True),
+        True,
+        (2048, 2048, 128256),
+        ("k", "n"),
+    ),
+    "rank1_sum_dW": (
+        scaled_total_epilogue(bf16, True, False, True),
+        True,
+        (128256, 2048, 2048),
+        ("m", "n"),
     ),
     # OneHot at width 1/2 (pairs across lanes) feeding a row and a column reduction
     "onehot_half": (

@@ -1,7 +1,7 @@
 """CPU CI of the loss's shifted-softmax gradient (``coda.fusions.ce_fused.GRAD_PASS``).
 
-The gradient-in-forward path's default for losses without bias or label smoothing
-whose row chunks take their statistics in the logits GEMM's epilogue:
+The gradient-in-forward path's default for losses without bias (nor label smoothing
+with softcap) whose row chunks take their statistics in the logits GEMM's epilogue:
 the logits GEMM stores R = exp(z - c) against a per-row shift c (the
 target's logit + ``SHIFT_MARGIN``) and the softmax reaches the dh / dW GEMMs as R times a
 per-row factor. Checked here on the epilogues' CPU reference (the same ``Epilogue``
@@ -9,8 +9,8 @@ objects the GPU runs):
 
 * loss and gradients against float64 within twice the map pass's error (``GRAD_PASS =
   "map"``) on the same bf16 inputs, on hypothesis-drawn problems (ragged V, targets in the V mod 8
-  tail, ignored rows, z-loss, softcap, rstd without its gradient, one and several row
-  chunks), and
+  tail, ignored rows, z-loss, softcap, label smoothing, rstd without its gradient, one and
+  several row chunks), and
   with the rstd gradient taken from dh;
 * the window of c: a row whose largest logit is 100 above its target logit (inside
   ``SHIFT_MARGIN + SHIFT_CLAMP``) is exact; one 140 above saturates only that row's
@@ -67,17 +67,22 @@ def _err(a, ref):
     chunk_rows=st.sampled_from([None, 1, 8, 16]),
     z_loss=st.sampled_from([0.0, 1e-2]),
     softcap=st.sampled_from([None, None, 1.5, 30.0]),
+    smoothing=st.sampled_from([0.0, 0.0, 0.1, 1.0]),
     rstd=st.booleans(),
     tail_targets=st.booleans(),
     seed=st.integers(0, 2**20),
 )
-def test_no_worse_than_the_map_pass(M, H, V, chunk_rows, z_loss, softcap, rstd, tail_targets, seed):
+def test_no_worse_than_the_map_pass(
+    M, H, V, chunk_rows, z_loss, softcap, smoothing, rstd, tail_targets, seed
+):
     h, W, target = _problem(M, H, V, seed, tail_targets=tail_targets)
     r = 0.5 + torch.rand(M, generator=torch.Generator().manual_seed(seed)) if rstd else None
-    opts = dict(z_loss=z_loss, softcap=softcap, chunk_rows=chunk_rows)
+    smoothing = 0.0 if softcap is not None else smoothing  # the shifted path's options
+    opts = dict(z_loss=z_loss, softcap=softcap, label_smoothing=smoothing, chunk_rows=chunk_rows)
     truth = _grads(
-        h, W, target, F64, None if r is None else r.double(), z_loss=z_loss, softcap=softcap
-    )
+        h, W, target, F64, None if r is None else r.double(), z_loss=z_loss, softcap=softcap,
+        label_smoothing=smoothing,
+    )  # fmt: skip
     got, ref = {}, {}
     for grad_pass, out in (("shifted", got), ("map", ref)):
         old = ce_fused.GRAD_PASS
@@ -138,7 +143,8 @@ def test_which_options_take_the_shifted_path():
     assert not ok(BF16, False, None, 0.0, False, False, False)  # no GEMM after the forward
     assert not ok(BF16, True, None, 0.0, True, True, False)  # bias
     assert ok(BF16, False, 30.0, 0.0, True, True, False)  # softcap: its factor in R
-    assert not ok(BF16, False, None, 0.1, True, True, False)  # label smoothing
+    assert ok(BF16, False, None, 0.1, True, True, False)  # label smoothing: rank-1 terms
+    assert not ok(BF16, False, 30.0, 0.1, True, True, False)  # ... but not with softcap
     assert ok(BF16, False, None, 0.0, True, True, True)  # rstd gradient: from dh
     assert not ok(BF16, False, None, 0.0, False, True, True)  # ... which is not made
     # "auto" (the default): shifted where the row chunks take their statistics in the

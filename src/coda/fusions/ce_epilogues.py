@@ -86,6 +86,8 @@ from coda.primitives import math as cm
 __all__ = [
     "GRAD_SCALE",
     "PARTIAL_SUM",
+    "RANK_COL",
+    "RANK_ROW",
     "ROW_SCALE",
     "SHIFT",
     "SHIFTED",
@@ -119,6 +121,8 @@ GRAD_SCALE = "grad_scale"
 TOTAL = "total"
 #: name of ``scaled_total_epilogue``'s optional fp32 row vector scaling acc
 ROW_SCALE = "row_scale"
+#: names of ``scaled_total_epilogue``'s optional rank-1 term: fp32 row and column vectors
+RANK_ROW, RANK_COL = "rank_row", "rank_col"
 #: name of the per-row shift c (fp32) of ``shifted_store_epilogue``
 SHIFT = "shift"
 #: name of the stored exp(min(z - c, SHIFT_CLAMP))
@@ -276,15 +280,19 @@ def shifted_exp(z: Any, c: Any) -> Any:
     return cm.exp_fast(cm.minimum(z - c, SHIFT_CLAMP))
 
 
-def _shifted(rstd: bool, softcap: float | None, out_dtype: torch.dtype, src: str) -> list:
-    """z from ``src``, its exact lse and zt, and R = ``shifted_exp(z, SHIFT)`` stored as
-    ``SHIFTED`` (with ``softcap``: times dz/ds = 1 - (z / cap)^2, the chain to the
-    pre-cap logits)."""
+def _shifted(
+    rstd: bool, softcap: float | None, with_sum: bool, out_dtype: torch.dtype, src: str
+) -> list:
+    """z from ``src``, its exact lse and zt (with ``with_sum``: zsum), and R =
+    ``shifted_exp(z, SHIFT)`` stored as ``SHIFTED`` (with ``softcap``: times dz/ds =
+    1 - (z / cap)^2, the chain to the pre-cap logits)."""
     prims, z = _logits(None, rstd, softcap, src)
     prims.append(LogSumExp("lse", of=z))
     prims.append(
         TargetSelect("zt", of=z, target="tloc", ignore_index=-1, target_dtype=TARGET_DTYPE)
     )
+    if with_sum:
+        prims.append(TileReduce("zsum", of=z, op="sum"))
     prims.append(VecLoad(SHIFT, per="row", dtype=F32))
     prims.append(Elementwise("r", shifted_exp, ins=(z, SHIFT)))
     r = "r"
@@ -297,23 +305,28 @@ def _shifted(rstd: bool, softcap: float | None, out_dtype: torch.dtype, src: str
 
 @functools.cache
 def shifted_store_epilogue(
-    out_dtype: torch.dtype, rstd: bool, softcap: float | None = None
+    out_dtype: torch.dtype, rstd: bool, softcap: float | None = None, with_sum: bool = False
 ) -> Epilogue:
     """The shifted-softmax forward after the logits GEMM (see the module doc): outputs
     ``lse`` and ``zt`` of z = [softcap of] (rstd *) acc, exact from the fp32 acc; stores
     ``SHIFTED`` = exp(min(z - c, ``SHIFT_CLAMP``)) [* (1 - (z / cap)^2)] in
-    ``out_dtype``. Inputs ``tloc``, ``SHIFT`` (fp32 per row) and, with ``rstd``, ``rstd``."""
-    return Epilogue(_shifted(rstd, softcap, out_dtype, "acc"))
+    ``out_dtype`` (with ``with_sum`` also ``zsum``, for label smoothing). Inputs ``tloc``,
+    ``SHIFT`` (fp32 per row) and, with ``rstd``, ``rstd``."""
+    return Epilogue(_shifted(rstd, softcap, with_sum, out_dtype, "acc"))
 
 
 @functools.cache
 def shifted_map_epilogue(
-    acc_dtype: torch.dtype, out_dtype: torch.dtype, rstd: bool, softcap: float | None = None
+    acc_dtype: torch.dtype,
+    out_dtype: torch.dtype,
+    rstd: bool,
+    softcap: float | None = None,
+    with_sum: bool = False,
 ) -> Epilogue:
     """``shifted_store_epilogue`` without a GEMM (``run_map``) over the acc a plain GEMM
     stored (``STORED_ACC``, ``acc_dtype``): the statistics of exactly those stored values
     and R written over them in place when the dtypes agree. Reads no ``acc``."""
-    prims = _shifted(rstd, softcap, out_dtype, STORED_ACC)
+    prims = _shifted(rstd, softcap, with_sum, out_dtype, STORED_ACC)
     return Epilogue([TileLoad(STORED_ACC, acc_dtype), *prims])
 
 
@@ -406,9 +419,14 @@ def grad_map_epilogue(
     return _grad(prims, z, STORED_ACC, out_dtype, rstd, softcap, with_sum, dbias, drstd)
 
 
+def add_outer(x: Any, a: Any, b: Any) -> Any:
+    """x + a * b (a row vector times a column vector: a rank-1 term)."""
+    return x + a * b
+
+
 @functools.cache
 def scaled_total_epilogue(
-    out_dtype: torch.dtype, partial: bool, row_scale: bool = False
+    out_dtype: torch.dtype, partial: bool, row_scale: bool = False, rank1: bool = False
 ) -> Epilogue:
     """``TOTAL`` = ``GRAD_SCALE`` * ([``ROW_SCALE`` *] acc [+ ``PARTIAL_SUM``, an fp32
     M x N input]), rounded once to ``out_dtype``; ``GRAD_SCALE`` is an fp32 column vector
@@ -417,7 +435,9 @@ def scaled_total_epilogue(
     path's last row chunk: dh of its rows (``PARTIAL_SUM``: the V mod 8 tail's fp32
     product) and dW (``PARTIAL_SUM``: the earlier chunks' fp32 sum), written scaled and
     in their dtypes, with no cast or scaling pass; with ``row_scale`` also the shifted
-    path's dh of every row chunk."""
+    path's dh of every row chunk; ``rank1`` adds ``RANK_ROW`` (fp32 per row) times
+    ``RANK_COL`` (fp32 per column) after the row scale (the shifted path's label
+    smoothing: gs x colsum(W) in dh, 1 x sum_m gs h in dW)."""
     prims: list = [VecLoad(GRAD_SCALE, per="col", dtype=F32)]
     src = "acc"
     if row_scale:
@@ -426,6 +446,13 @@ def scaled_total_epilogue(
             Elementwise("row_scaled", ops.mul, ins=("acc", ROW_SCALE)),
         ]
         src = "row_scaled"
+    if rank1:
+        prims += [
+            VecLoad(RANK_ROW, per="row", dtype=F32),
+            VecLoad(RANK_COL, per="col", dtype=F32),
+            Elementwise("with_rank1", add_outer, ins=(src, RANK_ROW, RANK_COL)),
+        ]
+        src = "with_rank1"
     if partial:
         prims += [
             TileLoad(PARTIAL_SUM, F32),

@@ -52,7 +52,8 @@ one dot product per row beforehand) instead of the rounded acc, beside the exact
 zt of the fp32 acc; the softmax is then R times the row factor s = ga exp(c - lse), the
 target's entry of R is set to its whole gradient over s (fp32), and step 4 disappears:
 dh = s * (R @ W) (the factor in the dh GEMM's epilogue), dW (+)= R.T @ (s * h) (on the
-other operand), drstd = h . dh / rstd. docs/cross-entropy.md, "The shifted softmax".
+other operand), drstd = h . dh / rstd; label smoothing's per-row constant as rank-1
+terms of dh and dW. docs/cross-entropy.md, "The shifted softmax".
 
 In place (step 4) is safe in the engine: each address of the buffer is in exactly one
 (tile, subtile) box, the same box for the stored-acc TMA load and the dlogits TMA store
@@ -82,6 +83,8 @@ from coda.fusions._dispatch import matmul, run_epilogue, run_map
 from coda.fusions.ce_epilogues import (
     GRAD_SCALE,
     PARTIAL_SUM,
+    RANK_COL,
+    RANK_ROW,
     ROW_SCALE,
     SHIFT,
     SHIFT_CLAMP,
@@ -171,9 +174,10 @@ DEFER_ONE_CHUNK: bool = True
 ACC_STORE_DTYPE: torch.dtype | None = None
 
 #: How the gradient's softmax reaches the dh and dW GEMMs. "shifted" (where
-#: ``shifted_ok``: no bias, softcap, label smoothing or rstd gradient, the acc stored in
-#: h's dtype): the logits GEMM's epilogue stores R = exp(z - c) against a per-row shift c
-#: known before it (the target's logit + ``SHIFT_MARGIN``) instead of z, the softmax is R
+#: ``shifted_ok``: no bias, no label smoothing with softcap, an rstd gradient only beside
+#: dh, the acc stored in h's dtype): the logits GEMM's epilogue stores R = exp(z - c)
+#: against a per-row shift c known before it (the target's logit + ``SHIFT_MARGIN``)
+#: instead of z, the softmax is R
 #: times a per-row factor, and no M x V pass runs between the GEMMs
 #: (``_Walk._shifted_chunk``). "map": the logits stored, then the gradient map pass over
 #: them (the other options' path). "auto" (the default): "shifted" where the row chunks
@@ -250,7 +254,9 @@ def shifted_ok(
 ) -> bool:
     """Whether a fused loss with these options takes the shifted-softmax gradient
     (``GRAD_PASS``): a GEMM needs dlogits, no bias (its gradient would be a column sum of
-    the softmax), no label smoothing (softcap's per-element chain factor rides in R), an rstd
+    the softmax), label smoothing only without softcap (its per-row constant becomes
+    rank-1 terms of dh and dW, which softcap's per-element chain factor would break;
+    that factor alone rides in R), an rstd
     gradient only beside dh (it is taken from the dh rows: drstd = h . dh / rstd; the
     row sums of R * acc beside the statistics would spill the 128 x 128 tile's registers,
     3 STL at sm_90a), and the acc stored in h's dtype (``ACC_STORE_DTYPE`` None or
@@ -263,7 +269,7 @@ def shifted_ok(
         GRAD_PASS != "map"
         and (need_dh or need_dW)
         and not bias
-        and not label_smoothing
+        and (not label_smoothing or softcap is None)
         and (need_dh or not need_drstd)
         and ACC_STORE_DTYPE in (None, out_dtype)
     )
@@ -375,6 +381,11 @@ class _Walk:
         self.bufs = self._buffers(min(rows, M))
         self.last: tuple = (None, None, None)
         self.ones = torch.ones(H, dtype=F32, device=h.device) if spec.shifted else None
+        # the shifted path's label smoothing: gs (* rstd) per row, and colsum(W[:V'])
+        self.smooth = self.wsum = None
+        if spec.shifted and spec.with_sum:
+            self.smooth = torch.zeros(M, dtype=F32, device=h.device)
+            self.wsum = self.W_main.sum(0, dtype=F32)
 
     def _allocate(self, M: int, H: int, V: int) -> None:
         """The per-row losses and the gradients asked for: dh of the rows before the last
@@ -403,7 +414,8 @@ class _Walk:
         return row_buffers(m, spec.main, spec.acc_dtype, spec.out_dtype, spec.store, self.h.device)
 
     def run(self) -> list[torch.Tensor | None]:
-        """[loss, dh, dW, dbias, drstd, dl_last, dl_tail, dl_scale] as ``lce_fused_loss`` returns
+        """[loss, dh, dW, dbias, drstd, dl_last, dl_tail, dl_scale, dl_smooth] as
+        ``lce_fused_loss`` returns
         them (dh and dW the partial ones when the last chunk is deferred; None: not
         made)."""
         for i, (r0, r1) in enumerate(self.plan):
@@ -411,7 +423,7 @@ class _Walk:
         loss = self.row_loss.sum() / self.denom
         dbias = None if self.dbias is None else self.dbias.to(self.spec.bias_dtype)
         dW = self.dW32 if self.several else self.dW
-        return [loss, self.dh, dW, dbias, self.drstd, *self.last]
+        return [loss, self.dh, dW, dbias, self.drstd, *self.last, self.smooth]
 
     # ---- one row chunk ------------------------------------------------------------------
     def _chunk(self, i: int, r0: int, r1: int) -> None:
@@ -456,26 +468,43 @@ class _Walk:
         out = self._shifted_stats(h_c, tloc, r_c, shift, m)
         R = out[SHIFTED]
         tail = _tail(spec, hf, self.W_tail, None, r_c, t_c, valid_c) if spec.tail else None
-        lse, zt, _ = _merge((out["lse"], out["zt"], None), None if tail is None else tail.stats())
-        self.row_loss[r0:r1] = _row_losses(spec, lse, zt, None, valid_c)
-        ga, gt, _ = _coefficients(spec, lse, valid_c, self.inv)
+        main = (out["lse"], out["zt"], out["zsum"] if spec.with_sum else None)
+        lse, zt, zsum = _merge(main, None if tail is None else tail.stats())
+        self.row_loss[r0:r1] = _row_losses(spec, lse, zt, zsum, valid_c)
+        ga, gt, gs = _coefficients(spec, lse, valid_c, self.inv)
+        rank = None  # label smoothing: dh += gs (* rstd) x colsum(W), dW += 1 x sum gs h
+        if gs is not None:
+            self.smooth[r0:r1] = gs if r_c is None else gs * r_c
+            rank = (self.smooth[r0:r1], self.wsum)
         # s = dL/dz / R on the fused columns (0 on ignored rows), sr = dL/dacc / R
         s = torch.where(valid_c, ga * torch.exp(torch.clamp(shift - lse, max=80.0)), 0.0)
         sr = s if r_c is None else s * r_c
         self._patch_target(R, tloc, valid_c, ga, gt, out["zt"], lse, shift, spec.softcap)
         dl_t = None
         if tail is not None:
-            dl_t = self._tail_grads(tail, lse, ga, gt, None, r_c, r0, r1)
+            dl_t = self._tail_grads(tail, lse, ga, gt, gs, r_c, r0, r1)
         if self.defer and i == len(self.plan) - 1:  # lce_fused_finish's GEMMs read these
             self.last = (R, dl_t, sr)  # (and the backward this chunk's drstd from its dh)
             return
         if spec.need_dh:
             partial = None if dl_t is None else dl_t @ self.W_tail.float()
-            _scaled_gemm(self.dh[r0:r1], R, self.W_main.t(), self.ones, partial, sr, CHUNK_DH_TILES)
+            _scaled_gemm(
+                self.dh[r0:r1], R, self.W_main.t(), self.ones, partial, sr, CHUNK_DH_TILES, rank
+            )
         if spec.need_drstd:  # every column's, the tail's too: over the tail's own part
             self.drstd[r0:r1] = drstd_from_dh(h_c, self.dh[r0:r1], r_c)
-        if spec.need_dW:
-            self._dW(i, hf, _row_scaled(h_c, sr), R, dl_t)
+        if not spec.need_dW:
+            return
+        h_s = _row_scaled(h_c, sr)
+        if rank is not None and self.dW32 is None:  # one chunk, not deferred: dW whole here
+            ones = torch.ones(spec.main, dtype=F32, device=h_c.device)
+            u = _row_weighted_sum(h_c, self.smooth[r0:r1])
+            _scaled_gemm(self.dW[: spec.main], R.t(), h_s.t(), self.ones, None, None,
+                         CHUNK_DW_TILES, (ones, u))  # fmt: skip
+            if dl_t is not None:
+                self.dW[spec.main :] = (dl_t.T @ hf).to(self.W.dtype)
+            return
+        self._dW(i, hf, h_s, R, dl_t)  # several chunks: the smoothing term in the backward
 
     def _shift(self, h_c, t_c, valid_c, r_c) -> torch.Tensor:
         """c = z[target] + ``SHIFT_MARGIN`` per row (``SHIFT_MARGIN`` on ignored rows):
@@ -503,12 +532,14 @@ class _Walk:
         vec = {SHIFT: shift, **self._vectors(r_c)}
         if stats_by_map(m, spec.main, self.h.shape[1]):
             acc, on_device = self._stored_logits(h_c, m)
-            epi = shifted_map_epilogue(spec.acc_dtype, spec.out_dtype, spec.rstd, spec.softcap)
+            epi = shifted_map_epilogue(
+                spec.acc_dtype, spec.out_dtype, spec.rstd, spec.softcap, spec.with_sum
+            )
             outputs = {SHIFTED: acc} if on_device else None
             return run_map(
                 epi, m, spec.main, self.h, outputs, **{STORED_ACC: acc}, tloc=tloc, **vec
             )
-        epi = shifted_store_epilogue(spec.out_dtype, spec.rstd, spec.softcap)
+        epi = shifted_store_epilogue(spec.out_dtype, spec.rstd, spec.softcap, spec.with_sum)
         return run_epilogue(epi, h_c, self.W_main, self._out(SHIFTED, 0, m), tloc=tloc, **vec)
 
     @staticmethod
@@ -677,14 +708,16 @@ def _last_chunk(M, rows: int) -> tuple[bool, int]:
 
 
 def _outputs_like(
-    h, W, bias, rstd, rows: int, need: tuple[bool, ...], shifted: bool = False
-) -> list:
+    h, W, bias, rstd, rows: int, need: tuple[bool, ...], shifted: bool = False,
+    smoothing: bool = False,
+) -> list:  # fmt: skip
     """Empty tensors of the op's outputs, shape (0,) where not made: the 0-dim fp32
     loss; dh_part (rows before the last chunk, H) in h's dtype; with several row chunks
     the fp32 dW_part (V, H) of the chunks before the last; dbias (V,) in bias's dtype,
     fp32 drstd (M,); when dh or dW is asked for, the last chunk's dlogits (m_last, V') in
     h's dtype and its tail's fp32 (m_last, V mod 8), and on the ``shifted`` path the
-    fp32 row factor (m_last,) of the last chunk's R (its dlogits are R times it). With
+    fp32 row factor (m_last,) of the last chunk's R (its dlogits are R times it) and,
+    with label smoothing, the fp32 per-row gs (* rstd) of every row (M,). With
     the last chunk not deferred (one chunk, ``DEFER_ONE_CHUNK`` off): dh (M, H) and dW
     (V, H) whole, no dlogits."""
     need_dh, need_dW, need_dbias, need_drstd = need
@@ -707,6 +740,7 @@ def _outputs_like(
         h.new_empty((m_last, main) if last and main else (0,)),
         h.new_empty((m_last, V - main) if last and V - main else (0,), dtype=F32),
         h.new_empty((m_last,) if last and main and shifted else (0,), dtype=F32),
+        h.new_empty((M,) if shifted and smoothing and main else (0,), dtype=F32),
     ]
 
 
@@ -730,15 +764,17 @@ def lce_fused_loss(
     need_drstd: bool,
 ) -> tuple[
     torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-    torch.Tensor, torch.Tensor,
+    torch.Tensor, torch.Tensor, torch.Tensor,
 ]:  # fmt: skip
-    """(loss, dh, dW, dbias, drstd, dl_last, dl_tail, dl_scale): the fp32 scalar loss
+    """(loss, dh, dW, dbias, drstd, dl_last, dl_tail, dl_scale, dl_smooth): the fp32
+    scalar loss
     sum_rows(row loss) / ``denom`` (a 0-dim fp32 tensor: the valid-row count, 1, or
     num_items_in_batch) of the logits softcap(rstd * h @ W.T + bias), and its gradients
     for an upstream gradient of 1: dbias (bias's dtype) and drstd (fp32); dh of the rows
     before the last chunk, with several chunks the fp32 dW sum of the chunks before the
     last, and the last chunk's dlogits (h's dtype; the V mod 8 tail's in fp32; on the
-    shifted path (``GRAD_PASS``) R and its fp32 row factor ``dl_scale``), which
+    shifted path (``GRAD_PASS``) R and its fp32 row factor ``dl_scale``, and with label
+    smoothing ``dl_smooth``, gs (* rstd) of every row), which
     ``lce_fused_finish`` turns into dh and dW (with ``DEFER_ONE_CHUNK`` off and one row
     chunk: dh and dW whole in h's and W's dtypes, dl_last and dl_tail empty). Each is
     shape (0,) where not asked for (``need_*``). ``chunk_rows``: rows per chunk, 0 for
@@ -775,16 +811,16 @@ def _(
     rows = _chunk_rows(h, W, chunk_rows, need_dW)
     eligible = shifted_ok(h.dtype, bias is not None, softcap, label_smoothing, *need[:2], need[3])
     shifted = _takes_shifted(eligible, rows, W.shape[0], h.shape[1])
-    return tuple(_outputs_like(h, W, bias, rstd, rows, need, shifted))
+    return tuple(_outputs_like(h, W, bias, rstd, rows, need, shifted, bool(label_smoothing)))
 
 
 # ---- the backward's GEMMs --------------------------------------------------------------------
 
 
-def _scaled_gemm(out, A, B, gvec, partial, row_scale=None, config=None) -> None:
-    """out = g * ([row_scale *] A @ B.T [+ partial]) rounded once into out's dtype, by
-    ``scaled_total_epilogue`` on the GEMM (or in torch when there is no A: V < 8);
-    ``config``: the GEMM's (default ``BACKWARD_TILES``)."""
+def _scaled_gemm(out, A, B, gvec, partial, row_scale=None, config=None, rank=None) -> None:
+    """out = g * ([row_scale *] A @ B.T [+ rank[0] x rank[1]] [+ partial]) rounded once
+    into out's dtype, by ``scaled_total_epilogue`` on the GEMM (or in torch when there is
+    no A: V < 8); ``config``: the GEMM's (default ``BACKWARD_TILES``)."""
     if A is None:
         out.copy_(partial * gvec)
         return
@@ -793,7 +829,11 @@ def _scaled_gemm(out, A, B, gvec, partial, row_scale=None, config=None) -> None:
         tensors[PARTIAL_SUM] = partial
     if row_scale is not None:
         tensors[ROW_SCALE] = row_scale
-    epi = scaled_total_epilogue(out.dtype, partial is not None, row_scale is not None)
+    if rank is not None:
+        tensors[RANK_ROW], tensors[RANK_COL] = rank
+    epi = scaled_total_epilogue(
+        out.dtype, partial is not None, row_scale is not None, rank is not None
+    )
     config = BACKWARD_TILES if config is None else config
     got = run_epilogue(epi, A, B, {TOTAL: out}, config=config, **tensors)[TOTAL]
     if got.data_ptr() != out.data_ptr():  # the CPU reference's new tensor
@@ -817,6 +857,15 @@ def drstd_from_dh(h: torch.Tensor, dh: torch.Tensor, rstd: torch.Tensor) -> torc
     return out / rstd
 
 
+def _row_weighted_sum(h: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """sum_m weights[m] h[m] in fp32 (H,), slice by slice (``SLICE_ROWS``): the shifted
+    path's label-smoothing term of dW (every row of dW gains it)."""
+    out = torch.zeros(h.shape[1], dtype=F32, device=h.device)
+    for a, b in ce_chunks.row_chunks(h.shape[0], SLICE_ROWS):
+        out += weights[a:b] @ h[a:b].float()
+    return out
+
+
 def _row_scaled(h: torch.Tensor, row_scale: torch.Tensor) -> torch.Tensor:
     """row_scale[:, None] * h in fp32, rounded once into h's dtype: the dW GEMM's operand
     on the shifted path (dW = R.T @ (sr * h)), slice by slice (``SLICE_ROWS``)."""
@@ -836,11 +885,12 @@ def lce_fused_finish(
     dl_last: torch.Tensor,
     dl_tail: torch.Tensor,
     dl_scale: torch.Tensor,
+    dl_smooth: torch.Tensor,
     need_dh: bool,
     need_dW: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(dh, dW) = g * the loss's gradients, from what ``lce_fused_loss`` left (its
-    outputs 1, 2, 5, 6, 7) and the 0-dim upstream gradient ``g``: the last row chunk's
+    outputs 1, 2, 5, 6, 7, 8) and the 0-dim upstream gradient ``g``: the last row chunk's
     dh and dW GEMMs with g and the fp32 partials folded into their epilogue, each
     written once in its input's dtype; the earlier dh rows times g (g rounded to h's
     dtype). Each is shape (0,) unless asked for."""
@@ -858,6 +908,7 @@ def lce_fused_finish(
     A = dl_last if main else None
     h_last = h[row0:]
     scale = dl_scale if main and dl_scale.numel() else None  # the shifted path's factor
+    smooth = main and dl_smooth.numel() > 0  # ... and its label-smoothing rank-1 terms
     # dW first: on the shifted path its operand sr * h (the last chunk's rows) is a
     # temporary that is freed before dh is allocated, so the peak stays R + dW + dh
     dW = W.new_empty((0,))
@@ -865,8 +916,14 @@ def lce_fused_finish(
         several = dW_part.dim() == 2
         B = h_last if scale is None or not main else _row_scaled(h_last, scale)
         dW = torch.empty_like(W)
+        rank = None
+        if smooth:  # every row of dW gains sum_m gs_m (rstd_m) h_m, over ALL rows
+            ones = torch.ones(main, dtype=F32, device=W.device)
+            rank = (ones, _row_weighted_sum(h, dl_smooth))
         if main:
-            _scaled_gemm(dW[:main], A.t(), B.t(), gvec, dW_part[:main] if several else None)
+            _scaled_gemm(
+                dW[:main], A.t(), B.t(), gvec, dW_part[:main] if several else None, rank=rank
+            )
         del B
         if V - main:
             part = dl_tail.T @ h_last.float()
@@ -878,12 +935,13 @@ def lce_fused_finish(
         if row0:
             torch.mul(dh_part[:row0], g.to(h.dtype), out=dh[:row0])
         partial = dl_tail @ W[main:].float() if V - main else None
-        _scaled_gemm(dh[row0:], A, W[:main].t(), gvec, partial, scale)
+        rank = (dl_smooth[row0:], W[:main].sum(0, dtype=F32)) if smooth else None
+        _scaled_gemm(dh[row0:], A, W[:main].t(), gvec, partial, scale, rank=rank)
     return dh, dW
 
 
 @lce_fused_finish.register_fake
-def _(g, h, W, dh_part, dW_part, dl_last, dl_tail, dl_scale, need_dh, need_dW):
+def _(g, h, W, dh_part, dW_part, dl_last, dl_tail, dl_scale, dl_smooth, need_dh, need_dW):
     return (
         torch.empty_like(h) if need_dh else h.new_empty((0,)),
         torch.empty_like(W) if need_dW else W.new_empty((0,)),
@@ -960,7 +1018,7 @@ def _fused_backward(ctx, g_loss, *unused):
     if g_loss is None:
         return (None,) * 16
     saved = ctx.saved_tensors
-    h, W, dh_saved, dW_saved, dbias, drstd, dl_last, dl_tail, dl_scale, rstd = saved
+    h, W, dh_saved, dW_saved, dbias, drstd, dl_last, dl_tail, dl_scale, dl_smooth, rstd = saved
     need_dh, need_dW, need_dbias, need_drstd = ctx.need
     dbias, drstd = (dbias if need_dbias else None), (drstd if need_drstd else None)
     if dl_last.dim() != 2 and dl_tail.dim() != 2:  # nothing deferred: the gradients are whole
@@ -971,7 +1029,7 @@ def _fused_backward(ctx, g_loss, *unused):
     g = torch.ones_like(g_loss) if through_g else g_loss
     dh, dW = lce_fused_finish(
         g.detach(), h.detach(), W.detach(), dh_saved, dW_saved, dl_last, dl_tail, dl_scale,
-        need_dh, need_dW,
+        dl_smooth, need_dh, need_dW,
     )  # fmt: skip
     dh, dW = (dh if need_dh else None), (dW if need_dW else None)
     last_drstd = None
