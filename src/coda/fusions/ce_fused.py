@@ -6,8 +6,9 @@ chunks, workspace), ``ce_operands`` (checks, targets) and ``_dispatch`` (fused k
 CUDA, the epilogues' reference on CPU).
 
 Two custom ops. ``coda::lce_fused_loss(h, W, target, bias, rstd, denom, ...) -> (loss,
-dh, dW, dbias, drstd, dl_last, dl_tail)``: the scalar loss sum_rows(row loss) / denom and
-its gradients for an upstream gradient of 1, three logits-sized GEMMs in all (the
+dh, dW, dbias, drstd, dl_last, dl_tail, dl_scale, dl_smooth)``: the scalar loss
+sum_rows(row loss) / denom and its gradients for an upstream gradient of 1, three
+logits-sized GEMMs in all (the
 recompute path of ``cross_entropy`` runs four). How the upstream gradient g reaches them
 (measured on the H200, 2026-11-26, ``docs/cross-entropy.md``):
 
@@ -462,7 +463,8 @@ class _Walk:
         statistics and R from the logits GEMM (or its stored acc, ``stats_by_map``); the
         row losses; the factor sr = dL/dacc / R; the target's entry of R set to its whole
         gradient over sr; dh = sr * (R @ W) and dW (+)= R.T @ (sr * h) (see the module
-        doc), or those left to ``lce_fused_finish`` for the last chunk."""
+        doc), with label smoothing plus their rank-1 terms, and drstd = h . dh / rstd; or
+        those left to ``lce_fused_finish`` (and the backward) for the last chunk."""
         spec, m = self.spec, r1 - r0
         shift = self._shift(h_c, t_c, valid_c, r_c)
         out = self._shifted_stats(h_c, tloc, r_c, shift, m)
