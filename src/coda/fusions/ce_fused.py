@@ -497,16 +497,11 @@ class _Walk:
             self.drstd[r0:r1] = drstd_from_dh(h_c, self.dh[r0:r1], r_c)
         if not spec.need_dW:
             return
-        h_s = _row_scaled(h_c, sr)
-        if rank is not None and self.dW32 is None:  # one chunk, not deferred: dW whole here
+        dW_rank = None  # smoothing's dW term: here with one chunk, else in the backward
+        if rank is not None and self.dW32 is None:
             ones = torch.ones(spec.main, dtype=F32, device=h_c.device)
-            u = _row_weighted_sum(h_c, self.smooth[r0:r1])
-            _scaled_gemm(self.dW[: spec.main], R.t(), h_s.t(), self.ones, None, None,
-                         CHUNK_DW_TILES, (ones, u))  # fmt: skip
-            if dl_t is not None:
-                self.dW[spec.main :] = (dl_t.T @ hf).to(self.W.dtype)
-            return
-        self._dW(i, hf, h_s, R, dl_t)  # several chunks: the smoothing term in the backward
+            dW_rank = (ones, _row_weighted_sum(h_c, self.smooth[r0:r1]))
+        self._dW(i, hf, _row_scaled(h_c, sr), R, dl_t, dW_rank)
 
     def _shift(self, h_c, t_c, valid_c, r_c) -> torch.Tensor:
         """c = z[target] + ``SHIFT_MARGIN`` per row (``SHIFT_MARGIN`` on ignored rows):
@@ -636,15 +631,20 @@ class _Walk:
             matmul(dl, self.W_main.t(), out=acc, accumulate=True, config=CHUNK_DH_TILES)
         out.copy_(acc)
 
-    def _dW(self, i: int, hf, h_c, dl, dl_t) -> None:
+    def _dW(self, i: int, hf, h_c, dl, dl_t, rank=None) -> None:
         """Step 5 of a chunk not deferred: dW = dlogits.T @ h_c in W's dtype with one row
         chunk (``DEFER_ONE_CHUNK`` off); with several, the fp32 dW sum (+)= it (the first
         chunk writes, the next ones add; the backward adds the last chunk's and rounds
         once). The shifted path passes ``h_c`` = sr * h (the GEMM's operand); the tail's
-        fp32 dlogits then multiply ``hf`` (the chunk's h in fp32) all the same."""
+        fp32 dlogits then multiply ``hf`` (the chunk's h in fp32) all the same, and with
+        one chunk its label-smoothing ``rank`` term (row, column vectors) into the GEMM's
+        epilogue."""
         main = self.spec.main
         if self.dW32 is None:
-            if dl is not None:
+            if dl is not None and rank is not None:
+                _scaled_gemm(self.dW[:main], dl.t(), h_c.t(), self.ones, None, None,
+                             CHUNK_DW_TILES, rank)  # fmt: skip
+            elif dl is not None:
                 matmul(dl.t(), h_c.t(), out=self.dW[:main], config=CHUNK_DW_TILES)
             if dl_t is not None:
                 self.dW[main:] = (dl_t.T @ hf).to(self.W.dtype)
@@ -1010,6 +1010,13 @@ def _scale_in_place(g: torch.Tensor, saved: list) -> bool:
         return False
 
 
+def _with_last_rows(x: torch.Tensor | None, last: torch.Tensor | None) -> torch.Tensor | None:
+    """x with its last rows replaced by ``last`` (None: x as it is), out of place."""
+    if last is None:
+        return x
+    return torch.cat([x[: x.shape[0] - last.shape[0]], last])
+
+
 def _fused_backward(ctx, g_loss, *unused):
     """dh and dW by ``lce_fused_finish`` (the last row chunk's GEMMs, g folded into their
     epilogue) and dbias, drstd times g; with nothing deferred (one row chunk,
@@ -1039,13 +1046,11 @@ def _fused_backward(ctx, g_loss, *unused):
         row0 = h.shape[0] - dl_scale.shape[0]
         last_drstd = drstd_from_dh(h.detach()[row0:], dh[row0:], rstd.detach()[row0:])
     if through_g:
-        if last_drstd is not None:
-            drstd = torch.cat([drstd[: drstd.shape[0] - last_drstd.shape[0]], last_drstd])
+        drstd = _with_last_rows(drstd, last_drstd)
         dh, dW, dbias, drstd = _scaled([dh, dW, dbias, drstd], g_loss)
     else:
         dbias, drstd = _scaled([dbias, drstd], g_loss)
-        if last_drstd is not None:  # dh has g in it already
-            drstd = torch.cat([drstd[: drstd.shape[0] - last_drstd.shape[0]], last_drstd])
+        drstd = _with_last_rows(drstd, last_drstd)  # dh has g in it already
     return (dh, dW, None, dbias, drstd) + (None,) * 11
 
 
