@@ -644,10 +644,19 @@ def _write_cols(
 # ``col_lanes`` threads per column, a warp holding 32 / col_lanes consecutive columns;
 # the column's threads stride over the tiles' rows of the (tiles, cols) partials, then
 # meet in a butterfly.
-#: Iterations of a lane's loop over a row's tiles unrolled together: their loads are
-#: independent, so this many are in flight per lane. With 2 the LM head's finalize
-#: (2048 rows x 1002 tiles) was latency-bound at about 0.6 TB/s (48 us on an H200).
+#: Iterations of a lane's loop over a row's tiles unrolled together where one thread
+#: folds a whole row or column (the GEMM kernel's own finalize: few tiles, registers
+#: tight). With 2 the LM head's finalize (2048 rows x 1002 tiles) was latency-bound at
+#: about 0.6 TB/s (48 us on an H200).
 FOLD_UNROLL = 8
+#: Tiles each thread of the finalize kernel (several threads per row or column) reads
+#: per round of its fold: a round issues all its loads before it combines any (a thread
+#: past the last tile re-reads that tile and drops the value), so T tiles over L threads
+#: take ceil(T / (L * FOLD_BATCH)) memory round trips. The unrolled loop above took
+#: ~10 (3 unrolled bodies of 8 and a rolled remainder of 7 at 31 tiles a lane): the LM
+#: head's log-sum-exp + target finalize ended 44 us after its GEMM on an H200
+#: (2048 rows x 1002 tiles, 24.6 MB of partials: ~8 us at HBM speed).
+FOLD_BATCH = 16
 
 
 @attrs.define
@@ -696,22 +705,37 @@ def lanes_allreduce(op: str, v, lanes: int, apart: int = 1):
 @cute.jit
 def fold_row(p, row, lane, op: cutlass.Constexpr[str], lanes: cutlass.Constexpr[int] = 32):
     """Combine ``p[row, :]`` (a (rows, tiles) tensor) over every tile, across the row's
-    ``lanes`` threads (each strides over the tiles from its ``lane``): every one of them
-    returns the result."""
+    ``lanes`` threads (each strides over the tiles from its ``lane``, in rounds of
+    ``FOLD_BATCH`` loads with several threads): every one of them returns the result."""
     acc = fr.identity(op)
-    for t in cutlass.range(lane, cute.size(p, mode=[1]), lanes, unroll=FOLD_UNROLL):
-        acc = fr.combine(op, acc, Float32(p[row, t]))
+    n = cute.size(p, mode=[1])
+    if cutlass.const_expr(lanes == 1):
+        for t in cutlass.range(lane, n, lanes, unroll=FOLD_UNROLL):
+            acc = fr.combine(op, acc, Float32(p[row, t]))
+    else:
+        for t0 in cutlass.range(lane, n, lanes * FOLD_BATCH, unroll=1):
+            got = [Float32(p[row, below_or(t0 + j * lanes, n, n - 1)]) for j in range(FOLD_BATCH)]
+            for j in cutlass.range_constexpr(FOLD_BATCH):
+                acc = fr.combine(op, acc, value_below(t0 + j * lanes, n, got[j], fr.identity(op)))
     return lanes_allreduce(op, acc, lanes)
 
 
 @cute.jit
 def fold_col(p, col, op: cutlass.Constexpr[str], lane=0, lanes: cutlass.Constexpr[int] = 1):
     """Combine ``p[:, col]`` (a (tiles, cols) tensor) over every tile, across the column's
-    ``lanes`` threads (each strides over the tiles from its ``lane``; they sit 32 / lanes
-    lanes apart in one warp): every one of them returns the result."""
+    ``lanes`` threads (each strides over the tiles from its ``lane``, in rounds of
+    ``FOLD_BATCH`` loads with several threads; they sit 32 / lanes lanes apart in one
+    warp): every one of them returns the result."""
     acc = fr.identity(op)
-    for t in cutlass.range(lane, cute.size(p, mode=[0]), lanes, unroll=FOLD_UNROLL):
-        acc = fr.combine(op, acc, Float32(p[t, col]))
+    n = cute.size(p, mode=[0])
+    if cutlass.const_expr(lanes == 1):
+        for t in cutlass.range(lane, n, lanes, unroll=FOLD_UNROLL):
+            acc = fr.combine(op, acc, Float32(p[t, col]))
+    else:
+        for t0 in cutlass.range(lane, n, lanes * FOLD_BATCH, unroll=1):
+            got = [Float32(p[below_or(t0 + j * lanes, n, n - 1), col]) for j in range(FOLD_BATCH)]
+            for j in cutlass.range_constexpr(FOLD_BATCH):
+                acc = fr.combine(op, acc, value_below(t0 + j * lanes, n, got[j], fr.identity(op)))
     return col_lanes_allreduce(op, acc, lanes)
 
 
@@ -786,15 +810,30 @@ def finalize_logsumexp(pmax, psum, out, row, lane, lanes: cutlass.Constexpr[int]
     if row < cute.size(pmax, mode=[0]):
         m = Float32(-float("inf"))
         s = Float32(0.0)
-        for t in cutlass.range(lane, cute.size(pmax, mode=[1]), lanes, unroll=FOLD_UNROLL):
-            # merge_max_sum, written out: the loop carries m and s as plain names (the
-            # form run on the H200; a tuple assignment in this dynamic loop has not been)
-            pm = Float32(pmax[row, t])
-            ps = Float32(psum[row, t])
-            top = fr.combine("max", m, pm)
-            base = finite_or_zero(top)
-            s = s * cute.math.exp(m - base) + ps * cute.math.exp(pm - base)
-            m = top
+        n = cute.size(pmax, mode=[1])
+        if cutlass.const_expr(lanes == 1):
+            for t in cutlass.range(lane, n, lanes, unroll=FOLD_UNROLL):
+                # merge_max_sum, written out: the loop carries m and s as plain names (the
+                # form run on the H200; a tuple assignment in this dynamic loop has not been)
+                pm = Float32(pmax[row, t])
+                ps = Float32(psum[row, t])
+                top = fr.combine("max", m, pm)
+                base = finite_or_zero(top)
+                s = s * cute.math.exp(m - base) + ps * cute.math.exp(pm - base)
+                m = top
+        else:  # rounds of FOLD_BATCH tiles: every load of a round issued first
+            for t0 in cutlass.range(lane, n, lanes * FOLD_BATCH, unroll=1):
+                at = [below_or(t0 + j * lanes, n, n - 1) for j in range(FOLD_BATCH)]
+                pms = [Float32(pmax[row, t]) for t in at]
+                pss = [Float32(psum[row, t]) for t in at]
+                for j in cutlass.range_constexpr(FOLD_BATCH):
+                    inside = t0 + j * lanes
+                    pm = value_below(inside, n, pms[j], Float32(-float("inf")))
+                    ps = value_below(inside, n, pss[j], Float32(0.0))
+                    top = fr.combine("max", m, pm)
+                    base = finite_or_zero(top)
+                    s = s * cute.math.exp(m - base) + ps * cute.math.exp(pm - base)
+                    m = top
         if cutlass.const_expr(lanes > 1):
             m, s = warp_merge_max_sum(m, s, lanes)
         if lane == 0:
@@ -866,4 +905,13 @@ def below_or(index, limit, other):
     out = other
     if index < limit:
         out = index
+    return out
+
+
+@cute.jit
+def value_below(index, limit, value, other):
+    """``value`` if ``index`` is below ``limit``, else ``other`` (fp32)."""
+    out = other
+    if index < limit:
+        out = value
     return out
