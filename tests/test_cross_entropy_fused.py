@@ -101,13 +101,15 @@ def _fused_counts(chunks, dh=True, dW=True, defer=True, shifted=False):
     """The forward's calls: per row chunk the logits GEMM (``run_epilogue``) and the map
     pass; the dh and dW GEMMs (``matmul``) of every chunk but the last (of the one
     chunk too when the last chunk's are not deferred: ``ce_fused.DEFER_ONE_CHUNK``
-    off). ``shifted`` (``ce_fused.GRAD_PASS``): no map pass, and dh a GEMM with its row
-    factor in the epilogue (``run_epilogue``)."""
+    off). ``shifted`` (``ce_fused.GRAD_PASS``): no gradient map pass, dh a GEMM with its
+    row factor in the epilogue (``run_epilogue``), and dW's operand s * h a map pass
+    (``run_map``) before its GEMM."""
     early = chunks - 1 if chunks > 1 or defer else 1
     if shifted:
         out = {"fused.run_epilogue": chunks + dh * early}
         if dW * early:
             out["fused.matmul"] = dW * early
+            out["fused.run_map"] = dW * early
         return out
     out = {"fused.run_epilogue": chunks, "fused.run_map": chunks}
     gemms = (dh + dW) * early
@@ -116,13 +118,17 @@ def _fused_counts(chunks, dh=True, dW=True, defer=True, shifted=False):
     return out
 
 
-def _backward_counts(chunks, dh=True, dW=True, defer=True):
+def _backward_counts(chunks, dh=True, dW=True, defer=True, shifted=False):
     """The backward's calls: the last row chunk's dh and dW GEMMs, each with the upstream
     gradient (and, with several chunks, the fp32 sum) in its epilogue
-    (``scaled_total_epilogue``); none with one chunk not deferred (the saved gradients
-    are scaled)."""
-    n = (dh + dW) if chunks > 1 or defer else 0
-    return {"fused.run_epilogue": n} if n else {}
+    (``scaled_total_epilogue``), on the ``shifted`` path dW's operand s * h a map pass
+    before them; none with one chunk not deferred (the saved gradients are scaled)."""
+    deferred = chunks > 1 or defer
+    n = (dh + dW) if deferred else 0
+    out = {"fused.run_epilogue": n} if n else {}
+    if shifted and dW and deferred:
+        out["fused.run_map"] = 1
+    return out
 
 
 @pytest.mark.parametrize("grad_pass", ["shifted", "map"])
@@ -140,7 +146,7 @@ def test_automatic_choice_runs_the_gradients_in_the_forward(monkeypatch, grad_pa
         loss = linear_cross_entropy(h, W, target, chunk_rows=rows)
         assert calls.take() == _fused_counts(chunks, shifted=grad_pass == "shifted")
         loss.backward()
-        assert calls.take() == _backward_counts(chunks)
+        assert calls.take() == _backward_counts(chunks, shifted=grad_pass == "shifted")
         assert h.grad is not None and W.grad is not None
 
 

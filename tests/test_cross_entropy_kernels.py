@@ -5,7 +5,7 @@ PingPong GEMM and compile for sm_90a; in the config ``epi(A, B)`` picks for them
 with no local memory (LDL/STL), and the default loss's kernels keep 128 x 128 tiles (on
 both paths: recompute, and gradient-in-forward with its stored acc, map pass, and the last
 row chunk's dW GEMM on transposed operands adding the fp32 sum of the other chunks; and
-the shifted softmax's store, map and row-scaled dh kernels).
+the shifted softmax's store, map and row-scaled dh kernels, and its row-scaled h map pass).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from coda.fusions._dispatch import MAP_K
 from coda.fusions.ce_epilogues import (
     grad_epilogue,
     grad_map_epilogue,
+    row_scaled_epilogue,
     scaled_total_epilogue,
     shifted_map_epilogue,
     shifted_store_epilogue,
@@ -113,6 +114,8 @@ KERNELS = {
         (128256, 2048, 2048),
         ("m", "n"),
     ),
+    # the dW GEMM's operand sr * h of a row chunk (2048 x H): a map pass
+    "row_scaled_map": (row_scaled_epilogue(bf16), True, (2048, 4096, MAP_K)),
     # OneHot at width 1/2 (pairs across lanes) feeding a row and a column reduction
     "onehot_half": (
         Epilogue().add(

@@ -89,16 +89,19 @@ __all__ = [
     "RANK_COL",
     "RANK_ROW",
     "ROW_SCALE",
+    "SCALED",
     "SHIFT",
     "SHIFTED",
     "SHIFT_CLAMP",
     "STORED_ACC",
     "TOTAL",
+    "UNSCALED",
     "RoundTo",
     "Softcap",
     "SoftcapGrad",
     "scaled_total_epilogue",
     "grad_epilogue",
+    "row_scaled_epilogue",
     "grad_map_epilogue",
     "shifted_exp",
     "shifted_map_epilogue",
@@ -123,6 +126,8 @@ TOTAL = "total"
 ROW_SCALE = "row_scale"
 #: names of ``scaled_total_epilogue``'s optional rank-1 term: fp32 row and column vectors
 RANK_ROW, RANK_COL = "rank_row", "rank_col"
+#: names of ``row_scaled_epilogue``'s M x N input and output
+UNSCALED, SCALED = "unscaled_rows", "scaled_rows"
 #: name of the per-row shift c (fp32) of ``shifted_store_epilogue``
 SHIFT = "shift"
 #: name of the stored exp(min(z - c, SHIFT_CLAMP))
@@ -464,3 +469,19 @@ def scaled_total_epilogue(
         TileStore(TOTAL, out_dtype),
     ]
     return Epilogue(tuple(prims))
+
+
+@functools.cache
+def row_scaled_epilogue(dtype: torch.dtype) -> Epilogue:
+    """``SCALED`` = ``ROW_SCALE`` * ``UNSCALED`` per row, computed in fp32 and rounded once
+    to ``dtype`` (the M x N input's): a map pass (``run_map``, reads no acc) making the
+    shifted path's dW operand s * h in one read and one write, where torch's mixed-dtype
+    product takes an fp32 temporary and a cast."""
+    return Epilogue(
+        (
+            TileLoad(UNSCALED, dtype),
+            VecLoad(ROW_SCALE, per="row", dtype=F32),
+            Elementwise("row_scaled", ops.mul, ins=(UNSCALED, ROW_SCALE)),
+            TileStore("row_scaled", dtype, name=SCALED),
+        )
+    )

@@ -87,12 +87,15 @@ from coda.fusions.ce_epilogues import (
     RANK_COL,
     RANK_ROW,
     ROW_SCALE,
+    SCALED,
     SHIFT,
     SHIFT_CLAMP,
     SHIFTED,
     STORED_ACC,
     TOTAL,
+    UNSCALED,
     grad_map_epilogue,
+    row_scaled_epilogue,
     scaled_total_epilogue,
     shifted_map_epilogue,
     shifted_store_epilogue,
@@ -295,11 +298,12 @@ def _row_losses(spec: _Spec, lse, zt, zsum, valid) -> torch.Tensor:
     return torch.where(valid, rows, 0.0)
 
 
-def _coefficients(spec: _Spec, lse, valid, inv) -> tuple[torch.Tensor, ...]:
+def _coefficients(spec: _Spec, lse, valid, inv, w=None) -> tuple[torch.Tensor, ...]:
     """(ga, gt, gs): d loss / d (lse, zt, zsum) per row for an upstream gradient of 1, with
-    ``inv`` = 1 / denom (a 0-dim device tensor) on valid rows, 0 on ignored ones; gs is
-    None without label smoothing."""
-    w = valid.to(F32) * inv
+    ``inv`` = 1 / denom (a 0-dim device tensor) on valid rows, 0 on ignored ones (``w``:
+    that weight per row when already made); gs is None without label smoothing."""
+    if w is None:
+        w = valid.to(F32) * inv
     ga = w * (1.0 + 2.0 * spec.z_loss * lse) if spec.z_loss else w
     gt = w * -(1.0 - spec.eps)
     gs = w * (-spec.eps / spec.V) if spec.with_sum else None
@@ -362,6 +366,23 @@ def row_buffers(
     return acc, torch.empty((m, cols), dtype=out_dtype, device=device)
 
 
+@attrs.frozen
+class _RowPlan:
+    """The shifted path's per-row vectors (all M rows, or one chunk's ``slice``): int32
+    targets local to the fused columns (-1: none there), the fp32 shift c, the fp32
+    loss weight w = valid / denom, whether the target is on the fused columns, and the
+    int64 flat index of its entry in the chunk's row buffer R (0 where none)."""
+
+    tloc: torch.Tensor
+    shift: torch.Tensor
+    w: torch.Tensor
+    hit: torch.Tensor
+    flat: torch.Tensor
+
+    def slice(self, r0: int, r1: int) -> _RowPlan:
+        return _RowPlan(*(x[r0:r1] for x in attrs.astuple(self, recurse=False)))
+
+
 class _Walk:
     """One fused loss over row chunks: inputs, the row buffer(s), the accumulators."""
 
@@ -419,9 +440,15 @@ class _Walk:
         ``lce_fused_loss`` returns
         them (dh and dW the partial ones when the last chunk is deferred; None: not
         made)."""
+        self.row_plan = None
+        if self.spec.shifted and self.spec.main:
+            self.row_plan = self._row_plan()
         for i, (r0, r1) in enumerate(self.plan):
             self._chunk(i, r0, r1)
-        loss = self.row_loss.sum() / self.denom
+        if self.row_plan is None:
+            loss = self.row_loss.sum() / self.denom
+        else:  # row_loss unmasked there: ignored rows weigh 0
+            loss = torch.dot(self.row_loss, self.row_plan.w)
         dbias = None if self.dbias is None else self.dbias.to(self.spec.bias_dtype)
         dW = self.dW32 if self.several else self.dW
         return [loss, self.dh, dW, dbias, self.drstd, *self.last, self.smooth]
@@ -431,11 +458,11 @@ class _Walk:
         spec = self.spec
         h_c, t_c, valid_c = self.h[r0:r1], self.target[r0:r1], self.valid[r0:r1]
         r_c = None if self.rstd is None else self.rstd[r0:r1]
-        tloc = local_targets(t_c, valid_c, 0, spec.main)
         hf = h_c.float() if spec.tail else None
         if spec.shifted and spec.main:
-            self._shifted_chunk(i, r0, r1, h_c, t_c, valid_c, tloc, r_c, hf)
+            self._shifted_chunk(i, r0, r1, h_c, t_c, valid_c, r_c, hf)
             return
+        tloc = local_targets(t_c, valid_c, 0, spec.main)
         stats, acc = self._main_stats(h_c, tloc, r_c, r1 - r0) if spec.main else (None, None)
         tail = _tail(spec, hf, self.W_tail, self.b_tail, r_c, t_c, valid_c) if spec.tail else None
         lse, zt, zsum = _merge(stats, None if tail is None else tail.stats())
@@ -458,30 +485,53 @@ class _Walk:
             self._dW(i, hf, h_c, dl, dl_t)
 
     # ---- the shifted-softmax chunk (GRAD_PASS) ---------------------------------------------
-    def _shifted_chunk(self, i, r0, r1, h_c, t_c, valid_c, tloc, r_c, hf) -> None:
+    def _row_plan(self) -> _RowPlan:
+        """The shifted path's per-row vectors of the whole call (``_RowPlan``), made once
+        before the first chunk: a handful of M-long kernels, where per chunk they were
+        dozens of launches of a few microseconds each."""
+        spec, h, t, valid = self.spec, self.h, self.target, self.valid
+        M, V = h.shape[0], self.W.shape[0]
+        tloc = local_targets(t, valid, 0, spec.main)
+        w = valid.to(F32) * self.inv
+        hit = tloc >= 0
+        # R's flat index of each row's target entry (the chunks are consecutive runs of
+        # ``rows`` rows of one row-major buffer of spec.main columns); 0 where none
+        local = torch.arange(M, device=h.device) % self.plan[0][1] if M else t.new_zeros(0)
+        flat = local * spec.main + torch.where(hit, tloc, 0)
+        ok = valid & (t >= 0) & (t < V)
+        return _RowPlan(tloc, self._shift(ok), w, hit, flat)
+
+    def _shifted_chunk(self, i, r0, r1, h_c, t_c, valid_c, r_c, hf) -> None:
         """One row chunk with the softmax left as R = exp(z - c) times a per-row factor:
         statistics and R from the logits GEMM (or its stored acc, ``stats_by_map``); the
         row losses; the factor sr = dL/dacc / R; the target's entry of R set to its whole
         gradient over sr; dh = sr * (R @ W) and dW (+)= R.T @ (sr * h) (see the module
         doc), with label smoothing plus their rank-1 terms, and drstd = h . dh / rstd; or
         those left to ``lce_fused_finish`` (and the backward) for the last chunk."""
-        spec, m = self.spec, r1 - r0
-        shift = self._shift(h_c, t_c, valid_c, r_c)
-        out = self._shifted_stats(h_c, tloc, r_c, shift, m)
+        spec, m, rows = self.spec, r1 - r0, self.row_plan.slice(r0, r1)
+        shift = rows.shift
+        out = self._shifted_stats(h_c, rows.tloc, r_c, shift, m)
         R = out[SHIFTED]
         tail = _tail(spec, hf, self.W_tail, None, r_c, t_c, valid_c) if spec.tail else None
         main = (out["lse"], out["zt"], out["zsum"] if spec.with_sum else None)
         lse, zt, zsum = _merge(main, None if tail is None else tail.stats())
-        self.row_loss[r0:r1] = _row_losses(spec, lse, zt, zsum, valid_c)
-        ga, gt, gs = _coefficients(spec, lse, valid_c, self.inv)
+        if spec.with_sum or spec.z_loss:
+            self.row_loss[r0:r1] = _row_losses(spec, lse, zt, zsum, valid_c)
+        else:  # lse - zt, weighed by w (0 on ignored rows) in the loss
+            torch.sub(lse, zt, out=self.row_loss[r0:r1])
+        ga, gt, gs = _coefficients(spec, lse, valid_c, self.inv, rows.w)
         rank = None  # label smoothing: dh += gs (* rstd) x colsum(W), dW += 1 x sum gs h
         if gs is not None:
             self.smooth[r0:r1] = gs if r_c is None else gs * r_c
             rank = (self.smooth[r0:r1], self.wsum)
-        # s = dL/dz / R on the fused columns (0 on ignored rows), sr = dL/dacc / R
-        s = torch.where(valid_c, ga * torch.exp(torch.clamp(shift - lse, max=80.0)), 0.0)
+        # s = dL/dz / R on the fused columns, sr = dL/dacc / R: 0 on ignored rows, where
+        # ga is 0 and the (clamped) exponential finite
+        s = ga * torch.exp(torch.clamp(shift - lse, max=80.0))
         sr = s if r_c is None else s * r_c
-        self._patch_target(R, tloc, valid_c, ga, gt, out["zt"], lse, shift, spec.softcap)
+        # the target entry's (ga p_t + gt) / (ga p_t) - 1 + p_t: q = 1 + gt / ga, the
+        # constant label_smoothing on every row that counts unless z-loss makes ga vary
+        q = spec.eps if not spec.z_loss else 1.0 + gt / torch.where(ga != 0, ga, 1.0)
+        self._patch_target(R, rows, q, out["zt"], lse, spec.softcap, spec.tail > 0)
         dl_t = None
         if tail is not None:
             dl_t = self._tail_grads(tail, lse, ga, gt, gs, r_c, r0, r1)
@@ -503,20 +553,20 @@ class _Walk:
             dW_rank = (ones, _row_weighted_sum(h_c, self.smooth[r0:r1]))
         self._dW(i, hf, _row_scaled(h_c, sr), R, dl_t, dW_rank)
 
-    def _shift(self, h_c, t_c, valid_c, r_c) -> torch.Tensor:
-        """c = z[target] + ``SHIFT_MARGIN`` per row (``SHIFT_MARGIN`` on ignored rows):
-        one dot product of h with its target's weight row, in h's dtype (c needs no more
+    def _shift(self, ok: torch.Tensor) -> torch.Tensor:
+        """c = z[target] + ``SHIFT_MARGIN`` per row (``SHIFT_MARGIN`` where not ``ok``:
+        ignored rows, targets out of range): one dot product of h with its target's
+        weight row, the products in h's dtype and their sum in fp32 (c needs no more
         than a few nats of accuracy: R is exact for any c in its window), over slices of
         ``SLICE_ROWS`` rows (the gathered weight rows are a slice's temporary)."""
-        V = self.W.shape[0]
-        ok = valid_c & (t_c >= 0) & (t_c < V)
-        index = torch.where(ok, t_c, 0)
-        zt = torch.empty(h_c.shape[0], dtype=F32, device=h_c.device)
-        for a, b in ce_chunks.row_chunks(h_c.shape[0], SLICE_ROWS):
-            rows = self.W.index_select(0, index[a:b])
-            zt[a:b] = torch.bmm(h_c[a:b].unsqueeze(1), rows.unsqueeze(2)).view(-1)
-        if r_c is not None:
-            zt = zt * r_c
+        h, r = self.h, self.rstd
+        index = torch.where(ok, self.target, 0)
+        zt = torch.empty(h.shape[0], dtype=F32, device=h.device)
+        for a, b in ce_chunks.row_chunks(h.shape[0], SLICE_ROWS):
+            rows = self.W.index_select(0, index[a:b]).mul_(h[a:b])
+            torch.sum(rows, 1, dtype=F32, out=zt[a:b])
+        if r is not None:
+            zt = zt * r
         cap = self.spec.softcap
         if cap is not None:
             zt = cap * torch.tanh(zt * (1.0 / cap))
@@ -540,23 +590,27 @@ class _Walk:
         return run_epilogue(epi, h_c, self.W_main, self._out(SHIFTED, 0, m), tloc=tloc, **vec)
 
     @staticmethod
-    def _patch_target(R, tloc, valid_c, ga, gt, zt_main, lse, shift, softcap=None) -> None:
+    def _patch_target(R, rows: _RowPlan, q, zt_main, lse, softcap, keep_misses) -> None:
         """R[row, target] = the target column's whole gradient over the row's factor s
         = ga exp(c - lse): (ga p_t + gt) / s = exp(lse - c) (expm1(zt - lse) + 1 + gt / ga),
         exact in fp32 where p_t - 1 would cancel in R's dtype (rows whose target is on the
-        fused columns; exp(lse - c) capped as R is); with ``softcap`` times the target's
-        chain factor 1 - (zt / cap)^2, as every entry of R has its own."""
-        hit = valid_c & (tloc >= 0)
-        q = torch.where(ga != 0, 1.0 + gt / torch.where(ga != 0, ga, 1.0), 0.0)
-        value = torch.exp(torch.clamp(lse - shift, max=SHIFT_CLAMP)) * (
-            torch.expm1(zt_main - lse) + q
-        )
+        fused columns; exp(lse - c) capped as R is; ``q`` = 1 + gt / ga, a float or per
+        row); with ``softcap`` times the target's
+        chain factor 1 - (z_t / cap)^2, as every entry of R has its own. Rows without
+        such a target write their first entry: with ``keep_misses`` (a V mod 8 tail,
+        whose targets' rows count) its own value back, else the value computed (those
+        rows are ignored ones, whose factor s is 0, or rows of out-of-range targets,
+        whose result is undefined unless the targets are checked)."""
+        value = torch.exp(torch.clamp(lse - rows.shift, max=SHIFT_CLAMP))
+        e = torch.expm1(zt_main - lse)
+        value.mul_(e if isinstance(q, float) and not q else e.add_(q))
         if softcap is not None:
             u = zt_main * (1.0 / softcap)
             value = value - value * (u * u)
         flat = R.view(-1)
-        index = torch.arange(R.shape[0], device=R.device) * R.shape[1] + torch.where(hit, tloc, 0)
-        flat[index] = torch.where(hit, value, flat[index].float()).to(R.dtype)
+        if keep_misses:
+            value = torch.where(rows.hit, value, flat[rows.flat].float())
+        flat[rows.flat] = value.to(R.dtype)
 
     def _stored_logits(self, h_c, m: int) -> tuple[torch.Tensor, bool]:
         """(acc, in the row buffer): the plain logits GEMM of the chunk's m rows, into
@@ -870,11 +924,15 @@ def _row_weighted_sum(h: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
 
 def _row_scaled(h: torch.Tensor, row_scale: torch.Tensor) -> torch.Tensor:
     """row_scale[:, None] * h in fp32, rounded once into h's dtype: the dW GEMM's operand
-    on the shifted path (dW = R.T @ (sr * h)), slice by slice (``SLICE_ROWS``)."""
-    out = torch.empty_like(h)
-    for a, b in ce_chunks.row_chunks(h.shape[0], SLICE_ROWS):
-        out[a:b] = torch.mul(h[a:b], row_scale[a:b, None])
-    return out
+    on the shifted path (dW = R.T @ (sr * h)), by one map pass (``row_scaled_epilogue``:
+    a read and a write of h's bytes on CUDA, where torch's mixed-dtype product would
+    take an fp32 temporary and a cast)."""
+    M, H = h.shape
+    if not M:
+        return torch.empty_like(h)
+    outputs = {SCALED: torch.empty_like(h)} if h.is_cuda else None
+    tensors = {UNSCALED: h, ROW_SCALE: row_scale}
+    return run_map(row_scaled_epilogue(h.dtype), M, H, h, outputs, **tensors)[SCALED]
 
 
 @custom_op("coda::lce_fused_finish", mutates_args=())
