@@ -595,8 +595,8 @@ class _Walk:
         = ga exp(c - lse): (ga p_t + gt) / s = exp(lse - c) (expm1(zt - lse) + 1 + gt / ga),
         exact in fp32 where p_t - 1 would cancel in R's dtype (rows whose target is on the
         fused columns; exp(lse - c) capped as R is; ``q`` = 1 + gt / ga, a float or per
-        row); with ``softcap`` times the target's
-        chain factor 1 - (z_t / cap)^2, as every entry of R has its own. Rows without
+        row); with ``softcap`` times the target's chain factor 1 - (z_t / cap)^2, as
+        every entry of R has its own. Rows without
         such a target write their first entry: with ``keep_misses`` (a V mod 8 tail,
         whose targets' rows count) its own value back, else the value computed (those
         rows are ignored ones, whose factor s is 0, or rows of out-of-range targets,
@@ -897,8 +897,8 @@ def _scaled_gemm(out, A, B, gvec, partial, row_scale=None, config=None, rank=Non
 
 
 #: rows per slice of the shifted path's O(rows x H) torch steps (the shift's gathered
-#: weight rows, the row-scaled h's fp32 product): their temporaries stay below
-#: SLICE_ROWS x H x 4 bytes (32 MiB at H = 4096) whatever the chunk
+#: weight rows, drstd's and label smoothing's fp32 products): their temporaries stay
+#: below SLICE_ROWS x H x 4 bytes (32 MiB at H = 4096) whatever the chunk
 SLICE_ROWS = 2048
 
 
