@@ -541,8 +541,9 @@ class _Walk:
         if spec.need_dh:
             partial = None if dl_t is None else dl_t @ self.W_tail.float()
             _scaled_gemm(
-                self.dh[r0:r1], R, self.W_main.t(), self.ones, partial, sr, CHUNK_DH_TILES, rank
-            )
+                self.dh[r0:r1], R, self.W_main.t(), self.ones,
+                partial=partial, row_scale=sr, config=CHUNK_DH_TILES, rank=rank,
+            )  # fmt: skip
         if spec.need_drstd:  # every column's, the tail's too: over the tail's own part
             self.drstd[r0:r1] = drstd_from_dh(h_c, self.dh[r0:r1], r_c)
         if not spec.need_dW:
@@ -696,8 +697,9 @@ class _Walk:
         main = self.spec.main
         if self.dW32 is None:
             if dl is not None and rank is not None:
-                _scaled_gemm(self.dW[:main], dl.t(), h_c.t(), self.ones, None, None,
-                             CHUNK_DW_TILES, rank)  # fmt: skip
+                _scaled_gemm(
+                    self.dW[:main], dl.t(), h_c.t(), self.ones, config=CHUNK_DW_TILES, rank=rank
+                )
             elif dl is not None:
                 matmul(dl.t(), h_c.t(), out=self.dW[:main], config=CHUNK_DW_TILES)
             if dl_t is not None:
@@ -873,7 +875,7 @@ def _(
 # ---- the backward's GEMMs --------------------------------------------------------------------
 
 
-def _scaled_gemm(out, A, B, gvec, partial, row_scale=None, config=None, rank=None) -> None:
+def _scaled_gemm(out, A, B, gvec, *, partial=None, row_scale=None, config=None, rank=None) -> None:
     """out = g * ([row_scale *] A @ B.T [+ rank[0] x rank[1]] [+ partial]) rounded once
     into out's dtype, by ``scaled_total_epilogue`` on the GEMM (or in torch when there is
     no A: V < 8); ``config``: the GEMM's (default ``BACKWARD_TILES``)."""
@@ -981,9 +983,8 @@ def lce_fused_finish(
             ones = torch.ones(main, dtype=F32, device=W.device)
             rank = (ones, _row_weighted_sum(h, dl_smooth))
         if main:
-            _scaled_gemm(
-                dW[:main], A.t(), B.t(), gvec, dW_part[:main] if several else None, rank=rank
-            )
+            partial = dW_part[:main] if several else None
+            _scaled_gemm(dW[:main], A.t(), B.t(), gvec, partial=partial, rank=rank)
         del B
         if V - main:
             part = dl_tail.T @ h_last.float()
@@ -996,7 +997,7 @@ def lce_fused_finish(
             torch.mul(dh_part[:row0], g.to(h.dtype), out=dh[:row0])
         partial = dl_tail @ W[main:].float() if V - main else None
         rank = (dl_smooth[row0:], W[:main].sum(0, dtype=F32)) if smooth else None
-        _scaled_gemm(dh[row0:], A, W[:main].t(), gvec, partial, scale, rank=rank)
+        _scaled_gemm(dh[row0:], A, W[:main].t(), gvec, partial=partial, row_scale=scale, rank=rank)
     return dh, dW
 
 
