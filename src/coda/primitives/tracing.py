@@ -702,6 +702,24 @@ def lanes_allreduce(op: str, v, lanes: int, apart: int = 1):
     return v
 
 
+def round_tiles(t0, lanes: int, n):
+    """The ``FOLD_BATCH`` tiles a thread reads in the round starting at tile ``t0`` (its
+    tiles ``lanes`` apart), each clamped to the last tile ``n - 1`` (in bounds: the
+    values past the end are dropped by :func:`fold_round`); yielded one by one, so a
+    caller loading as it goes traces each index right before its load."""
+    for j in range(FOLD_BATCH):
+        yield below_or(t0 + j * lanes, n, n - 1)
+
+
+def fold_round(op: str, acc, loaded: list, t0, lanes: int, n):
+    """``acc`` combined with one round's ``loaded`` fp32 values (the partials at
+    :func:`round_tiles`, every load issued before this combines any), those past the
+    last tile left out."""
+    for j in range(FOLD_BATCH):
+        acc = fr.combine(op, acc, value_below(t0 + j * lanes, n, loaded[j], fr.identity(op)))
+    return acc
+
+
 @cute.jit
 def fold_row(p, row, lane, op: cutlass.Constexpr[str], lanes: cutlass.Constexpr[int] = 32):
     """Combine ``p[row, :]`` (a (rows, tiles) tensor) over every tile, across the row's
@@ -714,9 +732,8 @@ def fold_row(p, row, lane, op: cutlass.Constexpr[str], lanes: cutlass.Constexpr[
             acc = fr.combine(op, acc, Float32(p[row, t]))
     else:
         for t0 in cutlass.range(lane, n, lanes * FOLD_BATCH, unroll=1):
-            got = [Float32(p[row, below_or(t0 + j * lanes, n, n - 1)]) for j in range(FOLD_BATCH)]
-            for j in cutlass.range_constexpr(FOLD_BATCH):
-                acc = fr.combine(op, acc, value_below(t0 + j * lanes, n, got[j], fr.identity(op)))
+            got = [Float32(p[row, t]) for t in round_tiles(t0, lanes, n)]
+            acc = fold_round(op, acc, got, t0, lanes, n)
     return lanes_allreduce(op, acc, lanes)
 
 
@@ -733,9 +750,8 @@ def fold_col(p, col, op: cutlass.Constexpr[str], lane=0, lanes: cutlass.Constexp
             acc = fr.combine(op, acc, Float32(p[t, col]))
     else:
         for t0 in cutlass.range(lane, n, lanes * FOLD_BATCH, unroll=1):
-            got = [Float32(p[below_or(t0 + j * lanes, n, n - 1), col]) for j in range(FOLD_BATCH)]
-            for j in cutlass.range_constexpr(FOLD_BATCH):
-                acc = fr.combine(op, acc, value_below(t0 + j * lanes, n, got[j], fr.identity(op)))
+            got = [Float32(p[t, col]) for t in round_tiles(t0, lanes, n)]
+            acc = fold_round(op, acc, got, t0, lanes, n)
     return col_lanes_allreduce(op, acc, lanes)
 
 
@@ -823,7 +839,7 @@ def finalize_logsumexp(pmax, psum, out, row, lane, lanes: cutlass.Constexpr[int]
                 m = top
         else:  # rounds of FOLD_BATCH tiles: every load of a round issued first
             for t0 in cutlass.range(lane, n, lanes * FOLD_BATCH, unroll=1):
-                at = [below_or(t0 + j * lanes, n, n - 1) for j in range(FOLD_BATCH)]
+                at = list(round_tiles(t0, lanes, n))
                 pms = [Float32(pmax[row, t]) for t in at]
                 pss = [Float32(psum[row, t]) for t in at]
                 for j in cutlass.range_constexpr(FOLD_BATCH):
