@@ -35,6 +35,8 @@ saved for backward, for "fwd+bwd" the gradients).
 * coda_map_grad: coda with the logits stored and the gradient's map pass over them
   (``GRAD_PASS="map"``) instead of the shifted softmax (R = exp(z - c) stored by the
   logits GEMM, no M x V pass between the GEMMs).
+* coda_dw_heuristic: coda with the row chunks' dW GEMM on the heuristic's 128 x 128 tile
+  (``CHUNK_DW_TILES=None``) instead of 128 x 160.
 * eager: ``F.cross_entropy((h @ W.T).float(), t)``, Hugging Face's formulation.
 * compile: ``torch.compile`` of the same function.
 * liger: Liger-Kernel's ``LigerFusedLinearCrossEntropyLoss`` (``liger-kernel``).
@@ -83,6 +85,7 @@ EXTRA = (
     "coda_coop_dh",
     "coda_coop_dh_dw",
     "coda_map_grad",
+    "coda_dw_heuristic",
 )
 
 
@@ -114,6 +117,9 @@ KNOBS = {
     # the logits stored and the gradient's map pass over them (the default before the
     # shifted softmax, and still the path of bias / softcap / smoothing / rstd gradients)
     "coda_map_grad": {"GRAD_PASS": "map"},
+    # the row chunks' dW GEMM on the heuristic's tile (128 x 128; the default before
+    # ce_fused.CHUNK_DW_TILES took 128 x 160)
+    "coda_dw_heuristic": {"CHUNK_DW_TILES": None},
 }
 
 

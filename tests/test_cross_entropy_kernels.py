@@ -191,3 +191,24 @@ def test_backward_gemms_take_the_plain_gemm_tile(partial, mnk, majors):
     assert base == plain
     cfg, _ = epilogue_choice(epi, bf16, *mnk, num_sms=132, majors=majors, base=base)
     assert cfg == base
+
+
+def test_chunk_dw_gemm_compiles_on_its_tile(tmp_path):
+    """The row chunks' dW GEMM (``ce_fused.CHUNK_DW_TILES``: dlogits.T @ h_c, A M-major,
+    B N-major, fp32 reduce-add into the dW sum) compiles on its 128 x 160 tile: HGMMA
+    64 x 160, TMA reduce-add stores only, no local memory."""
+    if find_nvdisasm() is None:
+        pytest.skip("nvdisasm not installed (pip install nvidia-cuda-nvdisasm)")
+    from coda.fusions import ce_fused
+    from coda.mainloop.visitor import AccStore
+
+    cfg = ce_fused.CHUNK_DW_TILES
+    assert (cfg.tile_m, cfg.tile_n, cfg.cluster_m, cfg.cluster_n) == (128, 160, 2, 1)
+    key = gemm_kernels.GemmKernelKey(
+        cfg, bf16, AccStore(torch.float32, True), a_major="m", b_major="n"
+    )
+    ptx, cubin = gemm_kernels.compile_artifacts(key, str(tmp_path))
+    ops = opcode_counts(disassemble(cubin))
+    assert ops["HGMMA.64x160x16.F32.BF16"] > 0, [o for o in ops if o.startswith("HGMMA")]
+    assert count_prefix(ops, "UTMAREDG") > 0 and count_prefix(ops, "UTMASTG") == 0
+    assert count_prefix(ops, "LDL") == 0 and count_prefix(ops, "STL") == 0

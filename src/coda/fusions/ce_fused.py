@@ -128,7 +128,15 @@ BACKWARD_TILES: str | None = "gemm"
 #: Config of the row chunks' dh GEMM, and of their dW GEMM, computed in the forward (None:
 #: ``coda.gemm``'s heuristic, which sizes tiles per GEMM; A/B knobs).
 CHUNK_DH_TILES: GemmConfig | str | None = None
-CHUNK_DW_TILES: GemmConfig | str | None = None
+#: The dW GEMM of a row chunk (V x H, K = the chunk's rows, A M-major, B N-major, fp32
+#: reduce-add into the dW sum) on 128 x 160 tiles: the heuristic's 128 x 128 reads the big
+#: operand (dlogits.T, V x rows) once per 128 columns of H, 160 once per 160. Measured on
+#: an H200 (2026-11-26, eight 2048-row chunks of V = 128256, interleaved, medians):
+#: 25.32 ms against 26.24 at H = 4096 and 12.23 against 12.65 at H = 2048, 1.02x cuBLAS's
+#: one whole-M dW GEMM (24.82 / 11.93); 128 x 192, 1 x 2 / 1 x 1 / 2 x 2 clusters, swizzle
+#: groups of 4 / 16 and cooperative 256-row tiles were all slower
+#: (docs/cross-entropy.md, "The dW GEMM's tile").
+CHUNK_DW_TILES: GemmConfig | str | None = GemmConfig(tile_m=128, tile_n=160, cluster_m=2)
 
 
 #: Where the forward takes the logits' statistics (lse, z[target], sum z) of a row chunk:
