@@ -721,38 +721,37 @@ def fold_round(op: str, acc, loaded: list, t0, lanes: int, n):
 
 
 @cute.jit
-def fold_row(p, row, lane, op: cutlass.Constexpr[str], lanes: cutlass.Constexpr[int] = 32):
-    """Combine ``p[row, :]`` (a (rows, tiles) tensor) over every tile, across the row's
-    ``lanes`` threads (each strides over the tiles from its ``lane``, in rounds of
-    ``FOLD_BATCH`` loads with several threads): every one of them returns the result."""
+def fold_tiles(p, line, lane, op: cutlass.Constexpr[str], lanes: cutlass.Constexpr[int]):
+    """This thread's share of ``p[line, :]`` (a (lines, tiles) tensor) combined: the tiles
+    from its ``lane`` on, ``lanes`` apart (one thread: a loop unrolled by ``FOLD_UNROLL``;
+    several: rounds of ``FOLD_BATCH`` loads). The caller meets the line's threads."""
     acc = fr.identity(op)
     n = cute.size(p, mode=[1])
     if cutlass.const_expr(lanes == 1):
         for t in cutlass.range(lane, n, lanes, unroll=FOLD_UNROLL):
-            acc = fr.combine(op, acc, Float32(p[row, t]))
+            acc = fr.combine(op, acc, Float32(p[line, t]))
     else:
         for t0 in cutlass.range(lane, n, lanes * FOLD_BATCH, unroll=1):
-            got = [Float32(p[row, t]) for t in round_tiles(t0, lanes, n)]
+            got = [Float32(p[line, t]) for t in round_tiles(t0, lanes, n)]
             acc = fold_round(op, acc, got, t0, lanes, n)
-    return lanes_allreduce(op, acc, lanes)
+    return acc
+
+
+@cute.jit
+def fold_row(p, row, lane, op: cutlass.Constexpr[str], lanes: cutlass.Constexpr[int] = 32):
+    """Combine ``p[row, :]`` (a (rows, tiles) tensor) over every tile, across the row's
+    ``lanes`` neighbouring threads (:func:`fold_tiles`): every one of them returns the
+    result."""
+    return lanes_allreduce(op, fold_tiles(p, row, lane, op, lanes), lanes)
 
 
 @cute.jit
 def fold_col(p, col, op: cutlass.Constexpr[str], lane=0, lanes: cutlass.Constexpr[int] = 1):
     """Combine ``p[:, col]`` (a (tiles, cols) tensor) over every tile, across the column's
-    ``lanes`` threads (each strides over the tiles from its ``lane``, in rounds of
-    ``FOLD_BATCH`` loads with several threads; they sit 32 / lanes lanes apart in one
-    warp): every one of them returns the result."""
-    acc = fr.identity(op)
-    n = cute.size(p, mode=[0])
-    if cutlass.const_expr(lanes == 1):
-        for t in cutlass.range(lane, n, lanes, unroll=FOLD_UNROLL):
-            acc = fr.combine(op, acc, Float32(p[t, col]))
-    else:
-        for t0 in cutlass.range(lane, n, lanes * FOLD_BATCH, unroll=1):
-            got = [Float32(p[t, col]) for t in round_tiles(t0, lanes, n)]
-            acc = fold_round(op, acc, got, t0, lanes, n)
-    return col_lanes_allreduce(op, acc, lanes)
+    ``lanes`` threads (:func:`fold_tiles` over the transposed view; they sit 32 / lanes
+    lanes apart in one warp): every one of them returns the result."""
+    by_col = cute.make_tensor(p.iterator, cute.select(p.layout, mode=[1, 0]))
+    return col_lanes_allreduce(op, fold_tiles(by_col, col, lane, op, lanes), lanes)
 
 
 def col_lanes_allreduce(op: str, v, lanes: int):
