@@ -4,6 +4,8 @@ stream x and the norm weight) against textbook float64 PyTorch."""
 
 from __future__ import annotations
 
+import enum
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -110,3 +112,43 @@ def test_grad_in_forward_passes_through(monkeypatch):
         for a, b in zip(results[0], other, strict=True):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
     assert "grad_in_forward=False" in repr(module)
+
+
+def test_head_module_in_place_of_its_weight():
+    """An nn.Linear head (its bias included) gives the loss and gradients of passing its
+    weight and bias; anything else than a tensor or an nn.Linear is refused."""
+    x, W, _, labels = _data(4)
+    head = torch.nn.Linear(W.shape[1], W.shape[0], bias=True)
+    with torch.no_grad():
+        head.weight.copy_(W.float())
+        head.bias.normal_(generator=torch.Generator().manual_seed(5))
+    module = LinearCrossEntropyLoss(shift=True, grad_in_forward=False)
+    xa, xb = _leaf(x), _leaf(x)
+    a = module(xa, head, labels)
+    a.backward()
+    Wb, bb = _leaf(head.weight), _leaf(head.bias)
+    b = module(xb, Wb, labels, bias=bb)
+    b.backward()
+    assert torch.equal(a, b)
+    for got, want in ((xa.grad, xb.grad), (head.weight.grad, Wb.grad), (head.bias.grad, bb.grad)):
+        assert torch.equal(got, want)
+    with pytest.raises(TypeError, match="nn.Linear"):
+        module(x.float(), torch.nn.Embedding(4, 16), labels)
+
+
+def test_sharded_weight_tensors_are_refused_before_any_work():
+    """A ZeRO-3 partitioned parameter outside the owning module's forward (``ds_id`` set,
+    ``ds_status`` NOT_AVAILABLE: an empty placeholder) is refused with a TypeError naming
+    the fix, as a DTensor is (tests/test_integrations_fsdp.py); gathered (AVAILABLE, inside
+    the module's forward) it is a whole tensor and runs."""
+    x, W, _, labels = _data(5)
+    shard = torch.nn.Parameter(W.float())
+    shard.ds_id = 7  # DeepSpeed marks every ZeRO-3 parameter so
+    shard.ds_status = enum.Enum("ZeroParamStatus", "AVAILABLE NOT_AVAILABLE").NOT_AVAILABLE
+    with pytest.raises(TypeError, match="ZeRO-3 partitioned parameter.*LM head module"):
+        linear_cross_entropy(x.float(), shard, labels, shift=True)
+    with pytest.raises(TypeError, match="W is a DeepSpeed"):
+        LinearCrossEntropyLoss()(x.float(), shard, labels)
+    shard.ds_status = type(shard.ds_status).AVAILABLE
+    got = linear_cross_entropy(x.float(), shard, labels, shift=True)
+    assert torch.equal(got, linear_cross_entropy(x.float(), W.float(), labels, shift=True))

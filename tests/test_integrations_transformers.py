@@ -215,12 +215,18 @@ def test_fallbacks_are_counted_correct_and_strict_raises():
     mask[1, -2:] = 0  # right padding
     ref.train(), mine.train()
     want = ref(ids, labels=labels, attention_mask=mask).loss
-    got = mine(ids, labels=labels, attention_mask=mask).loss
-    assert_close_to_reference(got, want, name="loss (padding, original forward)", tol=TOL)
+    out = mine(ids, labels=labels, attention_mask=mask)
+    # the stack's original forward (padding), the loss over its output still fused
+    assert_close_to_reference(out.loss, want, name="loss (padding, original stack)", tol=TOL)
+    assert out.logits is None
     assert patch.fallbacks == {"attention_mask": 1}
+    assert patch.calls == {"original": 1, "fused_loss": 1}
+    want.backward()
+    out.loss.backward()
+    assert_grads_match(mine, ref)
     # an all-ones mask is no padding: fused
     mine(ids, labels=labels, attention_mask=torch.ones_like(ids))
-    assert patch.calls["fused_loss"] == 1
+    assert patch.calls == {"original": 1, "fused_loss": 2, "fused_stack": 1}
     out = mine(ids, output_hidden_states=True)  # per-layer states: the original forward
     assert len(out.hidden_states) == ref.config.num_hidden_layers + 1
     assert patch.fallbacks["output_hidden_states"] == 1
@@ -245,10 +251,11 @@ def test_packed_position_ids_fall_back_to_hf_attention():
     assert_close_to_reference(
         mine(ids, labels=labels, position_ids=packed).loss,
         ref(ids, labels=labels, position_ids=packed).loss,
-        name="loss (packed sequences, original forward)",
+        name="loss (packed sequences, original stack)",
         tol=TOL,
     )
     assert patch.fallbacks == {"position_ids (packed sequences)": 1}
+    assert patch.calls == {"original": 1, "fused_stack": 1, "fused_loss": 2}
 
 
 def test_mistral_sliding_window():
@@ -261,7 +268,9 @@ def test_mistral_sliding_window():
         ids, labels = batch(cfg["vocab_size"], S=S)
         want, got = ref(ids, labels=labels).loss, mine(ids, labels=labels).loss
         assert_close_to_reference(got, want, name=f"mistral loss S={S}", tol=TOL)
-    assert patch.calls["fused_loss"] == 1 and patch.fallbacks == {"sliding_window": 1}
+    # beyond the window the loss is still fused, over the original stack's output
+    assert patch.calls == {"fused_stack": 1, "fused_loss": 2, "original": 1}
+    assert patch.fallbacks == {"sliding_window": 1}
 
 
 def test_revert_restores_the_original_model():

@@ -1,7 +1,8 @@
 """coda.fusions._checks: argument checks shared by the fusion ops (clear errors up front).
 
 The ops run on bf16/fp16/fp32 tensors (fp32 inside every epilogue, on both paths);
-GEMM operands share one dtype; every activation is 2-D (tokens, features).
+GEMM operands share one dtype; every activation is 2-D (tokens, features); every tensor
+is a whole local one (not a shard of FSDP2 / DTensor, FSDP1 or DeepSpeed ZeRO-3).
 """
 
 from __future__ import annotations
@@ -10,7 +11,37 @@ import torch
 
 from coda.specs import FLOAT_DTYPES, dtype_name
 
-__all__ = ["activation", "same_dtype", "vector"]
+try:  # torch.distributed is optional in some PyTorch builds
+    from torch.distributed.tensor import DTensor as _DTensor
+except ImportError:  # pragma: no cover - builds without torch.distributed
+    _DTensor = None
+
+__all__ = ["activation", "same_dtype", "shard_kind", "vector", "whole_tensors"]
+
+
+def shard_kind(t: torch.Tensor) -> str | None:
+    """What kind of shard ``t`` is (a ``DTensor``: FSDP2 or tensor parallelism; a DeepSpeed
+    ZeRO-3 parameter not gathered now; an FSDP1 flat parameter), or None for a whole local
+    tensor (a ZeRO-3 parameter inside its module's forward, where DeepSpeed gathered it,
+    included: ZeRO-3 reduces gradients in hooks on the parameter itself)."""
+    if _DTensor is not None and isinstance(t, _DTensor):
+        return "a DTensor (FSDP2 fully_shard or tensor parallelism)"
+    if getattr(t, "ds_id", None) is not None:
+        status = getattr(getattr(t, "ds_status", None), "name", None)
+        if status != "AVAILABLE":
+            return "a DeepSpeed ZeRO-3 partitioned parameter (not gathered)"
+    if getattr(t, "_is_flat_param", False):
+        return "an FSDP1 flat parameter"
+    return None
+
+
+def whole_tensors(op: str, hint: str, *named: tuple[str, torch.Tensor | None]) -> None:
+    """Every given tensor of ``named`` is a whole local tensor, not a shard: the kernels
+    read whole operands, and a gradient computed from a gathered copy outside the sharding
+    framework's hooks would never be reduced across ranks. ``hint``: what to do instead."""
+    for name, t in named:
+        if t is not None and (kind := shard_kind(t)) is not None:
+            raise TypeError(f"{op}: {name} is {kind}, not a whole local tensor; {hint}")
 
 
 def activation(op: str, name: str, t: torch.Tensor, cols: int | None = None) -> None:

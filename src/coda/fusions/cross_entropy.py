@@ -48,7 +48,7 @@ import torch
 import torch.nn.functional as F
 from torch.library import custom_op, register_autograd
 
-from coda.fusions import ce_chunks
+from coda.fusions import _checks, ce_chunks
 from coda.fusions._dispatch import matmul, run_epilogue
 from coda.fusions.ce_chunks import TMA_COLS, Chunk
 from coda.fusions.ce_epilogues import grad_epilogue, stats_epilogue
@@ -414,6 +414,13 @@ def linear_cross_entropy(
     ``chunk_rows``: rows per chunk of the gradient-in-forward path (default:
     ``ce_chunks.grad_rows``, from ``ce_chunks.GRAD_ROWS_BYTES``).
     """
+    _checks.whole_tensors(
+        "linear_cross_entropy",
+        "pass the LM head module instead, as coda.nn.LinearCrossEntropyLoss()(hidden, "
+        "model.lm_head, labels): the loss then runs inside the head's forward, where FSDP / "
+        "ZeRO-3 gather its weight and reduce its gradient across ranks",
+        *(("h", h), ("W", W), ("target", target), ("bias", bias), ("rstd", rstd)),
+    )
     if reduction not in ("mean", "sum", "none"):
         raise ValueError(f"reduction must be 'mean', 'sum' or 'none'; got {reduction!r}")
     if num_items_in_batch is not None and reduction == "none":

@@ -65,6 +65,7 @@ from coda.nn import (
     LinearCrossEntropyLoss,
     _hf,
 )
+from coda.nn._sharding import shard_kind, unit, unwrapped_type
 
 __all__ = [
     "SUPPORTED_FAMILIES",
@@ -110,6 +111,11 @@ _KNOWN_ARGS = frozenset(
         "output_hidden_states",
     }
 )
+
+
+#: the projections the fused stack reads, by module name
+_ATTN_PROJ = ("q_proj", "k_proj", "v_proj", "o_proj")
+_MLP_PROJ = ("gate_proj", "up_proj", "down_proj")
 
 
 class UnsupportedModelError(ValueError):
@@ -190,7 +196,7 @@ def _linear_problem(owner: Any, name: str, path: str) -> str | None:
     lin = getattr(owner, name, None)
     if lin is None:
         return f"{path}.{name} is missing"
-    if type(lin) is not nn.Linear:
+    if unwrapped_type(lin) is not nn.Linear:
         return (
             f"{path}.{name} is a {type(lin).__module__}.{type(lin).__qualname__}, not a plain "
             "nn.Linear (LoRA adapters or quantized layers on the projections the fused ops "
@@ -241,10 +247,7 @@ def _stack_problems(stack: Any, path: str, num_layers: int) -> tuple[list[str], 
             problems.append(f"{lp} has no {', '.join(missing)}")
             continue
         attn, mlp = layer.self_attn, layer.mlp
-        for owner, names, sub in (
-            (attn, ("q_proj", "k_proj", "v_proj", "o_proj"), "self_attn"),
-            (mlp, ("gate_proj", "up_proj", "down_proj"), "mlp"),
-        ):
+        for owner, names, sub in ((attn, _ATTN_PROJ, "self_attn"), (mlp, _MLP_PROJ, "mlp")):
             problems += [p for n in names if (p := _linear_problem(owner, n, f"{lp}.{sub}"))]
         try:
             _hf.silu_act(mlp)
@@ -437,8 +440,12 @@ class CodaPatch:
     __repr__ = __str__
 
     # ---- the fused paths ------------------------------------------------------------
-    def fusable(self, stack: nn.Module, args: Mapping[str, Any], training: bool) -> str | None:
-        """None when the call can run the fused stack, else the reason it cannot."""
+    def fusable(
+        self, stack: nn.Module, args: Mapping[str, Any], training: bool, inside_stack: bool = True
+    ) -> str | None:
+        """None when the call can run the fused stack, else the reason it cannot.
+        ``inside_stack``: asked from within the stack's own ``__call__`` (its seam), where
+        a sharding framework's hooks on the stack module have already run."""
         if args.get("past_key_values") is not None:
             return "past_key_values"
         config = getattr(stack, "config", None)
@@ -475,6 +482,38 @@ class CodaPatch:
             # causal over the whole row
             if not bool((positions.diff(dim=-1) == 1).all()):
                 return "position_ids (packed sequences)"
+        return self._sharding_problem(stack, inside_stack)
+
+    def _sharding_problem(self, stack: nn.Module, inside_stack: bool) -> str | None:
+        """Why the fused stack cannot read the layers' weights now, or None. It reads them
+        by attribute and never calls the layers, so no hook of a sharding framework runs
+        for them: they must be whole local tensors (not DTensor / ZeRO-3 shards) and no
+        module below the stack may be an FSDP unit (its hooks would neither gather its
+        weights nor reduce their gradients). From the causal LM's seam the stack itself
+        must not be a unit either. Nothing to check without torch.distributed."""
+        if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+            return None
+        path = self._stack_path
+        if not inside_stack and (why := unit(stack)) is not None:
+            return f"sharded weights ({path.rstrip('.') or '<model>'} is {why})"
+        for i, layer in enumerate(list(stack.layers)[: len(self._geometry.layer_eps)]):
+            attn, mlp = layer.self_attn, layer.mlp
+            modules = (
+                ("", layer),
+                (".self_attn", attn),
+                (".mlp", mlp),
+                (".input_layernorm", layer.input_layernorm),
+                (".post_attention_layernorm", layer.post_attention_layernorm),
+            )
+            modules += tuple((f".self_attn.{n}", getattr(attn, n)) for n in _ATTN_PROJ)
+            modules += tuple((f".mlp.{n}", getattr(mlp, n)) for n in _MLP_PROJ)
+            for name, module in modules:
+                if (why := unit(module)) is not None:
+                    return f"sharded weights ({path}layers.{i}{name} is {why})"
+            if (kind := shard_kind(attn.q_proj.weight)) is not None:
+                return f"sharded weights ({path}layers.{i}.self_attn.q_proj.weight is {kind})"
+        if (kind := shard_kind(stack.norm.weight)) is not None:
+            return f"sharded weights ({path}norm.weight is {kind})"
         return None
 
     def _fallback(self, reason: str, training: bool) -> None:
@@ -557,7 +596,7 @@ def _loss_problem(causal_lm: nn.Module) -> str | None:
         return "loss_function"
     if getattr(causal_lm, "loss_type", None) not in (None, "ForCausalLM"):
         return "loss_type"
-    if type(causal_lm.lm_head) is not nn.Linear:
+    if unwrapped_type(causal_lm.lm_head) is not nn.Linear:
         return "lm_head"
     return None
 
@@ -588,7 +627,8 @@ def _stack_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
 
 def _causal_lm_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     """The patched forward of a ``LlamaForCausalLM`` instance: the fused loss in training
-    with labels, the original forward otherwise."""
+    with labels (over the fused stack, or over the stack's original forward when this
+    call cannot run it fused), the original forward otherwise."""
     patch: CodaPatch = self.__dict__["_coda_patch"]
     original = patch.original(self)
     named = _arguments(original, args, kwargs)
@@ -597,31 +637,39 @@ def _causal_lm_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     labels, shift_labels = named.get("labels"), named.get("shift_labels")
     if labels is None and shift_labels is None:
         return original(*args, **kwargs)
-    stack = self.model
-    if patch.fusable(stack, named, True) is not None:
-        return original(*args, **kwargs)  # the stack's seam counts (or refuses) the fallback
     reason = _loss_problem(self)
     if reason is not None:
         patch._fallback(reason, True)
         return original(*args, **kwargs)
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
-    x = patch.run_stack(stack, named)
-    norm = stack.norm
-    loss = patch._loss(
-        x,
-        self.lm_head.weight,
-        labels if shift_labels is None else None,
-        shift_labels=shift_labels,
-        bias=self.lm_head.bias,
-        num_items_in_batch=named.get("num_items_in_batch"),
-        norm_weight=norm.weight,
-        norm_eps=_hf.norm_eps(norm),
-    )
-    patch.calls["fused_stack"] += 1
+    stack = self.model
+    loss_args = dict(shift_labels=shift_labels, num_items_in_batch=named.get("num_items_in_batch"))
+    labels = labels if shift_labels is None else None
+    extra: dict[str, Any] = {}
+    if patch.fusable(stack, named, True, inside_stack=False) is None:
+        x = patch.run_stack(stack, named)
+        norm = stack.norm  # the final norm, deferred into the loss
+        loss_args.update(norm_weight=norm.weight, norm_eps=_hf.norm_eps(norm))
+        patch.calls["fused_stack"] += 1
+    else:
+        # the stack's original forward, called through its seam (which counts the
+        # fallback, or refuses it when strict) and its module's hooks (a sharding
+        # framework's gather); the loss over its normed output is still fused
+        outputs = stack(**{k: v for k, v in named.items() if k not in _LOSS_ARGS})
+        x = outputs[0]
+        if isinstance(outputs, Mapping):
+            fields = CausalLMOutputWithPast.__dataclass_fields__
+            extra = {k: v for k, v in outputs.items() if k in fields and k != "last_hidden_state"}
+    # the head module, not its weight: a sharded head runs the loss inside its own call
+    loss = patch._loss(x, self.lm_head, labels, **loss_args)
     patch.calls["fused_loss"] += 1
-    out = CausalLMOutputWithPast(loss=loss, logits=None)
+    out = CausalLMOutputWithPast(loss=loss, logits=None, **extra)
     return out if _return_dict(self, named) else out.to_tuple()
+
+
+#: arguments of the causal LM's forward that are its loss's, not the decoder stack's
+_LOSS_ARGS = frozenset({"labels", "shift_labels", "logits_to_keep", "return_dict"})
 
 
 def apply_coda(model: nn.Module, *, fuse_loss: bool = True, strict: bool = False) -> CodaPatch:

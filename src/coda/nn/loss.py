@@ -21,6 +21,13 @@ its forward takes the hidden states, the LM head weight (V, H) and the labels::
 * ``temperature``: the loss of ``logits / temperature`` (RL losses; per-token values with
   ``reduction="none"``), at no extra kernel cost.
 
+* ``weight`` may be the LM head module itself (an ``nn.Linear``, its bias used unless
+  ``bias`` is given): under FSDP2 / FSDP1 / DeepSpeed ZeRO-3, where the head's weight is a
+  shard outside the head's own forward, the loss then runs AS the head's forward
+  (``coda.nn._sharding.call_through``), so the framework gathers the weight for it and
+  reduces dW across ranks after the backward, as it does for the head's logits.
+  A sharded weight passed as a tensor is refused with a ``TypeError``.
+
 * ``grad_in_forward`` (None: automatic; see ``linear_cross_entropy``): in training the
   forward computes the loss and its gradients (3 logits-sized GEMMs, the backward only
   scales them); False keeps the recompute path (4 GEMMs, workspace independent of the
@@ -39,6 +46,7 @@ import torch
 from torch import nn
 
 from coda.fusions.cross_entropy import linear_cross_entropy
+from coda.nn._sharding import call_through, sharded
 
 __all__ = ["LinearCrossEntropyLoss"]
 
@@ -83,7 +91,7 @@ class LinearCrossEntropyLoss(nn.Module):
     def forward(
         self,
         hidden: torch.Tensor,
-        weight: torch.Tensor,
+        weight: torch.Tensor | nn.Linear,
         labels: torch.Tensor | None = None,
         *,
         shift_labels: torch.Tensor | None = None,
@@ -92,10 +100,35 @@ class LinearCrossEntropyLoss(nn.Module):
         norm_weight: torch.Tensor | None = None,
         norm_eps: float = 1e-6,
     ) -> torch.Tensor:
-        """The loss (fp32; per token, shaped like the labels, with reduction="none")."""
+        """The loss (fp32; per token, shaped like the labels, with reduction="none").
+        ``weight``: the (V, H) LM head weight, or the head module (see the module doc)."""
         if (labels is None) == (shift_labels is None):
             raise ValueError("pass exactly one of labels and shift_labels")
         target = labels if shift_labels is None else shift_labels
+        options = dict(
+            target=target,
+            bias=bias,
+            num_items_in_batch=num_items_in_batch,
+            norm_weight=norm_weight,
+            norm_eps=norm_eps,
+            shift=self.shift and shift_labels is None,
+        )
+        if isinstance(weight, nn.Module):
+            if not isinstance(weight, nn.Linear):
+                raise TypeError(
+                    f"weight must be a tensor or the LM head nn.Linear; got {type(weight).__name__}"
+                )
+            if sharded(weight) is not None:  # gathered by the head's own hooks
+                return call_through(weight, self._head_loss, hidden, **options)
+            return self._head_loss(weight, hidden, **options)
+        return self._loss(hidden, weight, **options)
+
+    def _head_loss(self, head: nn.Linear, hidden: torch.Tensor, bias=None, **options):
+        return self._loss(hidden, head.weight, **options, bias=head.bias if bias is None else bias)
+
+    def _loss(
+        self, hidden, weight, *, target, bias, num_items_in_batch, norm_weight, norm_eps, shift
+    ) -> torch.Tensor:
         rstd = None
         if norm_weight is not None:
             x = hidden
@@ -114,7 +147,7 @@ class LinearCrossEntropyLoss(nn.Module):
             num_items_in_batch=num_items_in_batch,
             rstd=rstd,
             temperature=self.temperature,
-            shift=self.shift and shift_labels is None,
+            shift=shift,
             check=self.check,
             chunk_size=self.chunk_size,
             grad_in_forward=self.grad_in_forward,
