@@ -235,6 +235,26 @@ def test_fallbacks_are_counted_correct_and_strict_raises():
         mine(ids, labels=labels, attention_mask=mask)
 
 
+def test_gradient_checkpointing_keeps_the_fused_loss():
+    """With gradient checkpointing the decoder stack runs Hugging Face's checkpointed
+    forward (its reason counted); the loss over its output stays fused (no logits), with
+    HF's loss and every gradient."""
+    ref, mine, patch = pair(**CONFIGS["gqa"])
+    kw = dict(gradient_checkpointing_kwargs={"use_reentrant": False})
+    ref.gradient_checkpointing_enable(**kw), mine.gradient_checkpointing_enable(**kw)
+    ids, labels = batch(ref.config.vocab_size)
+    ref.train(), mine.train()
+    want = ref(ids, labels=labels).loss
+    out = mine(ids, labels=labels)
+    assert out.logits is None
+    assert_close_to_reference(out.loss, want, name="loss (checkpointed stack)", tol=TOL)
+    assert patch.calls == {"original": 1, "fused_loss": 1}
+    assert patch.fallbacks == {"gradient_checkpointing": 1}
+    want.backward()
+    out.loss.backward()
+    assert_grads_match(mine, ref)
+
+
 def test_packed_position_ids_fall_back_to_hf_attention():
     ref, mine, patch = pair(**CONFIGS["gqa"])
     ids, labels = batch(ref.config.vocab_size, S=7)

@@ -461,7 +461,9 @@ class CodaPatch:
         for name, value in args.items():
             if name not in _KNOWN_ARGS and value is not None:
                 return f"argument {name}"
-        if training and getattr(stack, "gradient_checkpointing", False):
+        if training and any(  # the stack's flag or a layer's (every_n_layers sets them per layer)
+            getattr(m, "gradient_checkpointing", False) for m in (stack, *stack.layers)
+        ):
             return "gradient_checkpointing"
         ids, embeds = args.get("input_ids"), args.get("inputs_embeds")
         if (ids is None) == (embeds is None):
