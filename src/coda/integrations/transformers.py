@@ -16,8 +16,18 @@ dependency: this module reads the model's modules by attribute name and imports
   (or ``shift_labels``), the loss is ``coda.nn.LinearCrossEntropyLoss`` over the stack's
   residual stream with the final norm deferred into the loss (Hugging Face's shifted
   labels, -100 ignored, ``num_items_in_batch``); the logits are never materialized and
-  ``logits`` is ``None``. In eval mode, or without labels, the original forward runs and
-  returns real logits (``generate()`` keeps working; USERS.md item 4).
+  ``logits`` is ``None``. When the call cannot run the fused stack (padding, gradient
+  checkpointing, sharded layers...), the stack's original forward runs and the loss over
+  its normed output is still fused. In eval mode, or without labels, the original forward
+  runs and returns real logits (``generate()`` keeps working; USERS.md item 4).
+
+Sharded weights (FSDP2 ``fully_shard``, DeepSpeed ZeRO-3; USERS.md item 3): the fused
+stack reads the layers' weights by attribute and never calls the layers, so it runs only
+where they are whole tensors gathered by no hook of their own (FSDP2 with the layers
+inside the root unit); FSDP units at the layers make the stack fall back ("sharded
+weights (...)"). The loss passes the ``lm_head`` module to ``LinearCrossEntropyLoss``,
+which runs the loss inside the head's own call when the head is sharded, so the framework
+gathers its weight and reduces dW.
 
 Weights are the model's own parameters, shared, never copied: the fused modules are a
 template on the ``meta`` device, called with ``torch.func.functional_call`` on tensors
@@ -386,7 +396,8 @@ class CodaPatch:
                 Replacement(
                     "",
                     type(causal_lm).__name__,
-                    "in training with labels: the fused stack + coda.nn.LinearCrossEntropyLoss "
+                    "in training with labels: the fused stack (or, where a call cannot run "
+                    "it, the stack's original forward) + coda.nn.LinearCrossEntropyLoss "
                     "(logits never materialized, returned as None); the original forward "
                     "(real logits) otherwise",
                 )
