@@ -293,6 +293,27 @@ def test_mistral_sliding_window():
     assert patch.fallbacks == {"sliding_window": 1}
 
 
+def test_torch_compile_of_the_patched_model_keeps_its_results():
+    """``torch.compile`` of a patched model (aot_eager: dynamo and AOT autograd, no codegen)
+    runs the fused seams (their counters advance) and gives the uncompiled patched model's
+    loss and every gradient. It compiles with graph breaks (around autograd functions)."""
+    _, mine, patch = pair(**CONFIGS["gqa"])
+    other = copy.deepcopy(mine)
+    other_patch = other.__dict__["_coda_patch"]
+    ids, labels = batch(mine.config.vocab_size)
+    mine.train(), other.train()
+    want = mine(ids, labels=labels).loss
+    want.backward()
+    torch._dynamo.reset()
+    got = torch.compile(other, backend="aot_eager")(ids, labels=labels).loss
+    got.backward()
+    assert other_patch.calls == {"fused_stack": 1, "fused_loss": 1}, other_patch.fallbacks
+    assert_close_to_reference(got, want, name="compiled loss", tol=TOL)
+    theirs = dict(mine.named_parameters())
+    for name, p in other.named_parameters():
+        assert_close_to_reference(p.grad, theirs[name].grad, name=f"compiled d{name}", tol=TOL)
+
+
 def test_revert_restores_the_original_model():
     torch.manual_seed(0)
     config = LlamaConfig(**CONFIGS["gqa"], attn_implementation="eager")
