@@ -15,11 +15,11 @@ as a tensor. Skipped without ``transformers`` or gloo.
 from __future__ import annotations
 
 import copy
-import math
-import socket
 
 import pytest
 import torch
+
+from _hf_helpers import SHARDINGS, free_port, randomize, shard, whole
 
 transformers = pytest.importorskip("transformers")
 dist = pytest.importorskip("torch.distributed")
@@ -45,11 +45,7 @@ def _model():
         attn_implementation="eager",
     )
     model = LlamaForCausalLM(config)
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for p in model.parameters():
-            r = torch.randn(p.shape, generator=g)
-            p.copy_(1 + 0.2 * r if p.dim() == 1 else r / math.sqrt(p.shape[-1]))
+    randomize(model, 0)
     return model
 
 
@@ -87,8 +83,7 @@ def _check_grads(model, ref, what):
     theirs = dict(ref.named_parameters())
     for name, p in model.named_parameters():
         assert p.grad is not None, f"{what}: no gradient for {name}"
-        g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
-        assert_close_to_reference(g, theirs[name].grad, name=f"{what} d{name}", tol=TOL)
+        assert_close_to_reference(whole(p.grad), theirs[name].grad, name=f"{what} d{name}", tol=TOL)
 
 
 def _worker(rank: int, port: int) -> None:
@@ -118,15 +113,10 @@ def _worker(rank: int, port: int) -> None:
                 {"sharded weights (model.layers.0 is an FSDP2 unit (fully_shard))": 2},
             ),
         }
+        assert tuple(expect) == SHARDINGS
         for mode, (calls, fallbacks) in expect.items():
             ref = copy.deepcopy(base).double().train()
-            model = copy.deepcopy(base).float().train()
-            if mode != "root":
-                for layer in model.model.layers:
-                    fully_shard(layer, mesh=mesh)
-            if mode == "head":
-                fully_shard(model.lm_head, mesh=mesh)
-            fully_shard(model, mesh=mesh)
+            model = shard(copy.deepcopy(base).float().train(), mode, mesh)
             patch = apply_coda(model)
             for step in range(2):  # the second step after a reshard and a reduce
                 for p in model.parameters():
@@ -162,7 +152,7 @@ def _worker(rank: int, port: int) -> None:
         (sum(losses) / WORLD).backward()
         assert_close_to_reference(loss, losses[rank], name="module loss", tol=TOL)
         assert_close_to_reference(
-            head.weight.grad.full_tensor(), ref.lm_head.weight.grad, name="module dW", tol=TOL
+            whole(head.weight.grad), ref.lm_head.weight.grad, name="module dW", tol=TOL
         )
         # dh of this rank's rows is its own loss's: FSDP averages parameter gradients only
         assert_close_to_reference(
@@ -174,11 +164,5 @@ def _worker(rank: int, port: int) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_fsdp2_training_matches_unsharded_model():
-    torch.multiprocessing.spawn(_worker, args=(_free_port(),), nprocs=WORLD)
+    torch.multiprocessing.spawn(_worker, args=(free_port(),), nprocs=WORLD)

@@ -16,11 +16,11 @@ one rank: every parameter is still a DTensor and every hook runs.
 from __future__ import annotations
 
 import copy
-import math
-import socket
 
 import pytest
 import torch
+
+from _hf_helpers import SHARDINGS, free_port, randomize, shard, whole
 
 pytestmark = pytest.mark.gpu
 
@@ -50,11 +50,7 @@ def _model():
 
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(**CONFIG, attn_implementation="sdpa"))
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for p in model.parameters():
-            r = torch.randn(p.shape, generator=g)
-            p.copy_(1 + 0.2 * r if p.dim() == 1 else r / math.sqrt(p.shape[-1]))
+    randomize(model, 0)
     return model.to(torch.bfloat16)  # the float64 reference copies these bf16 weights
 
 
@@ -70,8 +66,7 @@ def _grads(model):
     out = {}
     for name, p in model.named_parameters():
         assert p.grad is not None, name
-        g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
-        out[name] = g.double()
+        out[name] = whole(p.grad).double()
     return out
 
 
@@ -81,7 +76,6 @@ def _err(got: torch.Tensor, want: torch.Tensor) -> float:
 
 def _worker(rank: int, world: int, port: int) -> None:
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
 
     from coda.integrations.transformers import apply_coda
 
@@ -108,16 +102,10 @@ def _worker(rank: int, world: int, port: int) -> None:
         want_loss = losses[rank].detach()
         want = {n: p.grad for n, p in ref.named_parameters()}
         del ref
-        for mode in ("root", "layers", "head"):
+        for mode in SHARDINGS:
             errs = {}
             for who in ("eager", "coda"):
-                model = copy.deepcopy(base).to(dev).train()
-                if mode != "root":
-                    for layer in model.model.layers:
-                        fully_shard(layer, mesh=mesh)
-                if mode == "head":
-                    fully_shard(model.lm_head, mesh=mesh)
-                fully_shard(model, mesh=mesh)
+                model = shard(copy.deepcopy(base).to(dev).train(), mode, mesh)
                 patch = apply_coda(model) if who == "coda" else None
                 out = model(ids[rows].to(dev), labels=labels[rows].to(dev))
                 out.loss.backward()
@@ -137,12 +125,6 @@ def _worker(rank: int, world: int, port: int) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_fsdp2_training_on_every_gpu_matches_float64():
     world = torch.cuda.device_count()
-    torch.multiprocessing.spawn(_worker, args=(world, _free_port()), nprocs=world)
+    torch.multiprocessing.spawn(_worker, args=(world, free_port()), nprocs=world)

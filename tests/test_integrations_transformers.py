@@ -16,7 +16,6 @@ to patch. Skipped when ``transformers`` is not installed (it is not a coda depen
 from __future__ import annotations
 
 import copy
-import math
 import re
 
 import pytest
@@ -34,6 +33,7 @@ from transformers import (  # noqa: E402
     Qwen2ForCausalLM,
 )
 
+from _hf_helpers import randomize  # noqa: E402
 from coda.integrations.transformers import (  # noqa: E402
     NothingMatchedError,
     UnsupportedModelError,
@@ -92,15 +92,6 @@ CONFIGS = {
         ),
     ),
 }
-
-
-def randomize(model: nn.Module, seed: int) -> None:
-    """Weights of order one (HF's init, std 0.02, makes every logit nearly equal)."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            r = torch.randn(p.shape, generator=g, dtype=p.dtype)
-            p.copy_(1 + 0.2 * r if p.dim() == 1 else r / math.sqrt(p.shape[-1]))
 
 
 def pair(cls=LlamaForCausalLM, config_cls=LlamaConfig, seed: int = 0, patch=True, **config):

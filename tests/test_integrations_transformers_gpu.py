@@ -30,6 +30,7 @@ transformers = pytest.importorskip("transformers")
 
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
+from _hf_helpers import randomize  # noqa: E402
 from coda.integrations.transformers import apply_coda, rope_config  # noqa: E402
 from coda.testing.tolerance import compare  # noqa: E402
 
@@ -87,15 +88,6 @@ CONFIGS = {
         ),
     ),
 }
-
-
-def randomize(model: torch.nn.Module, seed: int) -> None:
-    """Weights of order one (HF's init, std 0.02, makes every logit nearly equal)."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            r = torch.randn(p.shape, generator=g, dtype=F32)
-            p.copy_(1 + 0.2 * r if p.dim() == 1 else r / math.sqrt(p.shape[-1]))
 
 
 def trio(name: str, seed: int = 0):
