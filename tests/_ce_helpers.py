@@ -13,10 +13,8 @@ TOL = 2e-5  # normwise relative, fp32 computation against float64
 NAMES = ("loss", "dh", "dW", "dbias", "drstd")
 
 
-def textbook(h, W, target, *, bias=None, rstd=None, softcap=None, label_smoothing=0.0,
-             z_loss=0.0, ignore_index=-100, reduction="mean", num_items_in_batch=None,
-             temperature=1.0):  # fmt: skip
-    """The unfused loss, written from the definitions (h: (M, H), target: (M,))."""
+def textbook_logits(h, W, bias=None, rstd=None, softcap=None, temperature=1.0):
+    """The materialized logits: softcap(rstd * (h @ W.T) + bias) / temperature."""
     logits = h @ W.T
     if rstd is not None:
         logits = logits * rstd[:, None]
@@ -24,7 +22,14 @@ def textbook(h, W, target, *, bias=None, rstd=None, softcap=None, label_smoothin
         logits = logits + bias
     if softcap is not None:
         logits = softcap * torch.tanh(logits / softcap)
-    logits = logits / temperature
+    return logits / temperature
+
+
+def textbook(h, W, target, *, bias=None, rstd=None, softcap=None, label_smoothing=0.0,
+             z_loss=0.0, ignore_index=-100, reduction="mean", num_items_in_batch=None,
+             temperature=1.0):  # fmt: skip
+    """The unfused loss, written from the definitions (h: (M, H), target: (M,))."""
+    logits = textbook_logits(h, W, bias, rstd, softcap, temperature)
     rows = F.cross_entropy(
         logits, target, ignore_index=ignore_index, reduction="none",
         label_smoothing=label_smoothing,

@@ -30,6 +30,7 @@ from _ce_helpers import (
     options,
     problems,
     textbook,
+    textbook_logits,
     upstream,
 )
 from coda.errors import InputError
@@ -193,6 +194,82 @@ def test_return_lse_and_z_loss():
     )
     want = textbook(h.double().reshape(18, 8), W.double(), target.reshape(18), z_loss=1e-2)
     torch.testing.assert_close(loss.double(), want, rtol=1e-5, atol=0)
+
+
+def _entropy_textbook(h, W, target, bias, rstd, *, softcap=None, temperature=1.0, **opts):
+    """Float64 loss and per-row softmax entropy of the materialized logits."""
+    logp = torch.log_softmax(textbook_logits(h, W, bias, rstd, softcap, temperature), -1)
+    loss = textbook(
+        h, W, target, bias=bias, rstd=rstd, softcap=softcap, temperature=temperature, **opts
+    )
+    return loss, -(logp.exp() * logp).sum(-1)
+
+
+ENTROPY_CASES = {
+    "plain": {},
+    "softcap": dict(softcap=5.0),
+    "tempered_smoothing": dict(temperature=0.7, label_smoothing=0.1),
+    "bias_rstd_zloss": dict(bias=True, rstd=True, z_loss=1e-3),
+    "none": dict(reduction="none"),
+}
+
+
+@pytest.mark.parametrize("case", list(ENTROPY_CASES))
+def test_return_entropy_and_its_gradients_match_textbook(case):
+    """``return_entropy``: the per-row entropy of softmax(logits) (of the final logits:
+    softcapped, tempered) with logits far from 0, and every gradient under upstream
+    gradients on both the loss and the entropy, against float64; several vocabulary
+    chunks with the V mod 8 tail (V = 37, chunks of 8); ignored rows keep their entropy."""
+    opts = dict(ENTROPY_CASES[case])
+    use_bias, use_rstd = opts.pop("bias", False), opts.pop("rstd", False)
+    g = torch.Generator().manual_seed(11)
+    M, H, V = 23, 16, 37
+    h = torch.randn(M, H, generator=g, dtype=F64)
+    W = torch.randn(V, H, generator=g, dtype=F64)
+    W[0] += 3.0  # logits around 12 for one class: far from 0, a confident softmax
+    bias = torch.randn(V, generator=g, dtype=F64) if use_bias else None
+    rstd = torch.rand(M, generator=g, dtype=F64) + 0.5 if use_rstd else None
+    target = torch.randint(0, V, (M,), generator=g)
+    target[3] = -100
+    up = torch.randn(M, generator=g, dtype=F64)
+    up_loss = torch.randn(M if opts.get("reduction") == "none" else (), generator=g, dtype=F64)
+
+    def grads(fn, dtype):
+        xs = [t if t is None else t.to(dtype).requires_grad_() for t in (h, W, bias, rstd)]
+        loss, ent = fn(*xs)
+        ((loss * up_loss.to(dtype)).sum() + (ent * up.to(dtype)).sum()).backward()
+        return [loss, ent] + [x.grad for x in xs if x is not None]
+
+    ours = grads(
+        lambda *x: linear_cross_entropy(
+            x[0], x[1], target, bias=x[2], rstd=x[3], return_entropy=True, chunk_size=8, **opts
+        ),
+        F32,
+    )
+    truth = grads(lambda *x: _entropy_textbook(x[0], x[1], target, x[2], x[3], **opts), F64)
+    names = ["loss", "entropy", "dh", "dW"] + ["dbias", "drstd"] * use_bias
+    for name, a, t in zip(names, ours, truth, strict=True):
+        assert_close_to_reference(a, t, name=name, tol=TOL, floor=0.1)
+    assert float(truth[1][3].detach()) > 0 and float(ours[1][3].detach()) > 0  # ignored row
+
+
+def test_return_entropy_order_and_path():
+    """Outputs in the order (loss, lse, z_loss, entropy); the entropy takes the recompute
+    path (its own gradient), so grad_in_forward=True refuses it."""
+    g = torch.Generator().manual_seed(12)
+    h, W = torch.randn(5, 8, generator=g), torch.randn(19, 8, generator=g)
+    target = torch.randint(0, 19, (5,), generator=g)
+    out = linear_cross_entropy(
+        h, W, target, return_lse=True, return_z_loss=True, return_entropy=True
+    )
+    assert len(out) == 4
+    logp = torch.log_softmax(h.double() @ W.double().T, -1)
+    torch.testing.assert_close(out[3].double(), -(logp.exp() * logp).sum(-1), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(out[1].double(), (h.double() @ W.double().T).logsumexp(-1))
+    with pytest.raises(ValueError, match="return_entropy"):
+        linear_cross_entropy(
+            h, W.requires_grad_(), target, return_entropy=True, grad_in_forward=True
+        )
 
 
 def test_frozen_head_skips_dW(monkeypatch):

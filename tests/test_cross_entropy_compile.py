@@ -29,13 +29,14 @@ def _params(seed=0):
 
 def loss_fn(h, rstd, W, bias, labels):
     """A causal-LM loss with every option: shift, deferred norm, bias, softcap, label
-    smoothing, z-loss, temperature, returned lse (folded into the result so it carries a
-    gradient)."""
-    loss, lse = linear_cross_entropy(
+    smoothing, z-loss, temperature, returned lse and entropy (folded into the result so
+    they carry a gradient)."""
+    loss, lse, ent = linear_cross_entropy(
         h, W, labels, rstd=rstd, bias=bias, softcap=20.0, label_smoothing=0.1,
-        z_loss=1e-3, shift=True, return_lse=True, chunk_size=16, temperature=0.8,
+        z_loss=1e-3, shift=True, return_lse=True, return_entropy=True, chunk_size=16,
+        temperature=0.8,
     )  # fmt: skip
-    return loss + 1e-3 * lse.mean()
+    return loss + 1e-3 * lse.mean() - 1e-2 * ent.mean()
 
 
 def fused_loss_fn(h, rstd, W, bias, labels):
@@ -134,12 +135,38 @@ def _fused(h, W, target, bias, rstd, denom, options, rows, need):
 def _cases():
     h, W, target, bias, rstd = _stats_args()
     hd, Wd, _, bd, rd = (t.detach() for t in (h, W, target, bias, rstd))
-    lse = lce_stats(hd, Wd, target, bd, rd, -100, 5.0, True, 16, False)[0]
+    stats = lce_stats(hd, Wd, target, bd, rd, -100, 5.0, True, 16, False, True)
+    lse, ent = stats[0], stats[3]
     g = torch.Generator().manual_seed(3)
-    gl, gt, gs = (torch.randn(13, generator=g) for _ in range(3))
+    gl, gt, gs, ge = (torch.randn(13, generator=g) for _ in range(4))
     return {
         "stats": (lce_stats, (h, W, target, bias, rstd, -100, 5.0, True, 16, False)),
         "stats_plain": (lce_stats, (h, W, target, None, None, -100, None, False, 0, False)),
+        "stats_entropy": (lce_stats, (h, W, target, bias, rstd, -100, 5.0, True, 16, False, True)),
+        "backward_entropy": (
+            lce_stats_backward,
+            (
+                gl,
+                gt,
+                gs,
+                hd,
+                Wd,
+                target,
+                bd,
+                rd,
+                lse,
+                -100,
+                5.0,
+                True,
+                16,
+                True,
+                True,
+                True,
+                True,
+                ge,
+                ent,
+            ),
+        ),  # fmt: skip
         "backward_all": (
             lce_stats_backward,
             (gl, gt, gs, hd, Wd, target, bd, rd, lse, -100, 5.0, True, 16, True, True, True, True),

@@ -116,6 +116,13 @@ KERNELS = {
     ),
     # the dW GEMM's operand sr * h of a row chunk (2048 x H): a map pass
     "row_scaled_map": (row_scaled_epilogue(bf16), True, (2048, 4096, MAP_K)),
+    # ``return_entropy`` (recompute path): SoftmaxEntropy beside lse and zt, on the V mod 8
+    # tail with softcap too; the gradient with the entropy's term (and every option)
+    "stats_entropy": (stats_epilogue(None, False, None, False, False, True), False),
+    "stats_entropy_all": (stats_epilogue(bf16, True, 30.0, True, False, True), False),
+    "stats_entropy_tail_softcap": (stats_epilogue(None, False, 30.0, False, True, True), False),
+    "grad_entropy": (grad_epilogue(bf16, None, False, None, False, False, False, True), False),
+    "grad_entropy_all": (grad_epilogue(bf16, bf16, True, 30.0, True, True, True, True), False),
     # OneHot at width 1/2 (pairs across lanes) feeding a row and a column reduction
     "onehot_half": (
         Epilogue().add(
@@ -212,3 +219,33 @@ def test_chunk_dw_gemm_compiles_on_its_tile(tmp_path):
     assert ops["HGMMA.64x160x16.F32.BF16"] > 0, [o for o in ops if o.startswith("HGMMA")]
     assert count_prefix(ops, "UTMAREDG") > 0 and count_prefix(ops, "UTMASTG") == 0
     assert count_prefix(ops, "LDL") == 0 and count_prefix(ops, "STL") == 0
+
+
+@pytest.mark.parametrize("lanes", [None, "in_gemm"])
+def test_entropy_finalize_compiles(lanes, tmp_path):
+    """``SoftmaxEntropy``'s finalize (``tracing.finalize_entropy``: the tiles' (max, sum,
+    weighted sum) triples merged, then across the row's lanes by shuffles) compiles in the
+    finalize kernel at every lane count it may run with, and inside the GEMM kernel (one
+    thread a row): no local memory."""
+    from coda.runtime import finalize
+
+    epi = KERNELS["stats_entropy"][0]
+    if lanes == "in_gemm":
+        cfg = epilogue_choice(epi, bf16, *MNK, num_sms=132)[0]
+        key = gemm_kernels.GemmKernelKey(cfg, bf16, FusedVisitor(epi, True), 132, "k", "k")
+        ptx, cubin = gemm_kernels.compile_artifacts(key, str(tmp_path))
+        assert "atom.global.add.u32" in ptx
+        builds = [cubin]
+    else:
+        counts = sorted({finalize.lanes(m, n) for m in (1, 10**6) for n in (1, 10**6)})
+        builds = []
+        for i, n in enumerate(counts):
+            (tmp_path / str(i)).mkdir()
+            ptx, cubin = finalize.compile_artifacts(epi, str(tmp_path / str(i)), n)
+            assert ("shfl.sync.bfly" in ptx) == (n[0] > 1), n  # the row lanes' merge
+            builds.append(cubin)
+    if find_nvdisasm() is None:
+        pytest.skip("nvdisasm not installed")
+    for cubin in builds:
+        ops = opcode_counts(disassemble(cubin))
+        assert count_prefix(ops, "LDL") == 0 and count_prefix(ops, "STL") == 0

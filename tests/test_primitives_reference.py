@@ -16,6 +16,7 @@ from coda import (
     InputError,
     LogSumExp,
     ScalarLoad,
+    SoftmaxEntropy,
     TargetSelect,
     TileLoad,
     TileReduce,
@@ -330,6 +331,69 @@ def test_logsumexp_and_partials(tile):
     close(out["lse.partials_sumexp"], ps, floor=1.0)
     combined = pm.max(1).values + torch.log((ps * torch.exp(pm - pm.max(1, True).values)).sum(1))
     close(out["lse"], combined)
+
+
+def _textbook_entropy(z: torch.Tensor) -> torch.Tensor:
+    logp = torch.log_softmax(z, 1)
+    return -(logp.exp() * logp).sum(1)
+
+
+@pytest.mark.parametrize("tile", [(8, 8), (16, 32), (128, 128)])
+def test_softmax_entropy_reference_partials_and_simulator(tile):
+    """The entropy of each row's softmax, with logits far from 0 (40 + 8 acc: lse - E_p[z]
+    in fp32 would lose ulp(48) = 4e-6 of an entropy near 2) against float64; its per-tile
+    (max, sum, weighted sum) partials; the tile simulator (online, subtile by subtile)
+    against the reference; and the merge of the partials."""
+    A, B = operands()
+    epi = Epilogue().add(
+        Elementwise("z", lambda a: a * 8.0 + 40.0),
+        SoftmaxEntropy("ent", of="z"),
+        LogSumExp("lse", of="z"),
+    )
+    out = epi.reference(A, B, tile=tile)
+    z = acc64(A, B) * 8.0 + 40.0
+    want = _textbook_entropy(z)
+    assert_close_to_reference(out["ent"], want, tol=2e-6, name="entropy")
+    tn = tile[1]
+    blocks = [z[:, j : j + tn] for j in range(0, N, tn)]
+    pm = torch.stack([b.max(1).values for b in blocks], 1)
+    ps = torch.stack([torch.exp(b - pm[:, k, None]).sum(1) for k, b in enumerate(blocks)], 1)
+    pt = torch.stack(
+        [
+            (torch.exp(b - pm[:, k, None]) * (b - pm[:, k, None])).sum(1)
+            for k, b in enumerate(blocks)
+        ],
+        1,
+    )
+    close(out["ent.partials_max"], pm)
+    close(out["ent.partials_sumexp"], ps, floor=1.0)
+    close(out["ent.partials_wsum"], pt, floor=1.0)
+    sim = coda.simulate(epi, A, B, tile=tile, subtile=(min(tile[0], 8), min(tile[1], 8)))
+    assert_close_to_reference(sim["ent"], want, tol=2e-6, name="simulated entropy")
+    for name in ("ent.partials_max", "ent.partials_sumexp", "ent.partials_wsum"):
+        close(sim[name], out[name].to(F64), floor=1.0)
+
+
+def test_softmax_entropy_edges():
+    """A row of one finite logit has entropy 0; uniform logits log C; -inf entries (masked
+    columns) count as p = 0; a row with no finite entry gives 0, not NaN."""
+    A, B = operands(m=4, n=44)
+    z = acc64(A, B).to(F32)
+    cols = torch.arange(N)
+    z[0] = torch.where(cols == 7, 3.0, float("-inf"))  # one-hot: entropy 0
+    z[1] = 5.0  # uniform: log N
+    z[2] = torch.where(cols < 10, z[2], float("-inf"))  # only 10 columns count
+    z[3] = float("-inf")  # nothing: 0
+    epi = Epilogue().add(TileLoad("z", F32), SoftmaxEntropy("ent", of="z"))
+    for ent in (
+        epi.reference(A, B, z=z, tile=(8, 16))["ent"],
+        coda.simulate(epi, A, B, z=z, tile=(8, 16), subtile=(8, 8))["ent"],
+    ):
+        ent = ent.to(F64)
+        assert torch.isfinite(ent).all()
+        assert abs(float(ent[0])) < 1e-6 and abs(float(ent[3])) < 1e-12
+        assert abs(float(ent[1]) - math.log(N)) < 1e-5
+        assert abs(float(ent[2]) - float(_textbook_entropy(z[2:3, :10].to(F64))[0])) < 1e-5
 
 
 @pytest.mark.parametrize("tdtype", [torch.int64, torch.int32])

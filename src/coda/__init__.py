@@ -7,8 +7,8 @@ The public API (importing coda never imports CuTeDSL; kernels load lazily, later
 * ``simulate(epi, A, B, tile=..., subtile=..., **tensors)``: the CPU tile simulator, the
   executable specification of the fused kernel (per-tile partials, running states).
 * The primitives: ``Elementwise``, ``VecLoad``, ``ScalarLoad``, ``TileLoad``, ``TileStore``,
-  ``TileReduce``, ``StateTransition`` (``LogSumExp``, ``TargetSelect``), their base
-  ``Primitive``, and ``math`` / ``ops`` for Elementwise functions (import them by name:
+  ``TileReduce``, ``StateTransition`` (``LogSumExp``, ``SoftmaxEntropy``, ``TargetSelect``),
+  their base ``Primitive``, and ``math`` / ``ops`` for Elementwise functions (import them by name:
   ``from coda import math, ops``).
 * Specs and errors: ``ValueSpec``, ``TensorSpec``, ``EpilogueError`` (build time),
   ``InputError`` (call time) and ``coda.errors`` for the precise subclasses.
@@ -27,6 +27,7 @@ from coda.primitives import (
     LogSumExp,
     Primitive,
     ScalarLoad,
+    SoftmaxEntropy,
     StateTransition,
     TargetSelect,
     TileLoad,
@@ -46,6 +47,7 @@ __all__ = [
     "EpilogueError",
     "InputError",
     "LogSumExp",
+    "SoftmaxEntropy",
     "Primitive",
     "Problem",
     "ScalarLoad",

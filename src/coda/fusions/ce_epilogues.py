@@ -14,6 +14,8 @@ statistics every loss option is built from, nothing M x V written:
 * ``lse``: log sum_j exp(z_j)              (``LogSumExp``, online max / sum-exp)
 * ``zt``:  z[target] (0 when the target is not in this chunk)       (``TargetSelect``)
 * ``zsum``: sum_j z_j (label smoothing only)                          (``TileReduce``)
+* ``ent``: the entropy of the chunk's softmax (``return_entropy`` only)  (``SoftmaxEntropy``:
+  online, relative to the running max; chunks merged by ``cross_entropy``)
 
 **Backward** (``grad_epilogue``): given per-row upstream gradients of the three
 statistics (``ga`` for lse, ``gt`` for zt, ``gs`` for zsum) and the saved full-vocabulary
@@ -21,7 +23,9 @@ lse, the gradient with respect to z is
 
     g = ga * exp(z - lse) + gt * onehot(target) + gs           (``OneHot``: a new primitive)
 
-then the softcap chain g *= 1 - (z / cap)^2 gives dL/ds; dL/drstd = sum_j g acc (row
+plus, with an entropy gradient ``ge``, ge * dH/dz = -ge p (z - E_p[z]) = -ge p ((z - lse) +
+ent) (row vector ``ent``: the forward's entropy), then the softcap chain
+g *= 1 - (z / cap)^2 gives dL/ds; dL/drstd = sum_j g acc (row
 ``TileReduce``), dL/dbias = sum_i g (column ``TileReduce``), and the stored chunk
 ``dlogits = rstd * g`` (= dL/dacc) feeds the dh and dW GEMMs.
 
@@ -74,6 +78,7 @@ from coda.primitives import (
     Elementwise,
     LogSumExp,
     OneHot,
+    SoftmaxEntropy,
     TargetSelect,
     TileLoad,
     TileReduce,
@@ -190,6 +195,20 @@ def ce_grad_sum(z: Any, lse: Any, ga: Any, gt: Any, hit: Any, gs: Any) -> Any:
     return ga * cm.exp_diff(z, lse) + gt * hit + gs
 
 
+def ce_grad_ent(z: Any, lse: Any, ga: Any, gt: Any, hit: Any, ge: Any, ent: Any) -> Any:
+    """``ce_grad`` plus the entropy's gradient -ge softmax(z) (z - E_p[z]), with z - E_p[z]
+    = (z - lse) + ent (the log-probability, as eager's log_softmax takes it, plus the
+    row's entropy: no term of the logits' size cancels)."""
+    return (ga - ge * ((z - lse) + ent)) * cm.exp_diff(z, lse) + gt * hit
+
+
+def ce_grad_sum_ent(
+    z: Any, lse: Any, ga: Any, gt: Any, hit: Any, gs: Any, ge: Any, ent: Any
+) -> Any:
+    """``ce_grad_ent`` plus gs * 1 (label smoothing)."""
+    return (ga - ge * ((z - lse) + ent)) * cm.exp_diff(z, lse) + gt * hit + gs
+
+
 def _logits(
     bias_dtype: torch.dtype | None, rstd: bool, softcap: float | None, src: str = "acc"
 ) -> tuple[list, str]:
@@ -223,8 +242,10 @@ def _stats(
     with_sum: bool,
     masked: bool,
     src: str = "acc",
+    entropy: bool = False,
 ) -> list:
-    """The forward chain: z from ``src``, then lse, zt (and zsum) of its columns."""
+    """The forward chain: z from ``src``, then lse, zt (and zsum; and with ``entropy``
+    ent) of its columns."""
     prims, z = _logits(bias_dtype, rstd, softcap, src)
     lse_of = z
     if masked:
@@ -237,6 +258,8 @@ def _stats(
     )
     if with_sum:
         prims.append(TileReduce("zsum", of=z, op="sum"))
+    if entropy:  # of the masked z: a padded tail column is -inf there, p = 0
+        prims.append(SoftmaxEntropy("ent", of=lse_of))
     return prims
 
 
@@ -250,19 +273,29 @@ def _grad(
     with_sum: bool,
     dbias: bool,
     drstd: bool,
+    entropy: bool = False,
 ) -> Epilogue:
     """The backward chain after ``prims`` (which define z, named ``z``, from ``src``):
-    g = dL/dz from the row gradients, the softcap chain, the drstd / dbias reductions and
-    the stored dlogits = rstd * g."""
+    g = dL/dz from the row gradients (with ``entropy`` the entropy's too: row vectors
+    ``ge`` and ``ent``), the softcap chain, the drstd / dbias reductions and the stored dlogits =
+    rstd * g."""
     prims = list(prims)
     prims += [VecLoad(n, per="row", dtype=F32) for n in ("lse", "ga", "gt")]
     prims.append(OneHot("hit", target="tloc", target_dtype=TARGET_DTYPE))
     ins = (z, "lse", "ga", "gt", "hit")
     if with_sum:
         prims.append(VecLoad("gs", per="row", dtype=F32))
-        prims.append(Elementwise("g0", ce_grad_sum, ins=(*ins, "gs")))
-    else:
-        prims.append(Elementwise("g0", ce_grad, ins=ins))
+        ins += ("gs",)
+    if entropy:
+        prims += [VecLoad(n, per="row", dtype=F32) for n in ("ge", "ent")]
+        ins += ("ge", "ent")
+    fn = {
+        (False, False): ce_grad,
+        (True, False): ce_grad_sum,
+        (False, True): ce_grad_ent,
+        (True, True): ce_grad_sum_ent,
+    }[with_sum, entropy]
+    prims.append(Elementwise("g0", fn, ins=ins))
     g = "g0"
     if softcap is not None:
         prims.append(Elementwise("g2", SoftcapGrad(softcap), ins=(g, z)))
@@ -342,10 +375,12 @@ def stats_epilogue(
     softcap: float | None,
     with_sum: bool,
     masked: bool,
+    entropy: bool = False,
 ) -> Epilogue:
-    """Outputs ``lse``, ``zt`` (and ``zsum``) of one chunk; inputs ``tloc`` (int32 chunk-
-    local targets, -1 for none) and, as enabled, ``rstd``, ``bias``, ``valid``."""
-    return Epilogue(_stats(bias_dtype, rstd, softcap, with_sum, masked))
+    """Outputs ``lse``, ``zt`` (and ``zsum``; with ``entropy`` ``ent``) of one chunk;
+    inputs ``tloc`` (int32 chunk-local targets, -1 for none) and, as enabled, ``rstd``,
+    ``bias``, ``valid``."""
+    return Epilogue(_stats(bias_dtype, rstd, softcap, with_sum, masked, entropy=entropy))
 
 
 @functools.cache
@@ -397,12 +432,14 @@ def grad_epilogue(
     with_sum: bool,
     dbias: bool,
     drstd: bool,
+    entropy: bool = False,
 ) -> Epilogue:
     """Stores ``dlogits`` (= dL/dacc, in ``out_dtype``; not stored when None) and, as
     asked, outputs ``dbias`` (col) and ``drstd`` (row) of one chunk. Inputs: ``tloc``,
-    ``lse``, ``ga``, ``gt`` (and ``gs``) plus those of the forward."""
+    ``lse``, ``ga``, ``gt`` (and ``gs``; with ``entropy`` ``ge`` and ``mu``) plus those of
+    the forward."""
     prims, z = _logits(bias_dtype, rstd, softcap)
-    return _grad(prims, z, "acc", out_dtype, rstd, softcap, with_sum, dbias, drstd)
+    return _grad(prims, z, "acc", out_dtype, rstd, softcap, with_sum, dbias, drstd, entropy)
 
 
 @functools.cache

@@ -14,11 +14,12 @@ gradients by the loss's upstream gradient. Workspace: two row buffers and, with 
 one row chunk, an fp32 V x H dW accumulator.
 
 **Recompute** (otherwise, or ``grad_in_forward=False``: any upstream gradient, per-row
-losses, returned lse; the low-memory choice), two custom ops:
+losses, returned lse or entropy; the low-memory choice), two custom ops:
 
-* ``coda::lce_stats(h, W, target, bias, rstd, ...) -> (lse, zt, zsum)``: per row, the
-  log-sum-exp of the logits z, the target logit z[target] (0 for ignored rows) and the
-  row sum of z (label smoothing only; zeros otherwise), all fp32 (M,). One epilogue of
+* ``coda::lce_stats(h, W, target, bias, rstd, ...) -> (lse, zt, zsum, entropy)``: per
+  row, the log-sum-exp of the logits z, the target logit z[target] (0 for ignored rows),
+  the row sum of z (label smoothing only; zeros otherwise) and the entropy of softmax(z)
+  (``return_entropy`` only; zeros otherwise), all fp32 (M,). One epilogue of
   the logits GEMM per vocabulary chunk (usually one chunk), chunks merged by logaddexp.
   Without autograd (no_grad, evaluation) only this op runs, whatever the path asked.
 * ``coda::lce_stats_backward``: its autograd formula. Per vocabulary chunk c, the logits
@@ -100,27 +101,33 @@ def lce_stats(
     with_sum: bool,
     chunk_size: int,
     check: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(lse, zt, zsum), each fp32 (M,), of the logits z = softcap(rstd * h @ W.T + bias):
-    log-sum-exp over V, z[target] (0 where target == ignore_index) and sum over V (only
-    with ``with_sum``; zeros otherwise). Targets are range-checked on CPU, and on CUDA
-    when ``check`` (a device sync). ``chunk_size`` 0: automatic (``ce_chunks``)."""
+    with_entropy: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(lse, zt, zsum, entropy), each fp32 (M,), of the logits z = softcap(rstd * h @ W.T
+    + bias): log-sum-exp over V, z[target] (0 where target == ignore_index), sum over V
+    (only with ``with_sum``; zeros otherwise) and the entropy of softmax(z), lse - E_p[z]
+    (only with ``with_entropy``; zeros otherwise). Targets are range-checked on CPU, and
+    on CUDA when ``check`` (a device sync). ``chunk_size`` 0: automatic (``ce_chunks``)."""
     check_operands(h, W, target, bias, rstd)
     M, V = h.shape[0], W.shape[0]
     if check or not h.is_cuda:
         check_targets(target, V, ignore_index)
     valid = target != ignore_index
-    n_partials = 4 if with_sum else 3
+    n_partials = (4 if with_sum else 3) + (3 if with_entropy else 0)
     size = chunk_size or ce_chunks.stats_chunk_size(M, V, n_partials)
     lse = zt = zsum = None
+    parts = []  # with_entropy: (lse, entropy) of each vocabulary chunk
     for c in ce_chunks.chunks(V, size):
         Wc, extra = _chunk_operands(c, W, bias, mask=True)
         epi = stats_epilogue(
-            None if bias is None else bias.dtype, rstd is not None, softcap, with_sum, c.padded
-        )
+            None if bias is None else bias.dtype, rstd is not None, softcap, with_sum, c.padded,
+            with_entropy,
+        )  # fmt: skip
         if rstd is not None:
             extra["rstd"] = rstd
         out = run_epilogue(epi, h, Wc, tloc=local_targets(target, valid, c.start, c.stop), **extra)
+        if with_entropy:
+            parts.append((out["lse"].clone(), out["ent"].clone()))
         if lse is None:
             # the GPU runtime returns results as views of one workspace with the partials:
             # copy the (M,) vectors out (outputs of a custom op must not alias each other,
@@ -132,13 +139,17 @@ def lce_stats(
             zt = zt + out["zt"]
             if with_sum:
                 zsum = zsum + out["zsum"]
-    return lse, zt, zsum
+    entropy = torch.zeros_like(lse)
+    for lse_c, ent_c in parts:  # H = sum_c p(c) (H_c + lse - lse_c), p(c) = e^(lse_c - lse)
+        entropy += torch.exp(lse_c - lse) * (ent_c + (lse - lse_c))
+    return lse, zt, zsum, entropy
 
 
 @lce_stats.register_fake
-def _(h, W, target, bias, rstd, ignore_index, softcap, with_sum, chunk_size, check):
+def _(h, W, target, bias, rstd, ignore_index, softcap, with_sum, chunk_size, check,
+      with_entropy=False):  # fmt: skip
     row = h.new_empty((h.shape[0],), dtype=F32)
-    return row, torch.empty_like(row), torch.empty_like(row)
+    return row, torch.empty_like(row), torch.empty_like(row), torch.empty_like(row)
 
 
 # ---- the backward op ---------------------------------------------------------------------
@@ -163,9 +174,12 @@ def lce_stats_backward(
     need_dW: bool,
     need_dbias: bool,
     need_drstd: bool,
+    g_entropy: torch.Tensor | None = None,
+    entropy: torch.Tensor | None = None,
 ) -> list[torch.Tensor]:
     """The gradients asked for, in the order [dh, dW, dbias, drstd], of the statistics
-    (lse, zt, zsum) under upstream gradients (g_lse, g_zt, g_zsum) (fp32 (M,) each)."""
+    (lse, zt, zsum) under upstream gradients (g_lse, g_zt, g_zsum) (fp32 (M,) each) and,
+    with ``g_entropy``, of the entropy under it (``entropy``: the forward's, per row)."""
     M, H = h.shape
     V = W.shape[0]
     valid = target != ignore_index
@@ -189,10 +203,14 @@ def lce_stats_backward(
         rows["gs"] = g_zsum
     if rstd is not None:
         rows["rstd"] = rstd
+    if g_entropy is not None:
+        rows["ge"], rows["ent"] = g_entropy, entropy
     epi_args = (None if bias is None else bias.dtype, rstd is not None, softcap, with_sum)
     for i, c in enumerate(plan):
         Wc, extra = _chunk_operands(c, W, bias, mask=False)
-        epi = grad_epilogue(h.dtype if store else None, *epi_args, need_dbias, need_drstd)
+        epi = grad_epilogue(
+            h.dtype if store else None, *epi_args, need_dbias, need_drstd, g_entropy is not None
+        )
         outputs = None if buf is None else {"dlogits": buf[:, : c.gemm_cols]}
         out = run_epilogue(
             epi, h, Wc, outputs, tloc=local_targets(target, valid, c.start, c.stop), **rows, **extra
@@ -226,7 +244,7 @@ def lce_stats_backward(
 @lce_stats_backward.register_fake
 def _(
     g_lse, g_zt, g_zsum, h, W, target, bias, rstd, lse, ignore_index, softcap, with_sum,
-    chunk_size, need_dh, need_dW, need_dbias, need_drstd,
+    chunk_size, need_dh, need_dW, need_dbias, need_drstd, g_entropy=None, entropy=None,
 ):  # fmt: skip
     grads = [torch.empty_like(h)] if need_dh else []
     grads += [torch.empty_like(W)] if need_dW else []
@@ -236,32 +254,38 @@ def _(
 
 
 def _stats_setup(ctx, inputs, output) -> None:
-    h, W, target, bias, rstd, ignore_index, softcap, with_sum, chunk_size, _ = inputs
+    h, W, target, bias, rstd, ignore_index, softcap, with_sum, chunk_size, _, *entropy = inputs
     need = ctx.needs_input_grad
     ctx.flags = (need[0], need[1], bias is not None and need[3], rstd is not None and need[4])
     ctx.args = (ignore_index, softcap, with_sum, chunk_size)
-    ctx.save_for_backward(h, W, target, bias, rstd, output[0])
+    ctx.entropy = bool(entropy and entropy[0])
+    ctx.save_for_backward(h, W, target, bias, rstd, output[0], output[3])
 
 
-def _stats_backward(ctx, g_lse, g_zt, g_zsum):
+def _stats_backward(ctx, g_lse, g_zt, g_zsum, g_entropy):
     need_dh, need_dW, need_dbias, need_drstd = ctx.flags
-    h, W, target, bias, rstd, lse = ctx.saved_tensors
+    h, W, target, bias, rstd, lse, entropy = ctx.saved_tensors
     if not any(ctx.flags):
-        return (None,) * 10
+        return (None,) * 11
     zeros = torch.zeros_like(lse)
     g_lse = zeros if g_lse is None else g_lse.float().contiguous()
     g_zt = zeros if g_zt is None else g_zt.float().contiguous()
     g_zsum = zeros if g_zsum is None else g_zsum.float().contiguous()
+    if not ctx.entropy or g_entropy is None:
+        g_entropy = entropy = None
+    else:  # dH/dz = -p (z - E_p[z])
+        g_entropy = g_entropy.float().contiguous()
     grads = iter(
         lce_stats_backward(
-            g_lse, g_zt, g_zsum, h, W, target, bias, rstd, lse, *ctx.args, *ctx.flags
+            g_lse, g_zt, g_zsum, h, W, target, bias, rstd, lse, *ctx.args, *ctx.flags,
+            g_entropy, entropy,
         )
-    )
+    )  # fmt: skip
     dh = next(grads) if need_dh else None
     dW = next(grads) if need_dW else None
     dbias = next(grads) if need_dbias else None
     drstd = next(grads) if need_drstd else None
-    return dh, dW, None, dbias, drstd, None, None, None, None, None
+    return dh, dW, None, dbias, drstd, None, None, None, None, None, None
 
 
 register_autograd("coda::lce_stats", _stats_backward, setup_context=_stats_setup)
@@ -311,7 +335,9 @@ def _grad_in_forward(
     if reduction == "none":
         forbidden = 'reduction="none" (per-row losses take any upstream gradient)'
     elif return_lse or return_z_loss:
-        forbidden = "return_lse / return_z_loss (extra outputs with their own gradients)"
+        forbidden = (
+            "return_lse / return_z_loss / return_entropy (extra outputs with their own gradients)"
+        )
     if request and forbidden is not None:
         raise ValueError(
             f"grad_in_forward=True needs one scalar loss whose gradients the forward can "
@@ -370,6 +396,7 @@ def linear_cross_entropy(
     shift: bool = False,
     return_lse: bool = False,
     return_z_loss: bool = False,
+    return_entropy: bool = False,
     check: bool = False,
     chunk_size: int | None = None,
     grad_in_forward: bool | None = None,
@@ -398,7 +425,10 @@ def linear_cross_entropy(
 
     Returns the loss (fp32), or a tuple (loss, lse) / (loss, z_loss) / (loss, lse,
     z_loss) with ``return_lse`` (per-row log-sum-exp, shaped like ``target``) and
-    ``return_z_loss`` (the z-loss term, reduced like the loss). ``check``: range-check
+    ``return_z_loss`` (the z-loss term, reduced like the loss); ``return_entropy`` appends
+    the per-row entropy of softmax(logits), -sum_j p_j log p_j (fp32, shaped like
+    ``target``, every row, ignored ones too: RL losses mask it themselves), differentiable.
+    Extra outputs take the recompute path. ``check``: range-check
     the targets on CUDA too (a device sync; always done on CPU).
 
     Two paths (docs/cross-entropy.md). ``grad_in_forward`` None (default): when autograd
@@ -436,7 +466,7 @@ def linear_cross_entropy(
     if not (math.isfinite(temperature) and temperature > 0):
         raise ValueError(f"temperature must be a positive finite float; got {temperature}")
     fused = _grad_in_forward(
-        grad_in_forward, reduction, return_lse, return_z_loss, (h, W, bias, rstd)
+        grad_in_forward, reduction, return_lse or return_entropy, return_z_loss, (h, W, bias, rstd)
     )
     if shift:
         target = _shift(target, ignore_index)
@@ -471,7 +501,9 @@ def linear_cross_entropy(
             h2, W, t, bias, r, denom, ignore_index, cap, eps, float(z_loss), chunk_rows or 0,
             check, *need,
         )[0]  # fmt: skip
-    lse, zt, zsum = lce_stats(h2, W, t, bias, r, ignore_index, cap, eps > 0, chunk_size or 0, check)
+    lse, zt, zsum, entropy = lce_stats(
+        h2, W, t, bias, r, ignore_index, cap, eps > 0, chunk_size or 0, check, return_entropy
+    )
     rows = lse - zt
     if eps > 0:
         rows = (1.0 - eps) * rows + eps * (lse - zsum / V)
@@ -487,4 +519,6 @@ def linear_cross_entropy(
         extras.append(lse.reshape(shape))
     if return_z_loss:
         extras.append(_reduce(zrows, valid, reduction, num_items_in_batch, shape))
+    if return_entropy:
+        extras.append(entropy.reshape(shape))
     return (loss, *extras) if extras else loss

@@ -5,7 +5,8 @@
 * ``VecLoad`` / ``ScalarLoad`` (vecload.py): broadcast row/column vectors and scalars.
 * ``TileLoad`` (tileload.py) / ``TileStore`` (tilestore.py): (M, N*width) operands in/out.
 * ``TileReduce`` (tilereduce.py): sum / sumsq / max per row or column, as per-tile partials.
-* ``StateTransition`` (state.py): ``LogSumExp`` and ``TargetSelect``, running row states.
+* ``StateTransition`` (state.py): ``LogSumExp``, ``SoftmaxEntropy`` and ``TargetSelect``,
+  running row states.
 * ``OneHot`` (onehot.py): the tile value column == target[row] (cross-entropy backward).
 * ``math``: backend-polymorphic functions for ``fn``; ``ops``: ready-made ``fn``s.
 * ``context``: ``ReferenceEnv``, ``Tile``, ``Subtile``, what a primitive's methods receive.
@@ -16,7 +17,7 @@ from coda.primitives.base import Primitive, Source
 from coda.primitives.context import ReferenceEnv, Subtile, Tile
 from coda.primitives.elementwise import Elementwise
 from coda.primitives.onehot import OneHot
-from coda.primitives.state import LogSumExp, StateTransition, TargetSelect
+from coda.primitives.state import LogSumExp, SoftmaxEntropy, StateTransition, TargetSelect
 from coda.primitives.tileload import TileLoad
 from coda.primitives.tilereduce import TileReduce
 from coda.primitives.tilestore import TileStore
@@ -25,6 +26,7 @@ from coda.primitives.vecload import ScalarLoad, VecLoad
 __all__ = [
     "Elementwise",
     "LogSumExp",
+    "SoftmaxEntropy",
     "OneHot",
     "Primitive",
     "ReferenceEnv",

@@ -12,6 +12,15 @@ one result per row (per="row" only: the state lives in the rows a thread owns).
   ``{name}.partials_max`` and ``{name}.partials_sumexp``. Finalize:
   ``lse = M + log(sum_j s_j exp(m_j - M))`` with ``M = max_j m_j``; equals
   ``torch.logsumexp(v, dim=1)``. Out-of-bounds columns are -inf and contribute nothing.
+* ``SoftmaxEntropy(name, of)``: the entropy -sum_j p_j log p_j of the row's softmax,
+  p = softmax(v) (over the columns of ``of`` this epilogue sees). State per row: (m, s, t),
+  the running max, the sum of exp(v - m) and the sum of exp(v - m) (v - m); a new max m'
+  rescales them as ``s' = s e^(m - m')`` and ``t' = (t + (m - m') s) e^(m - m')``. Then
+  E_p[v] - m = t / s and the entropy is ``log s - t / s``: every quantity is relative to
+  the row's max, so nothing of the size of the logits cancels (lse - E_p[v] would lose
+  ulp(lse)). Partials: ``{name}.partials_max``, ``.partials_sumexp``, ``.partials_wsum``.
+  Merging entropies of disjoint column sets: H = sum_c w_c (H_c + lse - lse_c), w_c =
+  exp(lse_c - lse) (``coda.fusions.cross_entropy`` does so across vocabulary chunks).
 * ``TargetSelect(name, of, target="target", ignore_index=-100)``: picks
   ``v[m, target[m]]`` for an integer row vector ``target`` (M,). The partial of tile j is
   the value when ``target[m]`` falls in that tile's columns, else 0; finalize sums the
@@ -37,7 +46,7 @@ from coda.primitives.base import Primitive
 from coda.primitives.context import ReferenceEnv, Subtile, Tile
 from coda.specs import TensorSpec, ValueSpec
 
-__all__ = ["LogSumExp", "StateTransition", "TargetSelect"]
+__all__ = ["LogSumExp", "SoftmaxEntropy", "StateTransition", "TargetSelect"]
 
 NEG_INF = float("-inf")
 
@@ -210,6 +219,159 @@ class LogSumExp(StateTransition):
         rows = ctx.view_of(self.of).frag.rows
         # (running max, sum of exp(v - max)); -inf / 0 contribute nothing
         state[ctx.subtile[0]] = tracing.BandRows(rows, 2, (float("-inf"), 0.0) if rolled else None)
+
+    def trace_end_band(self, ctx: Any, state: dict) -> None:
+        from coda.primitives import tracing
+
+        tracing.write_band(ctx, state[ctx.subtile[0]], self.partial_names)
+
+
+#: ``SoftmaxEntropy``: v - m is floored here before it multiplies exp(v - m), so that a
+#: -inf (masked) element adds 0 * (-1e4) = 0, not 0 * -inf = NaN (exp(-1e4) is 0 in fp32)
+ENTROPY_FLOOR = -1.0e4
+
+
+def _entropy_terms(v: torch.Tensor, base: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row sums of exp(v - base) and of exp(v - base) (v - base), ``base`` (rows,) finite."""
+    d = torch.clamp(v - base[:, None], min=ENTROPY_FLOOR)
+    e = torch.exp(d)
+    return e.sum(1), (e * d).sum(1)
+
+
+def _entropy_of(m: torch.Tensor, s: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """Per row: the entropy log s - t / s from (max, sum, weighted sum) merged over the
+    last dim (partials of tiles: (rows, tiles)); 0 for a row with no element."""
+    top = m.amax(1, keepdim=True)
+    shift = torch.where(top == NEG_INF, torch.zeros_like(top), top)
+    finite = torch.where(m == NEG_INF, shift, m)
+    f = torch.exp(m - shift)
+    S = (s * f).sum(1)
+    T = ((t + (finite - shift) * s) * f).sum(1)
+    safe = torch.where(S > 0, S, torch.ones_like(S))
+    return torch.where(S > 0, torch.log(safe) - T / safe, torch.zeros_like(S))
+
+
+@attrs.frozen
+class SoftmaxEntropy(StateTransition):
+    """Online entropy of each row's softmax of tile value ``of`` -> output ``name`` (M,)."""
+
+    @property
+    def partial_names(self) -> tuple[str, str, str]:
+        n = self.name
+        return (f"{n}.partials_max", f"{n}.partials_sumexp", f"{n}.partials_wsum")
+
+    def reference(self, env: ReferenceEnv) -> None:
+        v = env.values[self.of]
+        M, C = v.shape
+        logp = torch.log_softmax(v, dim=1)
+        p = torch.exp(logp)
+        ent = -(p * torch.where(p > 0, logp, torch.zeros_like(logp))).sum(1)
+        env.outputs[self.name] = torch.where(v.amax(1) == NEG_INF, torch.zeros_like(ent), ent)
+        if env.tile is None:
+            return
+        tc = int(env.tile[1] * env.specs[self.of].width)
+        nt = ceil_div(env.problem.N, env.tile[1])
+        padded = torch.full((M, nt * tc), NEG_INF, dtype=v.dtype, device=v.device)
+        padded[:, :C] = v
+        blocks = padded.reshape(M * nt, tc)
+        pm = blocks.amax(1)
+        base = torch.where(pm == NEG_INF, torch.zeros_like(pm), pm)
+        ps, pt = _entropy_terms(blocks, base)
+        pmax, psum, pwsum = self.partial_names
+        env.outputs[pmax] = pm.reshape(M, nt)
+        env.outputs[psum] = ps.reshape(M, nt)
+        env.outputs[pwsum] = pt.reshape(M, nt)
+
+    def begin_tile(self, tile: Tile) -> dict[str, torch.Tensor]:
+        return {"m": tile.full_rows(NEG_INF), "s": tile.full_rows(0.0), "t": tile.full_rows(0.0)}
+
+    def visit(self, sub: Subtile, state: dict[str, torch.Tensor]) -> None:
+        w = sub.specs[self.of].width
+        v = sub.values[self.of]
+        v = torch.where(sub.mask(w), v, torch.full_like(v, NEG_INF))
+        rows = sub.local_rows()
+        m_old, s_old, t_old = state["m"][rows], state["s"][rows], state["t"][rows]
+        m_new = torch.maximum(m_old, v.amax(1))
+        base = torch.where(m_new == NEG_INF, torch.zeros_like(m_new), m_new)
+        finite_old = torch.where(m_old == NEG_INF, base, m_old)
+        f = torch.exp(m_old - base)
+        s_sub, t_sub = _entropy_terms(v, base)
+        # every new value before any store: the olds are views of the state
+        s_new = s_old * f + s_sub
+        t_new = (t_old + (finite_old - base) * s_old) * f + t_sub
+        state["m"][rows], state["s"][rows], state["t"][rows] = m_new, s_new, t_new
+
+    def end_tile(self, tile: Tile, state: dict[str, torch.Tensor]) -> None:
+        for name, key in zip(self.partial_names, "mst", strict=True):
+            tile.write_row_partial(name, state[key])
+
+    def finalize(
+        self,
+        partials: Mapping[str, torch.Tensor],
+        problem: Problem,
+        specs: Mapping[str, ValueSpec],
+    ) -> dict[str, torch.Tensor]:
+        pmax, psum, pwsum = self.partial_names
+        return {self.name: _entropy_of(partials[pmax], partials[psum], partials[pwsum])}
+
+    traces_finalize = True
+
+    def trace_finalize(self, fin: Any) -> None:
+        from coda.primitives import tracing
+
+        pm, ps, pt = (fin.tensor(n) for n in self.partial_names)
+        tracing.finalize_entropy(pm, ps, pt, fin.tensor(self.name), fin.row, fin.lane, fin.lanes)
+
+    def trace_begin_tile(self, tile: Any) -> dict:
+        return {}
+
+    def masks_edges(self, zero_outside: frozenset[str]) -> bool:
+        return True  # the columns past N must not count: -inf there, whatever the value
+
+    def trace(self, ctx: Any, values: dict[str, Any], state: dict) -> None:
+        from coda.primitives import math as cm
+        from coda.primitives import tracing
+
+        v = ctx.view_of(self.of)
+        x = tracing.masked(
+            values[self.of],
+            v.layout,
+            v.coords,
+            v.shape_mn,
+            float("-inf"),
+            rows=False,
+            interior=ctx.tile.interior,
+        )
+        sub_max = tracing.row_reduce("max", x, v.frag)
+        band = state[ctx.subtile[0]]
+        for r, smax in sub_max.items():
+            old = band.old(ctx, r)
+            new_m = smax if old is None else tracing.fr.combine("max", old[0], smax)
+            base = tracing.finite_or_zero(new_m)
+            total = tracing.Float32(0.0)
+            weighted = tracing.Float32(0.0)
+            for i in v.frag.row_members(r):
+                # exp(x - max) <= 1 by exp_diff, as LogSumExp's terms (0 for x = -inf)
+                e = cm.exp_diff(x[i], base)
+                total = total + e
+                weighted = weighted + e * cm.maximum(x[i] - base, ENTROPY_FLOOR)
+            total = tracing.fr.quad_allreduce("sum", total)
+            weighted = tracing.fr.quad_allreduce("sum", weighted)
+            if old is not None:
+                m_old = tracing.finite_or_zero(old[0])  # -inf: s = t = 0, nothing to add
+                f = cm.exp_diff(old[0], base)
+                total = total + old[1] * f
+                weighted = weighted + (old[2] + (m_old - base) * old[1]) * f
+            band.put(r, (new_m, total, weighted))
+
+    rollable = True
+
+    def trace_begin_band(self, ctx: Any, state: dict, rolled: bool) -> None:
+        from coda.primitives import tracing
+
+        rows = ctx.view_of(self.of).frag.rows
+        identity = (float("-inf"), 0.0, 0.0) if rolled else None
+        state[ctx.subtile[0]] = tracing.BandRows(rows, 3, identity)
 
     def trace_end_band(self, ctx: Any, state: dict) -> None:
         from coda.primitives import tracing

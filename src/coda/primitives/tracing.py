@@ -855,6 +855,63 @@ def finalize_logsumexp(pmax, psum, out, row, lane, lanes: cutlass.Constexpr[int]
             out[row] = finite_or_zero(m) + cute.math.log(s)
 
 
+def merge_entropy(m, s, t, m2, s2, t2):
+    """Two running (max, sum of exp(x - max), sum of exp(x - max) (x - max)) triples of
+    ``SoftmaxEntropy`` merged into one (a -inf max: no element yet, sums 0)."""
+    top = fr.combine("max", m, m2)
+    base = finite_or_zero(top)
+    f = cute.math.exp(m - base)
+    f2 = cute.math.exp(m2 - base)
+    t_out = (t + (finite_or_zero(m) - base) * s) * f + (t2 + (finite_or_zero(m2) - base) * s2) * f2
+    return top, s * f + s2 * f2, t_out
+
+
+def warp_merge_entropy(m, s, t, lanes: int = 32):
+    """``merge_entropy`` over each group of ``lanes`` neighbouring lanes (a power of two,
+    at most 32); every lane of the group gets the merged triple."""
+    off = 1
+    while off < lanes:
+        om = cute.arch.shuffle_sync_bfly(m, offset=off)
+        os_ = cute.arch.shuffle_sync_bfly(s, offset=off)
+        ot = cute.arch.shuffle_sync_bfly(t, offset=off)
+        m, s, t = merge_entropy(m, s, t, om, os_, ot)
+        off *= 2
+    return m, s, t
+
+
+@cute.jit
+def finalize_entropy(pmax, psum, pwsum, out, row, lane, lanes: cutlass.Constexpr[int] = 32):
+    """``out[row]`` = the entropy log S - T / S of the row's softmax from its per-tile
+    (max, sum, weighted sum) triples (``SoftmaxEntropy``), ``lanes`` threads per row: each
+    thread merges its tiles (``merge_entropy``, written out: the dynamic loop carries m,
+    s and t as plain names), then the row's threads merge theirs."""
+    if row < cute.size(pmax, mode=[0]):
+        m = Float32(-float("inf"))
+        s = Float32(0.0)
+        t = Float32(0.0)
+        n = cute.size(pmax, mode=[1])
+        for k in cutlass.range(lane, n, lanes, unroll=1):
+            pm = Float32(pmax[row, k])
+            ps = Float32(psum[row, k])
+            pt = Float32(pwsum[row, k])
+            top = fr.combine("max", m, pm)
+            base = finite_or_zero(top)
+            f = cute.math.exp(m - base)
+            f2 = cute.math.exp(pm - base)
+            t = (t + (finite_or_zero(m) - base) * s) * f + (
+                pt + (finite_or_zero(pm) - base) * ps
+            ) * f2
+            s = s * f + ps * f2
+            m = top
+        if cutlass.const_expr(lanes > 1):
+            m, s, t = warp_merge_entropy(m, s, t, lanes)
+        if lane == 0:
+            h = Float32(0.0)
+            if s > Float32(0.0):
+                h = cute.math.log(s) - t / s
+            out[row] = h
+
+
 # ---- finalize inside the GEMM kernel ---------------------------------------------------
 # The last tile to finish a row of tiles (or a column of tiles) finalizes those rows (or
 # columns) itself, so a reducing epilogue needs no second launch. Each row (column) of

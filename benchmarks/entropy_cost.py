@@ -1,0 +1,116 @@
+"""What the per-token softmax entropy costs the LM-head loss (RL losses), beside eager and
+torch.compile computing it from materialized logits.
+
+    python benchmarks/entropy_cost.py [--shapes 2048x8192,4096x8192] [--V 128256]
+        [--rounds 3] [--out benchmarks/results/entropy_cost_h200.json]
+
+Per-token losses (``reduction="none"``, what policy-gradient losses weight per token),
+bf16, V = 128256 (Llama 3), forward and forward + backward with an upstream gradient on
+every output, interleaved rounds, medians (benchmarks/common.py):
+
+* ``coda``: ``linear_cross_entropy(..., reduction="none", return_lse=True)`` (the recompute
+  path: the logits GEMM with the statistics in its epilogue, then a 3-GEMM backward);
+* ``coda_entropy``: the same with ``return_entropy=True`` (``SoftmaxEntropy`` beside the
+  log-sum-exp in the forward epilogue, the entropy's term in the gradient epilogue);
+* ``eager`` / ``compile``: logits = h @ W.T materialized, ``F.cross_entropy`` per token and
+  the entropy -sum p log p of log_softmax (fp32), eager and under ``torch.compile``.
+
+JSON ``{device, versions, command, "rows": [{"H", "M", "V", "pass", "coda_ms",
+"coda_entropy_ms", "eager_ms", "compile_ms", "coda_peak_gib", "coda_entropy_peak_gib",
+"eager_peak_gib", "compile_peak_gib"}]}`` (peaks: max allocated above the inputs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common  # noqa: E402
+
+from coda.fusions.cross_entropy import linear_cross_entropy  # noqa: E402
+
+GiB = 2**30
+
+
+def eager_entropy_loss(h, W, t):
+    """Per-token loss and entropy from materialized logits (fp32 softmax)."""
+    logits = (h @ W.T).float()
+    logp = torch.log_softmax(logits, -1)
+    loss = F.nll_loss(logp, t, reduction="none", ignore_index=-100)
+    return loss, -(logp.exp() * logp).sum(-1)
+
+
+def contenders(h, W, t, up, backward: bool) -> dict:
+    compiled = torch.compile(eager_entropy_loss)
+
+    def run(fn, entropy: bool):
+        def step():
+            if entropy:
+                loss, ent = fn()
+                total = (loss * up).sum() + (ent * up).sum()
+            else:
+                loss, _ = fn()
+                total = (loss * up).sum()
+            if backward:
+                torch.autograd.grad(total, (h, W))
+
+        return step
+
+    return {
+        "coda": run(
+            lambda: linear_cross_entropy(h, W, t, reduction="none", return_lse=True), False
+        ),
+        "coda_entropy": run(
+            lambda: linear_cross_entropy(h, W, t, reduction="none", return_entropy=True), True
+        ),
+        "eager": run(lambda: eager_entropy_loss(h, W, t), True),
+        "compile": run(lambda: compiled(h, W, t), True),
+    }
+
+
+def peak_gib(fn) -> float:
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / GiB
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shapes", default="2048x8192,4096x8192", help="HxM pairs")
+    p.add_argument("--V", type=int, default=128256)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--out", default="benchmarks/results/entropy_cost_h200.json")
+    args = p.parse_args()
+    rows = []
+    for shape in args.shapes.split(","):
+        H, M = (int(x) for x in shape.split("x"))
+        g = torch.Generator(device="cuda").manual_seed(0)
+        h = torch.randn(M, H, device="cuda", generator=g).to(torch.bfloat16).requires_grad_()
+        W = (torch.randn(args.V, H, device="cuda", generator=g) / H**0.5).to(torch.bfloat16)
+        W.requires_grad_()
+        t = torch.randint(0, args.V, (M,), device="cuda", generator=g)
+        up = torch.randn(M, device="cuda", generator=g)
+        for backward in (False, True):
+            fns = contenders(h, W, t, up, backward)
+            times = common.interleaved(fns, rounds=args.rounds, reps=args.reps, warmup=2)
+            row = {"H": H, "M": M, "V": args.V, "pass": "fwd+bwd" if backward else "fwd"}
+            row.update({f"{k}_ms": common.median(v) for k, v in times.items()})
+            row.update({f"{k}_peak_gib": peak_gib(fn) for k, fn in fns.items()})
+            rows.append(row)
+            print({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()})
+    common.write_json(args.out, {**common.environment(), "rows": rows})
+    columns = ["H", "M", "pass", "coda_ms", "coda_entropy_ms", "eager_ms", "compile_ms"]
+    common.print_table(rows, columns + ["coda_entropy_peak_gib", "compile_peak_gib"])
+
+
+if __name__ == "__main__":
+    main()
