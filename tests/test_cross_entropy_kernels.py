@@ -118,8 +118,8 @@ KERNELS = {
     "row_scaled_map": (row_scaled_epilogue(bf16), True, (2048, 4096, MAP_K)),
     # ``return_entropy`` (recompute path): SoftmaxEntropy beside lse and zt, on the V mod 8
     # tail with softcap too; the gradient with the entropy's term (and every option)
-    "stats_entropy": (stats_epilogue(None, False, None, False, False, True), False),
-    "stats_entropy_all": (stats_epilogue(bf16, True, 30.0, True, False, True), False),
+    "stats_entropy": (stats_epilogue(None, False, None, False, False, True), True),
+    "stats_entropy_all": (stats_epilogue(bf16, True, 30.0, True, False, True), True),
     "stats_entropy_tail_softcap": (stats_epilogue(None, False, 30.0, False, True, True), False),
     "grad_entropy": (grad_epilogue(bf16, None, False, None, False, False, False, True), False),
     "grad_entropy_all": (grad_epilogue(bf16, bf16, True, 30.0, True, True, True, True), False),

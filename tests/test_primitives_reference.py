@@ -347,7 +347,7 @@ def test_softmax_entropy_reference_partials_and_simulator(tile):
     A, B = operands()
     epi = Epilogue().add(
         Elementwise("z", lambda a: a * 8.0 + 40.0),
-        SoftmaxEntropy("ent", of="z"),
+        SoftmaxEntropy("ent", of="z", lse="lse_e"),
         LogSumExp("lse", of="z"),
     )
     out = epi.reference(A, B, tile=tile)
@@ -370,6 +370,8 @@ def test_softmax_entropy_reference_partials_and_simulator(tile):
     close(out["ent.partials_wsum"], pt, floor=1.0)
     sim = coda.simulate(epi, A, B, tile=tile, subtile=(min(tile[0], 8), min(tile[1], 8)))
     assert_close_to_reference(sim["ent"], want, tol=2e-6, name="simulated entropy")
+    for got in (out["lse_e"], sim["lse_e"]):  # its log-sum-exp, from the same state
+        close(got, torch.logsumexp(z, 1))
     for name in ("ent.partials_max", "ent.partials_sumexp", "ent.partials_wsum"):
         close(sim[name], out[name].to(F64), floor=1.0)
 

@@ -15,7 +15,8 @@ statistics every loss option is built from, nothing M x V written:
 * ``zt``:  z[target] (0 when the target is not in this chunk)       (``TargetSelect``)
 * ``zsum``: sum_j z_j (label smoothing only)                          (``TileReduce``)
 * ``ent``: the entropy of the chunk's softmax (``return_entropy`` only)  (``SoftmaxEntropy``:
-  online, relative to the running max; chunks merged by ``cross_entropy``)
+  online, relative to the running max, which then gives lse too in place of ``LogSumExp``;
+  chunks merged by ``cross_entropy``)
 
 **Backward** (``grad_epilogue``): given per-row upstream gradients of the three
 statistics (``ga`` for lse, ``gt`` for zt, ``gs`` for zsum) and the saved full-vocabulary
@@ -252,14 +253,15 @@ def _stats(
         prims.append(VecLoad("valid", per="col", dtype=F32))
         prims.append(Elementwise("z_lse", mask_neg_inf, ins=(z, "valid")))
         lse_of = "z_lse"
-    prims.append(LogSumExp("lse", of=lse_of))
+    if entropy:  # lse from the entropy's own running (max, sum); -inf columns: p = 0
+        prims.append(SoftmaxEntropy("ent", of=lse_of, lse="lse"))
+    else:
+        prims.append(LogSumExp("lse", of=lse_of))
     prims.append(
         TargetSelect("zt", of=z, target="tloc", ignore_index=-1, target_dtype=TARGET_DTYPE)
     )
     if with_sum:
         prims.append(TileReduce("zsum", of=z, op="sum"))
-    if entropy:  # of the masked z: a padded tail column is -inf there, p = 0
-        prims.append(SoftmaxEntropy("ent", of=lse_of))
     return prims
 
 

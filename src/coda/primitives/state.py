@@ -251,9 +251,24 @@ def _entropy_of(m: torch.Tensor, s: torch.Tensor, t: torch.Tensor) -> torch.Tens
     return torch.where(S > 0, torch.log(safe) - T / safe, torch.zeros_like(S))
 
 
+def _optional_new_name(inst: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if value is not None:
+        new_name(inst, attribute, value)
+
+
 @attrs.frozen
 class SoftmaxEntropy(StateTransition):
-    """Online entropy of each row's softmax of tile value ``of`` -> output ``name`` (M,)."""
+    """Online entropy of each row's softmax of tile value ``of`` -> output ``name`` (M,);
+    with ``lse`` the row's log-sum-exp too, output ``lse`` (M,), from the same state (a
+    LogSumExp beside it would keep a second running max and sum)."""
+
+    lse: str | None = attrs.field(default=None, validator=_optional_new_name)
+
+    def tensors(self, values: Mapping[str, ValueSpec]) -> tuple[TensorSpec, ...]:
+        out = super().tensors(values)
+        if self.lse is None:
+            return out
+        return out + (TensorSpec(self.lse, "row", torch.float32, direction="out"),)
 
     @property
     def partial_names(self) -> tuple[str, str, str]:
@@ -267,6 +282,8 @@ class SoftmaxEntropy(StateTransition):
         p = torch.exp(logp)
         ent = -(p * torch.where(p > 0, logp, torch.zeros_like(logp))).sum(1)
         env.outputs[self.name] = torch.where(v.amax(1) == NEG_INF, torch.zeros_like(ent), ent)
+        if self.lse is not None:
+            env.outputs[self.lse] = torch.logsumexp(v, dim=1)
         if env.tile is None:
             return
         tc = int(env.tile[1] * env.specs[self.of].width)
@@ -312,7 +329,13 @@ class SoftmaxEntropy(StateTransition):
         specs: Mapping[str, ValueSpec],
     ) -> dict[str, torch.Tensor]:
         pmax, psum, pwsum = self.partial_names
-        return {self.name: _entropy_of(partials[pmax], partials[psum], partials[pwsum])}
+        pm, ps = partials[pmax], partials[psum]
+        out = {self.name: _entropy_of(pm, ps, partials[pwsum])}
+        if self.lse is not None:
+            top = pm.amax(1, keepdim=True)
+            shift = torch.where(top == NEG_INF, torch.zeros_like(top), top)
+            out[self.lse] = shift[:, 0] + torch.log((ps * torch.exp(pm - shift)).sum(1))
+        return out
 
     traces_finalize = True
 
@@ -320,7 +343,10 @@ class SoftmaxEntropy(StateTransition):
         from coda.primitives import tracing
 
         pm, ps, pt = (fin.tensor(n) for n in self.partial_names)
-        tracing.finalize_entropy(pm, ps, pt, fin.tensor(self.name), fin.row, fin.lane, fin.lanes)
+        lse = None if self.lse is None else fin.tensor(self.lse)
+        tracing.finalize_entropy(
+            pm, ps, pt, fin.tensor(self.name), lse, fin.row, fin.lane, fin.lanes
+        )
 
     def trace_begin_tile(self, tile: Any) -> dict:
         return {}

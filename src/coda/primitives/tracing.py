@@ -880,9 +880,12 @@ def warp_merge_entropy(m, s, t, lanes: int = 32):
 
 
 @cute.jit
-def finalize_entropy(pmax, psum, pwsum, out, row, lane, lanes: cutlass.Constexpr[int] = 32):
+def finalize_entropy(
+    pmax, psum, pwsum, out, out_lse, row, lane, lanes: cutlass.Constexpr[int] = 32
+):
     """``out[row]`` = the entropy log S - T / S of the row's softmax from its per-tile
-    (max, sum, weighted sum) triples (``SoftmaxEntropy``), ``lanes`` threads per row: each
+    (max, sum, weighted sum) triples (``SoftmaxEntropy``), and ``out_lse[row]`` = its
+    log-sum-exp M + log S unless ``out_lse`` is None; ``lanes`` threads per row: each
     thread merges its tiles (``merge_entropy``, written out: the dynamic loop carries m,
     s and t as plain names), then the row's threads merge theirs."""
     if row < cute.size(pmax, mode=[0]):
@@ -910,6 +913,8 @@ def finalize_entropy(pmax, psum, pwsum, out, row, lane, lanes: cutlass.Constexpr
             if s > Float32(0.0):
                 h = cute.math.log(s) - t / s
             out[row] = h
+            if cutlass.const_expr(out_lse is not None):
+                out_lse[row] = finite_or_zero(m) + cute.math.log(s)
 
 
 # ---- finalize inside the GEMM kernel ---------------------------------------------------
