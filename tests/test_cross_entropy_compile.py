@@ -139,38 +139,14 @@ def _cases():
     lse, ent = stats[0], stats[3]
     g = torch.Generator().manual_seed(3)
     gl, gt, gs, ge = (torch.randn(13, generator=g) for _ in range(4))
+    backward_all = (gl, gt, gs, hd, Wd, target, bd, rd, lse, -100, 5.0, True, 16) + (True,) * 4
     return {
         "stats": (lce_stats, (h, W, target, bias, rstd, -100, 5.0, True, 16, False)),
         "stats_plain": (lce_stats, (h, W, target, None, None, -100, None, False, 0, False)),
         "stats_entropy": (lce_stats, (h, W, target, bias, rstd, -100, 5.0, True, 16, False, True)),
-        "backward_entropy": (
-            lce_stats_backward,
-            (
-                gl,
-                gt,
-                gs,
-                hd,
-                Wd,
-                target,
-                bd,
-                rd,
-                lse,
-                -100,
-                5.0,
-                True,
-                16,
-                True,
-                True,
-                True,
-                True,
-                ge,
-                ent,
-            ),
-        ),  # fmt: skip
-        "backward_all": (
-            lce_stats_backward,
-            (gl, gt, gs, hd, Wd, target, bd, rd, lse, -100, 5.0, True, 16, True, True, True, True),
-        ),
+        "backward_all": (lce_stats_backward, backward_all),
+        # the entropy's upstream gradient and the forward's entropy (return_entropy)
+        "backward_entropy": (lce_stats_backward, (*backward_all, ge, ent)),
         "backward_dh_only": (
             lce_stats_backward,
             (

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 import attrs
 import torch
@@ -96,6 +96,82 @@ class StateTransition(Primitive):
         return tuple(out)
 
 
+def _padded_blocks(env: ReferenceEnv, v: torch.Tensor, of: str) -> torch.Tensor:
+    """``v`` (M, C) cut into its tiles' column blocks, (M, tiles, tile columns), the
+    columns past C filled with -inf (what a tile's masked edge sees)."""
+    M, C = v.shape
+    tc = int(env.tile[1] * env.specs[of].width)
+    nt = ceil_div(env.problem.N, env.tile[1])
+    padded = torch.full((M, nt * tc), NEG_INF, dtype=v.dtype, device=v.device)
+    padded[:, :C] = v
+    return padded.reshape(M, nt, tc)
+
+
+def _lse_of(pm: torch.Tensor, ps: torch.Tensor) -> torch.Tensor:
+    """Per row: the log-sum-exp from tiles' (max, sum of exp(v - max)), (rows, tiles)."""
+    top = pm.amax(1, keepdim=True)
+    shift = torch.where(top == NEG_INF, torch.zeros_like(top), top)
+    return shift[:, 0] + torch.log((ps * torch.exp(pm - shift)).sum(1))
+
+
+@attrs.frozen
+class _OnlineSoftmaxState(StateTransition):
+    """What ``LogSumExp`` and ``SoftmaxEntropy`` share: a running max per row over the
+    columns of ``of`` (-inf past N), and running sums relative to it kept in
+    ``BandRows`` of ``len(STATE_IDENTITY)`` values, written as the tile's partials."""
+
+    #: the running state's identity (max first), one value per partial
+    STATE_IDENTITY: ClassVar[tuple[float, ...]] = ()
+
+    def trace_begin_tile(self, tile: Any) -> dict:
+        return {}
+
+    def masks_edges(self, zero_outside: frozenset[str]) -> bool:
+        return True  # the columns past N must not count: -inf there, whatever the value
+
+    def _masked_row_max(self, ctx: Any, values: dict[str, Any]) -> tuple[Any, Any, dict]:
+        """(view of ``of``, its fragment with -inf past the edges, per row offset: the
+        subtile's row max)."""
+        from coda.primitives import tracing
+
+        v = ctx.view_of(self.of)
+        x = tracing.masked(
+            values[self.of],
+            v.layout,
+            v.coords,
+            v.shape_mn,
+            float("-inf"),
+            rows=False,
+            interior=ctx.tile.interior,
+        )
+        return v, x, tracing.row_reduce("max", x, v.frag)
+
+    def _rows(self, ctx: Any, state: dict, sub_max: dict):
+        """Per row offset r of the subtile: (the band's state, r, r's state so far or None,
+        the new running max, that max or 0 where it is -inf: the exponents' base)."""
+        from coda.primitives import tracing
+
+        band = state[ctx.subtile[0]]
+        for r, smax in sub_max.items():
+            old = band.old(ctx, r)
+            new_m = smax if old is None else tracing.fr.combine("max", old[0], smax)
+            yield band, r, old, new_m, tracing.finite_or_zero(new_m)
+
+    rollable = True
+
+    def trace_begin_band(self, ctx: Any, state: dict, rolled: bool) -> None:
+        from coda.primitives import tracing
+
+        rows = ctx.view_of(self.of).frag.rows
+        identity = self.STATE_IDENTITY if rolled else None
+        state[ctx.subtile[0]] = tracing.BandRows(rows, len(self.STATE_IDENTITY), identity)
+
+    def trace_end_band(self, ctx: Any, state: dict) -> None:
+        from coda.primitives import tracing
+
+        tracing.write_band(ctx, state[ctx.subtile[0]], self.partial_names)
+
+
 #: ``LogSumExp``'s running-sum rescale uses ``exp_diff`` when a thread holds at most this
 #: many elements of a row per subtile (32-column subtiles: 8), libdevice's ``exp`` for
 #: more (64-column subtiles: 16). Chosen by the sm_90a register allocation of the
@@ -104,8 +180,10 @@ LSE_FAST_RESCALE_TERMS = 8
 
 
 @attrs.frozen
-class LogSumExp(StateTransition):
+class LogSumExp(_OnlineSoftmaxState):
     """Online log-sum-exp per row of tile value ``of`` -> output ``name`` (M,)."""
+
+    STATE_IDENTITY: ClassVar[tuple[float, ...]] = (NEG_INF, 0.0)  # (max, sum of exp(v - max))
 
     @property
     def partial_names(self) -> tuple[str, str]:
@@ -113,15 +191,10 @@ class LogSumExp(StateTransition):
 
     def reference(self, env: ReferenceEnv) -> None:
         v = env.values[self.of]
-        M, C = v.shape
         env.outputs[self.name] = torch.logsumexp(v, dim=1)
         if env.tile is None:
             return
-        tc = int(env.tile[1] * env.specs[self.of].width)
-        nt = ceil_div(env.problem.N, env.tile[1])
-        padded = torch.full((M, nt * tc), NEG_INF, dtype=v.dtype, device=v.device)
-        padded[:, :C] = v
-        blocks = padded.reshape(M, nt, tc)
+        blocks = _padded_blocks(env, v, self.of)
         pm = blocks.amax(2)
         pmax, psum = self.partial_names
         env.outputs[pmax] = pm
@@ -154,11 +227,7 @@ class LogSumExp(StateTransition):
         specs: Mapping[str, ValueSpec],
     ) -> dict[str, torch.Tensor]:
         pmax, psum = self.partial_names
-        pm, ps = partials[pmax], partials[psum]
-        top = pm.amax(1, keepdim=True)
-        shift = torch.where(top == NEG_INF, torch.zeros_like(top), top)
-        lse = shift[:, 0] + torch.log((ps * torch.exp(pm - shift)).sum(1))
-        return {self.name: lse}
+        return {self.name: _lse_of(partials[pmax], partials[psum])}
 
     traces_finalize = True
 
@@ -168,32 +237,12 @@ class LogSumExp(StateTransition):
         pmax, psum = (fin.tensor(n) for n in self.partial_names)
         tracing.finalize_logsumexp(pmax, psum, fin.tensor(self.name), fin.row, fin.lane, fin.lanes)
 
-    def trace_begin_tile(self, tile: Any) -> dict:
-        return {}
-
-    def masks_edges(self, zero_outside: frozenset[str]) -> bool:
-        return True  # the columns past N must not count: -inf there, whatever the value
-
     def trace(self, ctx: Any, values: dict[str, Any], state: dict) -> None:
         from coda.primitives import math as cm
         from coda.primitives import tracing
 
-        v = ctx.view_of(self.of)
-        x = tracing.masked(
-            values[self.of],
-            v.layout,
-            v.coords,
-            v.shape_mn,
-            float("-inf"),
-            rows=False,
-            interior=ctx.tile.interior,
-        )
-        sub_max = tracing.row_reduce("max", x, v.frag)
-        band = state[ctx.subtile[0]]
-        for r, smax in sub_max.items():
-            old = band.old(ctx, r)
-            new_m = smax if old is None else tracing.fr.combine("max", old[0], smax)
-            base = tracing.finite_or_zero(new_m)
+        v, x, sub_max = self._masked_row_max(ctx, values)
+        for band, r, old, new_m, base in self._rows(ctx, state, sub_max):
             members = v.frag.row_members(r)
             total = tracing.Float32(0.0)
             for i in members:
@@ -210,20 +259,6 @@ class LogSumExp(StateTransition):
                 else:
                     total = total + old[1] * cm.exp(old[0] - base)
             band.put(r, (new_m, total))
-
-    rollable = True
-
-    def trace_begin_band(self, ctx: Any, state: dict, rolled: bool) -> None:
-        from coda.primitives import tracing
-
-        rows = ctx.view_of(self.of).frag.rows
-        # (running max, sum of exp(v - max)); -inf / 0 contribute nothing
-        state[ctx.subtile[0]] = tracing.BandRows(rows, 2, (float("-inf"), 0.0) if rolled else None)
-
-    def trace_end_band(self, ctx: Any, state: dict) -> None:
-        from coda.primitives import tracing
-
-        tracing.write_band(ctx, state[ctx.subtile[0]], self.partial_names)
 
 
 #: ``SoftmaxEntropy``: v - m is floored here before it multiplies exp(v - m), so that a
@@ -257,12 +292,14 @@ def _optional_new_name(inst: Any, attribute: attrs.Attribute, value: Any) -> Non
 
 
 @attrs.frozen
-class SoftmaxEntropy(StateTransition):
+class SoftmaxEntropy(_OnlineSoftmaxState):
     """Online entropy of each row's softmax of tile value ``of`` -> output ``name`` (M,);
     with ``lse`` the row's log-sum-exp too, output ``lse`` (M,), from the same state (a
     LogSumExp beside it would keep a second running max and sum)."""
 
     lse: str | None = attrs.field(default=None, validator=_optional_new_name)
+    # (max, sum of exp(v - max), sum of exp(v - max) (v - max))
+    STATE_IDENTITY: ClassVar[tuple[float, ...]] = (NEG_INF, 0.0, 0.0)
 
     def tensors(self, values: Mapping[str, ValueSpec]) -> tuple[TensorSpec, ...]:
         out = super().tensors(values)
@@ -277,7 +314,7 @@ class SoftmaxEntropy(StateTransition):
 
     def reference(self, env: ReferenceEnv) -> None:
         v = env.values[self.of]
-        M, C = v.shape
+        M = v.shape[0]
         logp = torch.log_softmax(v, dim=1)
         p = torch.exp(logp)
         ent = -(p * torch.where(p > 0, logp, torch.zeros_like(logp))).sum(1)
@@ -286,11 +323,9 @@ class SoftmaxEntropy(StateTransition):
             env.outputs[self.lse] = torch.logsumexp(v, dim=1)
         if env.tile is None:
             return
-        tc = int(env.tile[1] * env.specs[self.of].width)
-        nt = ceil_div(env.problem.N, env.tile[1])
-        padded = torch.full((M, nt * tc), NEG_INF, dtype=v.dtype, device=v.device)
-        padded[:, :C] = v
-        blocks = padded.reshape(M * nt, tc)
+        blocks = _padded_blocks(env, v, self.of)
+        nt = blocks.shape[1]
+        blocks = blocks.reshape(M * nt, -1)
         pm = blocks.amax(1)
         base = torch.where(pm == NEG_INF, torch.zeros_like(pm), pm)
         ps, pt = _entropy_terms(blocks, base)
@@ -332,9 +367,7 @@ class SoftmaxEntropy(StateTransition):
         pm, ps = partials[pmax], partials[psum]
         out = {self.name: _entropy_of(pm, ps, partials[pwsum])}
         if self.lse is not None:
-            top = pm.amax(1, keepdim=True)
-            shift = torch.where(top == NEG_INF, torch.zeros_like(top), top)
-            out[self.lse] = shift[:, 0] + torch.log((ps * torch.exp(pm - shift)).sum(1))
+            out[self.lse] = _lse_of(pm, ps)
         return out
 
     traces_finalize = True
@@ -348,32 +381,12 @@ class SoftmaxEntropy(StateTransition):
             pm, ps, pt, fin.tensor(self.name), lse, fin.row, fin.lane, fin.lanes
         )
 
-    def trace_begin_tile(self, tile: Any) -> dict:
-        return {}
-
-    def masks_edges(self, zero_outside: frozenset[str]) -> bool:
-        return True  # the columns past N must not count: -inf there, whatever the value
-
     def trace(self, ctx: Any, values: dict[str, Any], state: dict) -> None:
         from coda.primitives import math as cm
         from coda.primitives import tracing
 
-        v = ctx.view_of(self.of)
-        x = tracing.masked(
-            values[self.of],
-            v.layout,
-            v.coords,
-            v.shape_mn,
-            float("-inf"),
-            rows=False,
-            interior=ctx.tile.interior,
-        )
-        sub_max = tracing.row_reduce("max", x, v.frag)
-        band = state[ctx.subtile[0]]
-        for r, smax in sub_max.items():
-            old = band.old(ctx, r)
-            new_m = smax if old is None else tracing.fr.combine("max", old[0], smax)
-            base = tracing.finite_or_zero(new_m)
+        v, x, sub_max = self._masked_row_max(ctx, values)
+        for band, r, old, new_m, base in self._rows(ctx, state, sub_max):
             total = tracing.Float32(0.0)
             weighted = tracing.Float32(0.0)
             for i in v.frag.row_members(r):
@@ -389,20 +402,6 @@ class SoftmaxEntropy(StateTransition):
                 total = total + old[1] * f
                 weighted = weighted + (old[2] + (m_old - base) * old[1]) * f
             band.put(r, (new_m, total, weighted))
-
-    rollable = True
-
-    def trace_begin_band(self, ctx: Any, state: dict, rolled: bool) -> None:
-        from coda.primitives import tracing
-
-        rows = ctx.view_of(self.of).frag.rows
-        identity = (float("-inf"), 0.0, 0.0) if rolled else None
-        state[ctx.subtile[0]] = tracing.BandRows(rows, 3, identity)
-
-    def trace_end_band(self, ctx: Any, state: dict) -> None:
-        from coda.primitives import tracing
-
-        tracing.write_band(ctx, state[ctx.subtile[0]], self.partial_names)
 
 
 @attrs.frozen
