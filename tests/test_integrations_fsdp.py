@@ -7,7 +7,8 @@ fused loss run inside its forward, where every weight is gathered), the decoder 
 units (the fused stack cannot gather them: the stack's original forward runs, counted as a
 fallback with its reason, and the loss stays fused), and the LM head as its own unit too
 (the loss runs as the head's forward, ``coda.nn._sharding.call_through``, so FSDP gathers
-its weight and reduces dW). Also ``coda.nn.LinearCrossEntropyLoss`` given the sharded
+its weight and reduces dW; this model is patched before ``fully_shard``, the others
+after). Also ``coda.nn.LinearCrossEntropyLoss`` given the sharded
 head module outside any model forward, and the ``TypeError`` for a sharded weight passed
 as a tensor. Skipped without ``transformers`` or gloo.
 """
@@ -116,8 +117,12 @@ def _worker(rank: int, port: int) -> None:
         assert tuple(expect) == SHARDINGS
         for mode, (calls, fallbacks) in expect.items():
             ref = copy.deepcopy(base).double().train()
-            model = shard(copy.deepcopy(base).float().train(), mode, mesh)
-            patch = apply_coda(model)
+            model = copy.deepcopy(base).float().train()
+            if mode == "head":  # patched before fully_shard (the others after)
+                patch = apply_coda(model)
+                shard(model, mode, mesh)
+            else:
+                patch = apply_coda(shard(model, mode, mesh))
             for step in range(2):  # the second step after a reshard and a reduce
                 for p in model.parameters():
                     p.grad = None
