@@ -221,6 +221,15 @@ def test_fallbacks_are_counted_correct_and_strict_raises():
     out = mine(ids, output_hidden_states=True)  # per-layer states: the original forward
     assert len(out.hidden_states) == ref.config.num_hidden_layers + 1
     assert patch.fallbacks["output_hidden_states"] == 1
+    # with labels too: the stack's original forward returns them, the loss stays fused
+    out = mine(ids, labels=labels, output_hidden_states=True)
+    want = ref(ids, labels=labels, output_hidden_states=True)
+    assert out.logits is None and len(out.hidden_states) == len(want.hidden_states)
+    assert_close_to_reference(out.loss, want.loss, name="loss (hidden states)", tol=TOL)
+    assert_close_to_reference(
+        out.hidden_states[-1], want.hidden_states[-1], name="last hidden state", tol=TOL
+    )
+    assert patch.fallbacks["output_hidden_states"] == 2
     patch.strict = True
     with pytest.raises(RuntimeError, match="attention_mask"):
         mine(ids, labels=labels, attention_mask=mask)
