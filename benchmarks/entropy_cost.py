@@ -13,9 +13,11 @@ every output, interleaved rounds, medians (benchmarks/common.py):
 * ``coda_entropy``: the same with ``return_entropy=True`` (``SoftmaxEntropy`` beside the
   log-sum-exp in the forward epilogue, the entropy's term in the gradient epilogue);
 * ``eager`` / ``compile``: logits = h @ W.T materialized, ``F.cross_entropy`` per token and
-  the entropy -sum p log p of log_softmax (fp32), eager and under ``torch.compile``.
+  the entropy -sum p log p of log_softmax (fp32), eager and under ``torch.compile``;
+* ``cublas_floor``: the GEMMs alone on cuBLAS, the logits GEMM (forward) and the logits,
+  dh and dW GEMMs (forward + backward: what a loss over materialized logits cannot beat).
 
-JSON ``{device, versions, command, "rows": [{"H", "M", "V", "pass", "coda_ms",
+JSON ``{device, versions, command, "rows": [{"H", "M", "V", "pass", "cublas_floor_ms", "coda_ms",
 "coda_entropy_ms", "eager_ms", "compile_ms", "coda_peak_gib", "coda_entropy_peak_gib",
 "eager_peak_gib", "compile_peak_gib"}]}`` (peaks: max allocated above the inputs).
 """
@@ -61,7 +63,16 @@ def contenders(h, W, t, up, backward: bool) -> dict:
 
         return step
 
+    dl = torch.empty(h.shape[0], W.shape[0], dtype=h.dtype, device=h.device)
+
+    def floor():  # the logits GEMM (+ the dh and dW GEMMs of a materialized backward)
+        torch.mm(h.detach(), W.detach().T, out=dl)
+        if backward:
+            torch.mm(dl, W.detach())
+            torch.mm(dl.T, h.detach())
+
     return {
+        "cublas_floor": floor,
         "coda": run(
             lambda: linear_cross_entropy(h, W, t, reduction="none", return_lse=True), False
         ),
@@ -108,7 +119,7 @@ def main() -> None:
             rows.append(row)
             print({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()})
     common.write_json(args.out, {**common.environment(), "rows": rows})
-    columns = ["H", "M", "pass", "coda_ms", "coda_entropy_ms", "eager_ms", "compile_ms"]
+    columns = ["H", "M", "pass", "cublas_floor_ms", "coda_ms", "coda_entropy_ms", "compile_ms"]
     common.print_table(rows, columns + ["coda_entropy_peak_gib", "compile_peak_gib"])
 
 
