@@ -2,7 +2,7 @@
 torch.compile computing it from materialized logits.
 
     python benchmarks/entropy_cost.py [--shapes 2048x8192,4096x8192] [--V 128256]
-        [--rounds 3] [--out benchmarks/results/entropy_cost_h200.json]
+        [--rounds 3] [--out benchmarks/results/entropy_cost_h200.json] [--replot JSON]
 
 Per-token losses (``reduction="none"``, what policy-gradient losses weight per token),
 bf16, V = 128256 (Llama 3), forward and forward + backward with an upstream gradient on
@@ -12,14 +12,21 @@ every output, interleaved rounds, medians (benchmarks/common.py):
   path: the logits GEMM with the statistics in its epilogue, then a 3-GEMM backward);
 * ``coda_entropy``: the same with ``return_entropy=True`` (``SoftmaxEntropy`` beside the
   log-sum-exp in the forward epilogue, the entropy's term in the gradient epilogue);
+* ``coda_fused``: ``linear_cross_entropy(..., reduction="none", grad_in_forward=True)``,
+  the per-token loss alone on the gradient-in-forward path in one row chunk (the logits
+  GEMM storing the softmax's M x V rows, the backward's dh and dW GEMMs with the per-token
+  upstream gradient as their row factor: 3 logits-sized GEMMs);
 * ``eager`` / ``compile``: logits = h @ W.T materialized, ``F.cross_entropy`` per token and
   the entropy -sum p log p of log_softmax (fp32), eager and under ``torch.compile``;
+* ``compile_nll``: the per-token loss alone (no entropy) under ``torch.compile``, the
+  counterpart of ``coda_fused``;
 * ``cublas_floor``: the GEMMs alone on cuBLAS, the logits GEMM (forward) and the logits,
   dh and dW GEMMs (forward + backward: what a loss over materialized logits cannot beat).
 
 JSON ``{device, versions, command, "rows": [{"H", "M", "V", "pass", "cublas_floor_ms", "coda_ms",
-"coda_entropy_ms", "eager_ms", "compile_ms", "coda_peak_gib", "coda_entropy_peak_gib",
-"eager_peak_gib", "compile_peak_gib"}]}`` (peaks: max allocated above the inputs).
+"coda_entropy_ms", "coda_fused_ms", "eager_ms", "compile_ms", "compile_nll_ms",
+"coda_peak_gib", "coda_entropy_peak_gib", "coda_fused_peak_gib", "eager_peak_gib",
+"compile_peak_gib", "compile_nll_peak_gib"}]}`` (peaks: max allocated above the inputs).
 """
 
 from __future__ import annotations
@@ -47,8 +54,15 @@ def eager_entropy_loss(h, W, t):
     return loss, -(logp.exp() * logp).sum(-1)
 
 
+def eager_nll_loss(h, W, t):
+    """Per-token loss alone from materialized logits (fp32 softmax)."""
+    logits = (h @ W.T).float()
+    return F.cross_entropy(logits, t, reduction="none", ignore_index=-100), None
+
+
 def contenders(h, W, t, up, backward: bool) -> dict:
     compiled = torch.compile(eager_entropy_loss)
+    compiled_nll = torch.compile(eager_nll_loss)
 
     def run(fn, entropy: bool):
         def step():
@@ -79,8 +93,13 @@ def contenders(h, W, t, up, backward: bool) -> dict:
         "coda_entropy": run(
             lambda: linear_cross_entropy(h, W, t, reduction="none", return_entropy=True), True
         ),
+        "coda_fused": run(
+            lambda: (linear_cross_entropy(h, W, t, reduction="none", grad_in_forward=True), None),
+            False,
+        ),
         "eager": run(lambda: eager_entropy_loss(h, W, t), True),
         "compile": run(lambda: compiled(h, W, t), True),
+        "compile_nll": run(lambda: compiled_nll(h, W, t), False),
     }
 
 
@@ -93,6 +112,43 @@ def peak_gib(fn) -> float:
     return (torch.cuda.max_memory_allocated() - base) / GiB
 
 
+CONTENDERS = ("coda", "coda_entropy", "coda_fused", "eager", "compile", "compile_nll")
+
+
+def plot(out: dict, path: str) -> None:
+    """Per shape and pass, each contender's time over the cuBLAS GEMM floor, and the
+    fwd+bwd peaks."""
+    plt = common.pyplot()
+    if plt is None:
+        print("matplotlib not installed: no PNG", file=sys.stderr)
+        return
+    rows = out["rows"]
+    fig, axes = plt.subplots(1, 3, figsize=(18, 5))
+    width = 0.8 / len(CONTENDERS)
+    for ax, kind in zip(axes[:2], ("fwd", "fwd+bwd"), strict=True):
+        sel = [r for r in rows if r["pass"] == kind]
+        for i, c in enumerate(CONTENDERS):
+            ys = [r[f"{c}_ms"] / r["cublas_floor_ms"] for r in sel]
+            ax.bar([x + i * width for x in range(len(sel))], ys, width, label=c)
+        ax.set_xticks(
+            [x + 0.4 - width / 2 for x in range(len(sel))],
+            [f"H={r['H']}\nM={r['M']}" for r in sel],
+        )
+        ax.axhline(1.0, color="k", lw=0.5)
+        ax.set_title(f"per-token loss, {kind}: time / cuBLAS GEMM floor (lower is better)")
+    sel = [r for r in rows if r["pass"] == "fwd+bwd"]
+    for i, c in enumerate(CONTENDERS):
+        ys = [r[f"{c}_peak_gib"] for r in sel]
+        axes[2].bar([x + i * width for x in range(len(sel))], ys, width, label=c)
+    axes[2].set_xticks(
+        [x + 0.4 - width / 2 for x in range(len(sel))], [f"H={r['H']}\nM={r['M']}" for r in sel]
+    )
+    axes[2].set_title("fwd+bwd peak memory above inputs (GiB)")
+    axes[0].legend(fontsize=8)
+    fig.suptitle(f"LM head + per-token cross-entropy (RL), V={sel[0]['V'] if sel else ''}")
+    common.save_figure(plt, fig, path)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shapes", default="2048x8192,4096x8192", help="HxM pairs")
@@ -100,7 +156,10 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--out", default="benchmarks/results/entropy_cost_h200.json")
+    common.add_replot_option(p)
     args = p.parse_args()
+    if common.replotted(args, plot):
+        return
     rows = []
     for shape in args.shapes.split(","):
         H, M = (int(x) for x in shape.split("x"))
@@ -118,9 +177,13 @@ def main() -> None:
             row.update({f"{k}_peak_gib": peak_gib(fn) for k, fn in fns.items()})
             rows.append(row)
             print({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()})
-    common.write_json(args.out, {**common.environment(), "rows": rows})
+    out = {**common.environment(), "rows": rows}
+    common.write_json(args.out, out)
+    plot(out, common.png_beside(args.out))
     columns = ["H", "M", "pass", "cublas_floor_ms", "coda_ms", "coda_entropy_ms", "compile_ms"]
-    common.print_table(rows, columns + ["coda_entropy_peak_gib", "compile_peak_gib"])
+    columns += ["coda_fused_ms", "compile_nll_ms"]
+    peaks = ["coda_entropy_peak_gib", "compile_peak_gib", "coda_fused_peak_gib"]
+    common.print_table(rows, columns + peaks + ["compile_nll_peak_gib"])
 
 
 if __name__ == "__main__":

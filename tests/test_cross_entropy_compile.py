@@ -1,8 +1,9 @@
 """linear_cross_entropy under the PyTorch stack, on CPU: ``torch.library.opcheck`` on its
 three custom ops (schema, fake tensors, autograd registration, AOT dispatch), and
 ``torch.compile(fullgraph=True)`` of a loss with every option on both paths (the
-recompute one: with a returned lse; the gradient-in-forward one: a scalar loss), no graph
-break, values and gradients equal to eager, a new sequence length without recompiling."""
+recompute one: with a returned lse; the gradient-in-forward one: a scalar loss, and
+per-row losses under a per-row upstream gradient), no graph break, values and gradients
+equal to eager, a new sequence length without recompiling."""
 
 from __future__ import annotations
 
@@ -48,6 +49,16 @@ def fused_loss_fn(h, rstd, W, bias, labels):
     )  # fmt: skip
 
 
+def per_row_loss_fn(h, rstd, W, bias, labels):
+    """Per-row losses (reduction "none", no bias: the gradient-in-forward path in one row
+    chunk) under a per-row upstream gradient: a nonlinear function of the row losses."""
+    rows = linear_cross_entropy(
+        h, W, labels, rstd=rstd, softcap=20.0, label_smoothing=0.1, z_loss=1e-3,
+        shift=True, reduction="none", temperature=0.8,
+    )  # fmt: skip
+    return (rows * rows).sum()
+
+
 def run(fn, T, seed):
     g = torch.Generator().manual_seed(seed)
     h = torch.randn(2, T, H, generator=g).requires_grad_()
@@ -60,10 +71,10 @@ def run(fn, T, seed):
     return out.detach(), [h.grad, rstd.grad, W.grad, bias.grad]
 
 
-OPS = {loss_fn: "lce_stats", fused_loss_fn: "lce_fused_loss"}
+OPS = {loss_fn: "lce_stats", fused_loss_fn: "lce_fused_loss", per_row_loss_fn: "lce_fused_loss"}
 
 
-@pytest.mark.parametrize("fn", list(OPS), ids=["recompute", "grad_in_forward"])
+@pytest.mark.parametrize("fn", list(OPS), ids=["recompute", "grad_in_forward", "per_row"])
 def test_compile_fullgraph_matches_eager_with_dynamic_lengths(fn):
     torch._dynamo.reset()
     counter = CompileCounterWithBackend("aot_eager")
@@ -94,7 +105,8 @@ def test_compile_fullgraph_matches_eager_with_dynamic_lengths(fn):
         ("mean", None, "lce_fused_loss"),
         ("sum", True, "lce_fused_loss"),
         ("mean", False, "lce_stats"),
-        ("none", None, "lce_stats"),
+        ("none", None, "lce_fused_loss"),
+        ("none", False, "lce_stats"),
     ],
 )
 def test_no_graph_breaks(reduction, grad_in_forward, op):

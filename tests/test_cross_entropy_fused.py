@@ -26,7 +26,7 @@ from hypothesis import given, settings
 
 from _ce_helpers import BF16, F32, F64, TOL, leaves, loss_and_grads, make, names, problems, textbook
 from _fusion_helpers import ZeroFills
-from coda.fusions import _dispatch, ce_fused
+from coda.fusions import _dispatch, ce_chunks, ce_fused
 from coda.fusions import cross_entropy as ce
 from coda.fusions.ce_epilogues import GRAD_SCALE, PARTIAL_SUM, TOTAL, scaled_total_epilogue
 from coda.fusions.cross_entropy import linear_cross_entropy
@@ -172,21 +172,131 @@ def test_only_the_gradients_asked_for(monkeypatch, grad):
 @pytest.mark.parametrize(
     "kwargs",
     [
-        dict(reduction="none"),
+        dict(reduction="none", chunk_rows=8),
+        dict(reduction="none", budget=20 * 40 * 4 - 1),
+        dict(reduction="none", grad=(True, True, True, False)),
         dict(return_lse=True),
         dict(return_z_loss=True, z_loss=1e-3),
         dict(grad_in_forward=False),
+        dict(reduction="none", grad_in_forward=False),
     ],
-    ids=["none", "return_lse", "return_z_loss", "forced_off"],
-)
+    ids=["none_chunks", "none_over_budget", "none_dbias", "return_lse", "return_z_loss",
+         "forced_off", "none_forced_off"],
+)  # fmt: skip
 def test_recompute_path_when_asked_or_needed(monkeypatch, kwargs):
+    """Extra outputs, ``grad_in_forward=False``, and per-row losses that cannot take one
+    row chunk of all M = 20 rows (smaller ``chunk_rows``, a 20 x 40 fp32 row buffer over
+    ``GRAD_ROWS_BYTES``) or that need dbias: the recompute path."""
     calls = Calls(monkeypatch)
-    (h, W, _, _), target = _inputs()
+    if "budget" in kwargs:
+        monkeypatch.setattr(ce_chunks, "GRAD_ROWS_BYTES", kwargs.pop("budget"))
+    (h, W, b, _), target = _inputs(grad=kwargs.pop("grad", (True, True, False, False)))
+    if b.requires_grad:
+        kwargs["bias"] = b
     out = linear_cross_entropy(h, W, target, chunk_size=16, **kwargs)
     assert calls.take() == {"recompute.run_epilogue": 4}  # vocabulary chunks 16, 16, 8, 3
     loss = out[0] if isinstance(out, tuple) else out
     loss.sum().backward()  # per chunk: the recomputed logits GEMM, the dh and dW GEMMs
     assert calls.take() == {"recompute.run_epilogue": 4, "recompute.matmul": 8}
+
+
+# ---- per-row losses -------------------------------------------------------------------------
+
+
+@settings(max_examples=examples(150))
+@given(p=problems(reductions=("none",)))
+def test_per_row_losses_match_textbook_under_any_upstream_gradient(p):
+    """reduction="none" with ``grad_in_forward=True``: one row chunk of every row, its
+    dh and dW GEMMs in the backward with the per-row upstream gradient (drawn per row)
+    folded into their row factors; loss and every gradient against the float64 textbook
+    and the recompute path, with every option (both gradient passes: the shifted softmax
+    where it applies, the map pass with softcap and label smoothing together). A bias
+    that requires grad is refused on this path (a g-weighted column sum) and takes the
+    recompute path automatically."""
+    h, W, bias, rstd, target = make(p)
+    truth = loss_and_grads(textbook, p, F64, (h, W, bias, rstd), target)
+    recompute = _run(p, grad_in_forward=False, chunk_size=p["chunk_size"])
+    if p["bias"]:
+        with pytest.raises(ValueError, match="bias that requires grad"):
+            _run(p, grad_in_forward=True)
+        fused = _run(p)  # automatic: the recompute path
+    else:
+        fused = _run(p, grad_in_forward=True)
+    for name, a, r, t in zip(names(p), fused, recompute, truth, strict=True):
+        assert a.shape == t.shape, name
+        assert_close_to_reference(a, t, name=name, tol=TOL, floor=0.1)
+        assert_close_to_reference(a, r.double(), name=f"{name} vs recompute", tol=TOL, floor=0.1)
+
+
+@pytest.mark.parametrize("grad_pass", ["shifted", "map"])
+def test_per_row_losses_take_one_chunk_and_three_gemms(monkeypatch, grad_pass):
+    """Automatic: per-row losses whose M x V' row buffer fits ``GRAD_ROWS_BYTES`` take
+    the gradient-in-forward path in one chunk (the forward's logits GEMM, the backward's
+    dh and dW GEMMs: 3 logits-sized GEMMs, where the recompute path runs 4), the loss
+    shaped like the targets, per row; ``grad_in_forward=True`` takes it whatever the
+    buffer's size."""
+    monkeypatch.setattr(ce_fused, "GRAD_PASS", grad_pass)
+    shifted = grad_pass == "shifted"
+    for budget, forced in ((ce_chunks.GRAD_ROWS_BYTES, None), (1, True)):
+        monkeypatch.setattr(ce_chunks, "GRAD_ROWS_BYTES", budget)
+        calls = Calls(monkeypatch)
+        (h, W, _, _), target = _inputs()
+        rows = linear_cross_entropy(
+            h.reshape(4, 5, -1), W, target.reshape(4, 5), reduction="none",
+            grad_in_forward=forced,
+        )  # fmt: skip
+        assert rows.shape == (4, 5) and rows.dtype == F32
+        assert (rows.reshape(-1)[target == -100] == 0).all()
+        assert calls.take() == _fused_counts(1, shifted=shifted)
+        g = torch.linspace(-1.0, 2.0, 20).reshape(4, 5)
+        dh, dW = torch.autograd.grad(rows, (h, W), g)
+        assert calls.take() == _backward_counts(1, shifted=shifted) | (
+            {} if shifted else {"fused.run_map": 1}  # the dW operand g * h
+        )
+        hd, Wd = leaves((h, W), F64)
+        want = textbook(hd, Wd, target, reduction="none")
+        wants = torch.autograd.grad(want, (hd, Wd), g.reshape(-1).double())
+        assert_close_to_reference(rows.reshape(-1), want, name="loss", tol=TOL)
+        for name, got, w in zip(("dh", "dW"), (dh, dW), wants, strict=True):
+            assert_close_to_reference(got, w, name=name, tol=TOL)
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(chunk_rows=8), "chunk_rows=8 < 20 rows"),
+        (dict(bias=True), "bias that requires grad"),
+        (dict(defer=False), "DEFER_ONE_CHUNK"),
+    ],
+    ids=["chunk_rows", "bias", "not_deferred"],
+)
+def test_per_row_losses_refused_where_one_chunk_cannot_serve(monkeypatch, kwargs, match):
+    """``grad_in_forward=True`` with per-row losses that one deferred row chunk cannot
+    serve: a ValueError naming why, before any work."""
+    calls = Calls(monkeypatch)
+    (h, W, b, _), target = _inputs(grad=(True, True, True, False))
+    if not kwargs.pop("defer", True):
+        monkeypatch.setattr(ce_fused, "DEFER_ONE_CHUNK", False)
+    if kwargs.pop("bias", False):
+        kwargs["bias"] = b
+    with pytest.raises(ValueError, match=match):
+        linear_cross_entropy(h, W, target, reduction="none", grad_in_forward=True, **kwargs)
+    assert calls.take() == {}
+
+
+def test_per_row_losses_opcheck_and_no_double_backward_through_g():
+    """The op with ``per_row`` agrees with its fake implementation and autograd
+    registration (opcheck); differentiating its gradients with respect to the upstream
+    gradient is refused with a clear error (the scalar loss supports it)."""
+    (h, W, _, r), target = _inputs(grad=(True, True, False, True))
+    for smoothing in (0.0, 0.1):
+        args = (h.detach(), W.detach(), target, None, r.detach(), torch.tensor(1.0), -100,
+                None, smoothing, 1e-3, 0, False, True, True, False, True, True)  # fmt: skip
+        torch.library.opcheck(ce_fused.lce_fused_loss, args)
+    rows = linear_cross_entropy(h, W, target, reduction="none", rstd=r)
+    g = torch.rand(20, requires_grad=True)
+    with pytest.raises(RuntimeError, match="upstream gradient"):
+        torch.autograd.grad(rows, (h, W), g, create_graph=True)
 
 
 @pytest.mark.parametrize("grad_in_forward", [None, True])

@@ -112,6 +112,7 @@ __all__ = [
     "STATS_PASS",
     "lce_fused_finish",
     "lce_fused_loss",
+    "per_row_problem",
     "shifted_ok",
     "stats_by_map",
 ]
@@ -435,7 +436,9 @@ class _Walk:
         elif spec.need_dW and not self.defer:
             self.dW = torch.empty_like(self.W)
         self.dbias = torch.zeros(V, dtype=F32, device=device) if spec.need_dbias else None
-        self.drstd = torch.empty(M, dtype=F32, device=device) if spec.need_drstd else None
+        self.drstd = None
+        if spec.need_drstd:  # the shifted path's deferred rows: the backward's, zeros here
+            self.drstd = (torch.zeros if spec.shifted else torch.empty)(M, dtype=F32, device=device)
 
     def _buffers(self, m: int) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """The row buffers (stored acc, dlogits: one tensor twice by default) on CUDA;
@@ -445,17 +448,19 @@ class _Walk:
         spec = self.spec
         return row_buffers(m, spec.main, spec.acc_dtype, spec.out_dtype, spec.store, self.h.device)
 
-    def run(self) -> list[torch.Tensor | None]:
+    def run(self, per_row: bool = False) -> list[torch.Tensor | None]:
         """[loss, dh, dW, dbias, drstd, dl_last, dl_tail, dl_scale, dl_smooth] as
         ``lce_fused_loss`` returns
         them (dh and dW the partial ones when the last chunk is deferred; None: not
-        made)."""
+        made); ``per_row``: the loss of each row / denom, 0 on ignored rows."""
         self.row_plan = None
         if self.spec.shifted and self.spec.main:
             self.row_plan = self._row_plan()
         for i, (r0, r1) in enumerate(self.plan):
             self._chunk(i, r0, r1)
-        if self.row_plan is None:
+        if per_row:  # the shifted path's row losses are unmasked: where, not a product
+            loss = torch.where(self.valid, self.row_loss * self.inv, 0.0)
+        elif self.row_plan is None:
             loss = self.row_loss.sum() / self.denom
         else:  # row_loss unmasked there: ignored rows weigh 0
             loss = torch.dot(self.row_loss, self.row_plan.w)
@@ -754,9 +759,12 @@ def _merge(main, tail):
 # ---- the op --------------------------------------------------------------------------------
 
 
-def _chunk_rows(h, W, chunk_rows: int, need_dW: bool) -> int:
-    """Rows per chunk: ``chunk_rows``, or 0 for ``ce_chunks.grad_rows`` (the op and its
-    fake implementation agree: the fake's output shapes depend on it)."""
+def _chunk_rows(h, W, chunk_rows: int, need_dW: bool, per_row: bool = False) -> int:
+    """Rows per chunk: ``chunk_rows``, or 0 for ``ce_chunks.grad_rows``; ``per_row``: one
+    chunk of every row, whatever ``chunk_rows`` (the op and its fake implementation
+    agree: the fake's output shapes depend on it)."""
+    if per_row:
+        return ce_chunks.round_up(max(h.shape[0], 1), ce_chunks.ROW_STEP)
     acc_dtype = ACC_STORE_DTYPE or h.dtype
     return chunk_rows or ce_chunks.grad_rows(
         h.shape[0],
@@ -777,16 +785,16 @@ def _last_chunk(M, rows: int) -> tuple[bool, int]:
 
 def _outputs_like(
     h, W, bias, rstd, rows: int, need: tuple[bool, ...], shifted: bool = False,
-    smoothing: bool = False,
+    smoothing: bool = False, per_row: bool = False,
 ) -> list:  # fmt: skip
-    """Empty tensors of the op's outputs, shape (0,) where not made: the 0-dim fp32
-    loss; dh_part (rows before the last chunk, H) in h's dtype; with several row chunks
-    the fp32 dW_part (V, H) of the chunks before the last; dbias (V,) in bias's dtype,
-    fp32 drstd (M,); when dh or dW is asked for, the last chunk's dlogits (m_last, V') in
-    h's dtype and its tail's fp32 (m_last, V mod 8), and on the ``shifted`` path the
-    fp32 row factor (m_last,) of the last chunk's R (its dlogits are R times it) and,
-    with label smoothing, the fp32 per-row gs (* rstd) of every row (M,). With
-    the last chunk not deferred (one chunk, ``DEFER_ONE_CHUNK`` off): dh (M, H) and dW
+    """Empty tensors of the op's outputs, shape (0,) where not made: the fp32 loss, 0-dim
+    (or (M,) with ``per_row``); dh_part (rows before the last chunk, H) in h's dtype;
+    with several row chunks the fp32 dW_part (V, H) of the chunks before the last; dbias
+    (V,) in bias's dtype, fp32 drstd (M,); when dh or dW is asked for, the last chunk's
+    dlogits (m_last, V') in h's dtype and its tail's fp32 (m_last, V mod 8), and on the
+    ``shifted`` path the fp32 row factor (m_last,) of the last chunk's R (its dlogits
+    are R times it) and, with label smoothing, the fp32 per-row gs (* rstd) of every row
+    (M,). With the last chunk not deferred (one chunk, ``DEFER_ONE_CHUNK`` off): dh (M, H) and dW
     (V, H) whole, no dlogits."""
     need_dh, need_dW, need_dbias, need_drstd = need
     M, H = h.shape
@@ -797,7 +805,7 @@ def _outputs_like(
     last = defer and (need_dh or need_dW)
     grad_dtype = bias.dtype if bias is not None else h.dtype
     return [
-        h.new_empty((), dtype=F32),
+        h.new_empty((M,) if per_row else (), dtype=F32),
         h.new_empty(((M - m_last) if defer else M, H) if need_dh else (0,)),
         W.new_empty(
             (V, H) if need_dW and (several or not defer) else (0,),
@@ -830,6 +838,7 @@ def lce_fused_loss(
     need_dW: bool,
     need_dbias: bool,
     need_drstd: bool,
+    per_row: bool = False,
 ) -> tuple[
     torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
     torch.Tensor, torch.Tensor, torch.Tensor,
@@ -847,6 +856,13 @@ def lce_fused_loss(
     chunk: dh and dW whole in h's and W's dtypes, dl_last and dl_tail empty). Each is
     shape (0,) where not asked for (``need_*``). ``chunk_rows``: rows per chunk, 0 for
     ``ce_chunks.grad_rows``.
+
+    ``per_row``: the loss is the (M,) fp32 row losses / ``denom`` (0 on ignored rows) and
+    takes any upstream gradient, one per row: every row goes in ONE chunk (``chunk_rows``
+    is not read; an M x V' row buffer), whose dh and dW GEMMs are deferred to the backward
+    (``DEFER_ONE_CHUNK`` must be on), where the upstream gradient g scales the rows of
+    dlogits (dh = g * (dlogits @ W), dW = dlogits.T @ (g * h)). No dbias there: a
+    bias's gradient would be a g-weighted column sum of dlogits (ValueError).
     Targets are range-checked on CPU, and on CUDA when ``check`` (a device sync)."""
     check_operands(h, W, target, bias, rstd)
     V = W.shape[0]
@@ -854,10 +870,12 @@ def lce_fused_loss(
         check_targets(target, V, ignore_index)
     acc_dtype = ACC_STORE_DTYPE or h.dtype
     need_drstd = rstd is not None and need_drstd
+    if per_row:
+        _check_per_row(bias is not None and need_dbias)
     eligible = shifted_ok(
         h.dtype, bias is not None, softcap, label_smoothing, need_dh, need_dW, need_drstd
     )
-    rows = _chunk_rows(h, W, chunk_rows, need_dW)
+    rows = _chunk_rows(h, W, chunk_rows, need_dW, per_row)
     shifted = _takes_shifted(eligible, rows, V, h.shape[1])
     spec = _Spec(
         V, acc_dtype, h.dtype, ignore_index, softcap, float(label_smoothing), float(z_loss),
@@ -865,21 +883,42 @@ def lce_fused_loss(
         need_dh, need_dW, bias is not None and need_dbias, need_drstd, shifted,
     )  # fmt: skip
     denom = denom.to(device=h.device, dtype=F32)
-    got = _Walk(h, W, target, bias, rstd, denom, spec, rows).run()
-    empty = _outputs_like(h, W, bias, rstd, rows, (False,) * 4)
+    got = _Walk(h, W, target, bias, rstd, denom, spec, rows).run(per_row)
+    empty = _outputs_like(h, W, bias, rstd, rows, (False,) * 4, per_row=per_row)
     return tuple(e if g is None else g for g, e in zip(got, empty, strict=True))
 
 
 @lce_fused_loss.register_fake
 def _(
     h, W, target, bias, rstd, denom, ignore_index, softcap, label_smoothing, z_loss,
-    chunk_rows, check, need_dh, need_dW, need_dbias, need_drstd,
+    chunk_rows, check, need_dh, need_dW, need_dbias, need_drstd, per_row=False,
 ):  # fmt: skip
     need = (need_dh, need_dW, bias is not None and need_dbias, rstd is not None and need_drstd)
-    rows = _chunk_rows(h, W, chunk_rows, need_dW)
+    if per_row:
+        _check_per_row(need[2])
+    rows = _chunk_rows(h, W, chunk_rows, need_dW, per_row)
     eligible = shifted_ok(h.dtype, bias is not None, softcap, label_smoothing, *need[:2], need[3])
     shifted = _takes_shifted(eligible, rows, W.shape[0], h.shape[1])
-    return tuple(_outputs_like(h, W, bias, rstd, rows, need, shifted, bool(label_smoothing)))
+    smoothing = bool(label_smoothing)
+    return tuple(_outputs_like(h, W, bias, rstd, rows, need, shifted, smoothing, per_row))
+
+
+def per_row_problem(need_dbias: bool) -> str | None:
+    """Why per-row losses cannot take the gradient-in-forward path (``lce_fused_loss``'s
+    ``per_row``), or None when they can: a bias gradient (a column sum of dlogits
+    weighted by the per-row upstream gradient) or ``DEFER_ONE_CHUNK`` off (the one chunk's
+    GEMMs must wait for that gradient). Read at call time."""
+    if need_dbias:
+        return "a bias that requires grad (its gradient is a g-weighted column sum of dlogits)"
+    if not DEFER_ONE_CHUNK:
+        return "ce_fused.DEFER_ONE_CHUNK off (the GEMMs must wait for the upstream gradient)"
+    return None
+
+
+def _check_per_row(need_dbias: bool) -> None:
+    problem = per_row_problem(need_dbias)
+    if problem is not None:
+        raise ValueError(f"lce_fused_loss(per_row=True) cannot take {problem}")
 
 
 # ---- the backward's GEMMs --------------------------------------------------------------------
@@ -962,10 +1001,13 @@ def lce_fused_finish(
     need_dW: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(dh, dW) = g * the loss's gradients, from what ``lce_fused_loss`` left (its
-    outputs 1, 2, 5, 6, 7, 8) and the 0-dim upstream gradient ``g``: the last row chunk's
+    outputs 1, 2, 5, 6, 7, 8) and the upstream gradient ``g``: the last row chunk's
     dh and dW GEMMs with g and the fp32 partials folded into their epilogue, each
     written once in its input's dtype; the earlier dh rows times g (g rounded to h's
-    dtype). Each is shape (0,) unless asked for."""
+    dtype). ``g`` 0-dim (a scalar loss) or (M,) (``per_row`` losses, one chunk of every
+    row): then g scales the rows of dlogits, in the dh GEMM's row scale and in dW's
+    operand g * h (with the shifted path's factor, the tail's and label smoothing's
+    terms). Each is shape (0,) unless asked for."""
     M, H = h.shape
     V = W.shape[0]
     main = ce_chunks.main_cols(V)
@@ -976,11 +1018,21 @@ def lce_fused_finish(
             torch.zeros_like(W) if need_dW else W.new_empty((0,)),
         )
     row0 = M - last.shape[0]
-    gvec = g.to(device=h.device, dtype=F32).reshape(1).expand(H).contiguous()
     A = dl_last if main else None
     h_last = h[row0:]
     scale = dl_scale if main and dl_scale.numel() else None  # the shifted path's factor
-    smooth = main and dl_smooth.numel() > 0  # ... and its label-smoothing rank-1 terms
+    smooth = dl_smooth if main and dl_smooth.numel() else None  # ... and label smoothing's
+    tail = dl_tail if V - main else None
+    g = g.to(device=h.device, dtype=F32)
+    if g.dim():  # per-row losses (row0 = 0): g into every per-row factor, none per column
+        if row0:
+            raise ValueError("per-row upstream gradients need one row chunk of every row")
+        scale = g if scale is None or A is None else scale * g
+        smooth = None if smooth is None else smooth * g
+        tail = None if tail is None else tail * g[:, None]
+        gvec = torch.ones(H, dtype=F32, device=h.device)
+    else:
+        gvec = g.reshape(1).expand(H).contiguous()
     # dW first: on the shifted path its operand sr * h (the last chunk's rows) is a
     # temporary that is freed before dh is allocated, so the peak stays R + dW + dh
     dW = W.new_empty((0,))
@@ -989,15 +1041,15 @@ def lce_fused_finish(
         B = h_last if scale is None or not main else _row_scaled(h_last, scale)
         dW = torch.empty_like(W)
         rank = None
-        if smooth:  # every row of dW gains sum_m gs_m (rstd_m) h_m, over ALL rows
+        if smooth is not None:  # every row of dW gains sum_m gs_m (rstd_m) h_m, over ALL rows
             ones = torch.ones(main, dtype=F32, device=W.device)
-            rank = (ones, _row_weighted_sum(h, dl_smooth))
+            rank = (ones, _row_weighted_sum(h, smooth))
         if main:
             partial = dW_part[:main] if several else None
             _scaled_gemm(dW[:main], A.t(), B.t(), gvec, partial=partial, rank=rank)
         del B
-        if V - main:
-            part = dl_tail.T @ h_last.float()
+        if tail is not None:
+            part = tail.T @ h_last.float()
             if several:
                 part = part + dW_part[main:]
             dW[main:] = part * gvec
@@ -1005,8 +1057,8 @@ def lce_fused_finish(
     if need_dh:
         if row0:
             torch.mul(dh_part[:row0], g.to(h.dtype), out=dh[:row0])
-        partial = dl_tail @ W[main:].float() if V - main else None
-        rank = (dl_smooth[row0:], W[:main].sum(0, dtype=F32)) if smooth else None
+        partial = tail @ W[main:].float() if tail is not None else None
+        rank = (smooth[row0:], W[:main].sum(0, dtype=F32)) if smooth is not None else None
         _scaled_gemm(dh[row0:], A, W[:main].t(), gvec, partial=partial, row_scale=scale, rank=rank)
     return dh, dW
 
@@ -1025,6 +1077,8 @@ def _(g, h, W, dh_part, dW_part, dl_last, dl_tail, dl_scale, dl_smooth, need_dh,
 def _fused_setup(ctx, inputs, output) -> None:
     ctx.need = (inputs[12], inputs[13], inputs[3] is not None and inputs[14],
                 inputs[4] is not None and inputs[15])  # fmt: skip
+    ctx.n_inputs = len(inputs)
+    ctx.per_row = len(inputs) > 16 and bool(inputs[16])
     ctx.save_for_backward(inputs[0], inputs[1], *output[1:], inputs[4])
     ctx.mark_non_differentiable(*output[1:])
     # the forward's other outputs are never differentiated: no zero-filled (V x H for
@@ -1092,18 +1146,22 @@ def _fused_backward(ctx, g_loss, *unused):
     ``DEFER_ONE_CHUNK`` off) the saved gradients times g (in place when
     ``_scale_in_place`` allows). Under ``create_graph`` with g
     requiring grad the GEMMs run for g = 1 and plain products by g follow (differentiable
-    in g)."""
+    in g). Per-row losses (``per_row``): g (M,) into the GEMMs' row factors, drstd times
+    it row by row; differentiating through g itself is not supported there."""
+    rest = (None,) * (ctx.n_inputs - 5)
     if g_loss is None:
-        return (None,) * 16
+        return (None,) * 5 + rest
     saved = ctx.saved_tensors
     h, W, dh_saved, dW_saved, dbias, drstd, dl_last, dl_tail, dl_scale, dl_smooth, rstd = saved
     need_dh, need_dW, need_dbias, need_drstd = ctx.need
     dbias, drstd = (dbias if need_dbias else None), (drstd if need_drstd else None)
+    through_g = g_loss.requires_grad and torch.is_grad_enabled()
+    if ctx.per_row:
+        return _per_row_backward(ctx, g_loss, through_g) + rest
     if dl_last.dim() != 2 and dl_tail.dim() != 2:  # nothing deferred: the gradients are whole
         saved = [dh_saved if need_dh else None, dW_saved if need_dW else None, dbias, drstd]
         dh, dW, dbias, drstd = _scaled(saved, g_loss, in_place=_scale_in_place(g_loss, saved))
-        return (dh, dW, None, dbias, drstd) + (None,) * 11
-    through_g = g_loss.requires_grad and torch.is_grad_enabled()
+        return (dh, dW, None, dbias, drstd) + rest
     g = torch.ones_like(g_loss) if through_g else g_loss
     dh, dW = lce_fused_finish(
         g.detach(), h.detach(), W.detach(), dh_saved, dW_saved, dl_last, dl_tail, dl_scale,
@@ -1120,7 +1178,34 @@ def _fused_backward(ctx, g_loss, *unused):
     else:
         dbias, drstd = _scaled([dbias, drstd], g_loss)
         drstd = _with_last_rows(drstd, last_drstd)  # dh has g in it already
-    return (dh, dW, None, dbias, drstd) + (None,) * 11
+    return (dh, dW, None, dbias, drstd) + rest
+
+
+def _per_row_backward(ctx, g_rows: torch.Tensor, through_g: bool) -> tuple:
+    """(dh, dW, None, None, drstd) of per-row losses under the (M,) upstream gradient
+    ``g_rows``: ``lce_fused_finish`` with g in the GEMMs' row factors; drstd from the
+    shifted path's dh, or the forward's (for g = 1) times g row by row."""
+    if through_g:
+        raise RuntimeError(
+            "linear_cross_entropy: the gradients of per-row losses cannot be differentiated "
+            "with respect to their upstream gradient (backward with create_graph=True and a "
+            "gradient that requires grad)"
+        )
+    h, W, dh_saved, dW_saved, _, drstd, dl_last, dl_tail, dl_scale, dl_smooth, rstd = (
+        ctx.saved_tensors
+    )
+    need_dh, need_dW, _, need_drstd = ctx.need
+    g = g_rows.detach().to(F32)
+    dh, dW = lce_fused_finish(
+        g, h, W, dh_saved, dW_saved, dl_last, dl_tail, dl_scale, dl_smooth, need_dh, need_dW
+    )
+    if not need_drstd:
+        drstd = None
+    elif dl_scale.numel():  # the shifted path's from dh (asked for beside it: ``shifted_ok``)
+        drstd = drstd_from_dh(h, dh, rstd)
+    else:
+        drstd = drstd * g
+    return (dh if need_dh else None), (dW if need_dW else None), None, None, drstd
 
 
 register_autograd("coda::lce_fused_loss", _fused_backward, setup_context=_fused_setup)

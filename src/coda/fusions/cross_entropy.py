@@ -49,7 +49,7 @@ import torch
 import torch.nn.functional as F
 from torch.library import custom_op, register_autograd
 
-from coda.fusions import _checks, ce_chunks
+from coda.fusions import _checks, ce_chunks, ce_fused
 from coda.fusions._dispatch import matmul, run_epilogue
 from coda.fusions.ce_chunks import TMA_COLS, Chunk
 from coda.fusions.ce_epilogues import grad_epilogue, stats_epilogue
@@ -325,26 +325,42 @@ def _grad_in_forward(
     return_lse: bool,
     return_z_loss: bool,
     inputs: tuple[torch.Tensor | None, ...],
+    rows: tuple[int, int, int, int | None],
 ) -> bool:
     """Whether this call runs the gradient-in-forward path (``ce_fused``): autograd will
-    want gradients (grad mode on and an input requiring grad) and the result is one
-    scalar loss (reduction "mean" / "sum", no lse or z-loss returned). ``request`` None:
-    automatic; False: never; True: required (ValueError when the options forbid it; with
-    nothing to differentiate it runs no gradient work either)."""
+    want gradients (grad mode on and an input requiring grad) and no lse or z-loss is
+    returned. A scalar loss (reduction "mean" / "sum") always can; per-row losses
+    ("none") in ONE row chunk of all M rows (``rows`` = (M, V, bytes per element of the
+    row buffer, chunk_rows)), where the backward's per-row upstream gradient scales the
+    deferred GEMMs' rows (``ce_fused.per_row_problem`` says when it cannot): with
+    ``request`` None where that M x V row buffer fits ``ce_chunks.GRAD_ROWS_BYTES``.
+    ``request`` None: automatic; False: never; True: required (ValueError when the
+    options forbid it; with nothing to differentiate it runs no gradient work either)."""
     forbidden = None
-    if reduction == "none":
-        forbidden = 'reduction="none" (per-row losses take any upstream gradient)'
-    elif return_lse or return_z_loss:
+    M, V, elem_bytes, chunk_rows = rows
+    if return_lse or return_z_loss:
         forbidden = (
             "return_lse / return_z_loss / return_entropy (extra outputs with their own gradients)"
         )
+    elif reduction == "none":
+        bias = inputs[2]
+        forbidden = ce_fused.per_row_problem(bias is not None and bias.requires_grad)
+        if forbidden is None and chunk_rows is not None and chunk_rows < M:
+            forbidden = f"chunk_rows={chunk_rows} < {M} rows (one chunk of every row)"
+        if forbidden is not None:
+            forbidden = f'reduction="none" with {forbidden}'
     if request and forbidden is not None:
         raise ValueError(
-            f"grad_in_forward=True needs one scalar loss whose gradients the forward can "
-            f"compute; {forbidden} needs the recompute path (grad_in_forward=None or False)"
+            f"grad_in_forward=True needs one loss whose gradients the forward can compute: "
+            f"a scalar one, or per-row losses in one row chunk; {forbidden} needs the "
+            f"recompute path (grad_in_forward=None or False)"
         )
     if request is False or forbidden is not None:
         return False
+    if request is None and reduction == "none":
+        fits = M * ce_chunks.main_cols(V) * elem_bytes <= ce_chunks.GRAD_ROWS_BYTES
+        if not fits:
+            return False
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs)
 
 
@@ -352,12 +368,13 @@ def _denominator(
     valid: torch.Tensor, reduction: str, num_items_in_batch: torch.Tensor | int | None
 ) -> torch.Tensor:
     """0-dim fp32 divisor of the summed row losses (as ``_reduce``): num_items_in_batch,
-    1 for "sum", the count of valid rows (at least 1) for "mean"; no host sync."""
+    1 for "sum" and "none" (the row losses themselves), the count of valid rows (at least
+    1) for "mean"; no host sync."""
     if num_items_in_batch is not None:
         if isinstance(num_items_in_batch, torch.Tensor):
             return num_items_in_batch.detach().to(device=valid.device, dtype=F32).reshape(())
         return torch.full((), num_items_in_batch, dtype=F32, device=valid.device)
-    if reduction == "sum":
+    if reduction in ("sum", "none"):
         return torch.ones((), dtype=F32, device=valid.device)
     return valid.sum().clamp(min=1).to(F32)
 
@@ -465,9 +482,14 @@ def linear_cross_entropy(
         raise ValueError(f"chunk_rows must be a positive number of rows; got {chunk_rows}")
     if not (math.isfinite(temperature) and temperature > 0):
         raise ValueError(f"temperature must be a positive finite float; got {temperature}")
+    rows_at_once = (
+        h.numel() // max(h.shape[-1], 1), W.shape[0],
+        (ce_fused.ACC_STORE_DTYPE or h.dtype).itemsize, chunk_rows,
+    )  # fmt: skip
     fused = _grad_in_forward(
-        grad_in_forward, reduction, return_lse or return_entropy, return_z_loss, (h, W, bias, rstd)
-    )
+        grad_in_forward, reduction, return_lse or return_entropy, return_z_loss,
+        (h, W, bias, rstd), rows_at_once,
+    )  # fmt: skip
     if shift:
         target = _shift(target, ignore_index)
     H, V = h.shape[-1], W.shape[0]
@@ -497,10 +519,12 @@ def linear_cross_entropy(
         denom = _denominator(valid, reduction, num_items_in_batch)
         need = (h.requires_grad, W.requires_grad, bias is not None and bias.requires_grad,
                 rstd is not None and rstd.requires_grad)  # fmt: skip
-        return lce_fused_loss(
+        per_row = reduction == "none"
+        loss = lce_fused_loss(
             h2, W, t, bias, r, denom, ignore_index, cap, eps, float(z_loss), chunk_rows or 0,
-            check, *need,
+            check, *need, per_row,
         )[0]  # fmt: skip
+        return loss.reshape(shape) if per_row else loss
     lse, zt, zsum, entropy = lce_stats(
         h2, W, t, bias, r, ignore_index, cap, eps > 0, chunk_size or 0, check, return_entropy
     )
