@@ -24,6 +24,10 @@ recompute path of ``cross_entropy`` runs four). How the upstream gradient g reac
 * ``DEFER_ONE_CHUNK = False`` keeps the earlier one-chunk path for A/B: the forward
   computes dh and dW whole with plain GEMMs and the backward multiplies them by g
   (``_foreach_mul_``, in place unless the graph is kept); measured slower (below).
+* per-row losses (``per_row``: the (M,) row losses, any upstream gradient): ONE chunk of
+  every row, deferred; the backward's g (M,) scales the rows of dlogits, so it joins the
+  dh GEMM's row factor, dW's operand g * h, the tail's and label smoothing's per-row
+  terms (no dbias: a g-weighted column sum).
 
 Per chunk of ``rows`` rows [r0, r1) (m rows; V' = ``ce_chunks.main_cols(V)``, V without
 its V mod 8 tail):

@@ -11,10 +11,14 @@ grad mode on, an input requiring grad, reduction "mean"/"sum", no returned lse/z
 ``coda::lce_fused_loss`` (``ce_fused``) computes the loss and all gradients in the
 forward over row chunks, 3 logits-sized GEMMs in all; its backward scales the saved
 gradients by the loss's upstream gradient. Workspace: two row buffers and, with more than
-one row chunk, an fp32 V x H dW accumulator.
+one row chunk, an fp32 V x H dW accumulator. Per-row losses (reduction "none", no bias
+gradient) take it in ONE row chunk of every row (``per_row``), the backward's per-row
+upstream gradient folded into the deferred dh / dW GEMMs' row factors: by default where
+that M x V row buffer fits ``ce_chunks.GRAD_ROWS_BYTES``, at any size with
+``grad_in_forward=True``.
 
 **Recompute** (otherwise, or ``grad_in_forward=False``: any upstream gradient, per-row
-losses, returned lse or entropy; the low-memory choice), two custom ops:
+losses of more rows, returned lse or entropy; the low-memory choice), two custom ops:
 
 * ``coda::lce_stats(h, W, target, bias, rstd, ...) -> (lse, zt, zsum, entropy)``: per
   row, the log-sum-exp of the logits z, the target logit z[target] (0 for ignored rows),
@@ -452,12 +456,16 @@ def linear_cross_entropy(
     will want gradients (grad mode on, an input requiring grad) of a scalar loss
     ("mean"/"sum", no ``return_lse``/``return_z_loss``), the forward computes the loss
     AND the gradients over chunks of ``chunk_rows`` rows (3 logits-sized GEMMs; the
-    backward only scales them: ``coda.fusions.ce_fused``); otherwise the statistics op
-    runs and the backward recomputes the logits chunk by chunk over the vocabulary (4
-    GEMMs with a backward). False: always the recompute path (the low-memory choice: its
-    workspace does not grow with V x H). True: require gradient-in-forward (ValueError
-    when the options forbid it). ``chunk_size``: vocabulary columns per chunk of the
-    recompute path (a multiple of 8; default: from ``ce_chunks.WORKSPACE_BYTES``).
+    backward only scales them: ``coda.fusions.ce_fused``); per-row losses ("none", no
+    bias gradient) the same in one chunk of every row, where the M x V row buffer fits
+    ``ce_chunks.GRAD_ROWS_BYTES`` (the backward's per-row gradient scales the deferred
+    dh and dW GEMMs' rows); otherwise the statistics op runs and the backward
+    recomputes the logits chunk by chunk over the vocabulary (4 GEMMs with a backward).
+    False: always the recompute path (the low-memory choice: its workspace does not
+    grow with V x H). True: require gradient-in-forward (per-row losses at any size, an
+    M x V buffer in h's dtype; ValueError when the options forbid it). ``chunk_size``:
+    vocabulary columns per chunk of the recompute path (a multiple of 8; default: from
+    ``ce_chunks.WORKSPACE_BYTES``).
     ``chunk_rows``: rows per chunk of the gradient-in-forward path (default:
     ``ce_chunks.grad_rows``, from ``ce_chunks.GRAD_ROWS_BYTES``).
     """
