@@ -27,8 +27,9 @@ def textbook_logits(h, W, bias=None, rstd=None, softcap=None, temperature=1.0):
 
 def textbook(h, W, target, *, bias=None, rstd=None, softcap=None, label_smoothing=0.0,
              z_loss=0.0, ignore_index=-100, reduction="mean", num_items_in_batch=None,
-             temperature=1.0):  # fmt: skip
-    """The unfused loss, written from the definitions (h: (M, H), target: (M,))."""
+             temperature=1.0, row_weight=None):  # fmt: skip
+    """The unfused loss, written from the definitions (h: (M, H), target: (M,)); the row
+    losses times ``row_weight`` (0 on ignored rows) before the reduction."""
     logits = textbook_logits(h, W, bias, rstd, softcap, temperature)
     rows = F.cross_entropy(
         logits, target, ignore_index=ignore_index, reduction="none",
@@ -37,6 +38,8 @@ def textbook(h, W, target, *, bias=None, rstd=None, softcap=None, label_smoothin
     valid = target != ignore_index
     if z_loss:
         rows = rows + z_loss * torch.logsumexp(logits, -1) ** 2 * valid
+    if row_weight is not None:
+        rows = rows * torch.where(valid, row_weight.to(rows.dtype), 0.0)
     if reduction == "none":
         return rows
     if num_items_in_batch is not None:
@@ -70,6 +73,7 @@ def problems(draw, reductions=("mean", "sum", "none"), max_V=90):
         num_items_in_batch=items,
         ignore_index=draw(st.sampled_from([-100, -1, 0])),
         ignored=draw(st.sampled_from([0.0, 0.3, 1.0])),
+        row_weight=draw(st.sampled_from([False, False, True])),
         seed=draw(st.integers(0, 2**31 - 1)),
     )
 
@@ -103,7 +107,17 @@ def options(p):
         out["num_items_in_batch"] = p["num_items_in_batch"]
     if p.get("temperature", 1.0) != 1.0:
         out["temperature"] = p["temperature"]
+    if p.get("row_weight"):
+        out["row_weight"] = row_weights(p)
     return out
+
+
+def row_weights(p):
+    """Per-row weights of problem ``p`` (signed, like RL advantages; NaN on ignored rows,
+    which must not leak into the loss)."""
+    g = torch.Generator().manual_seed(p["seed"] + 2)
+    w = torch.randn(p["M"], generator=g, dtype=F64)
+    return torch.where(make(p)[-1] == p["ignore_index"], float("nan"), w)
 
 
 def upstream(p):

@@ -44,12 +44,15 @@ def textbook_logits(h, W, bias=None, rstd=None, softcap=None, temperature=1.0):
 
 
 def textbook(h, W, target, bias=None, rstd=None, softcap=None, label_smoothing=0.0,
-             z_loss=0.0, reduction="mean", num_items_in_batch=None, temperature=1.0):  # fmt: skip
+             z_loss=0.0, reduction="mean", num_items_in_batch=None, temperature=1.0,
+             row_weight=None):  # fmt: skip
     logits = textbook_logits(h, W, bias, rstd, softcap, temperature)
     rows = F.cross_entropy(logits, target, reduction="none", label_smoothing=label_smoothing)
     valid = target != -100
     if z_loss:
         rows = rows + z_loss * torch.logsumexp(logits.float(), -1).to(rows.dtype) ** 2 * valid
+    if row_weight is not None:
+        rows = rows * row_weight.to(rows.dtype)
     if reduction == "none":
         return rows
     if num_items_in_batch is not None:
@@ -108,6 +111,13 @@ OPTIONS = {
     "rstd_zloss_none": dict(rstd=True, z_loss=1e-4, reduction="none"),
     "smoothing_none": dict(label_smoothing=0.1, temperature=0.8, reduction="none"),
     "softcap_smoothing_none": dict(rstd=True, softcap=15.0, label_smoothing=0.05, reduction="none"),
+    # per-token weights (row_weight=True: signed weights drawn per shape), folded into the
+    # gradient-in-forward path's per-row coefficients for scalar losses
+    "weighted_mean": dict(row_weight=True, z_loss=1e-4),
+    "weighted_all_sum": dict(
+        rstd=True, softcap=15.0, label_smoothing=0.05, row_weight=True, reduction="sum"
+    ),
+    "weighted_none": dict(rstd=True, row_weight=True, reduction="none"),
 }
 SHAPES = [(512, 256, 1000), (300, 264, 50257), (1000, 512, 32000), (257, 128, 151936)]
 # path -> the keyword arguments that force it (chunking: None = automatic)
@@ -158,6 +168,9 @@ def test_matches_float64_no_worse_than_eager_bf16(name, shape, path, monkeypatch
     tensors = inputs(M, H, V, seed=M + V, bias=bias, rstd=rstd)
     target = tensors[-1]
     tensors = tensors[:-1]
+    if opts.get("row_weight"):  # signed, like advantages; 0 on ignored rows
+        g = torch.Generator(device="cuda").manual_seed(M)
+        opts["row_weight"] = torch.randn(M, device="cuda", generator=g) * (target != -100)
     upstream = None
     if opts.get("reduction") == "none":
         upstream = torch.randn(M, device="cuda")

@@ -401,10 +401,11 @@ class _RowPlan:
 class _Walk:
     """One fused loss over row chunks: inputs, the row buffer(s), the accumulators."""
 
-    def __init__(self, h, W, target, bias, rstd, denom, spec: _Spec, rows: int):
+    def __init__(self, h, W, target, bias, rstd, denom, spec: _Spec, rows: int, weight=None):
         M, H = h.shape
         self.h, self.W, self.target, self.rstd, self.spec = h, W, target, rstd, spec
         self.denom, self.inv = denom, 1.0 / denom
+        self.weight = None if weight is None else weight.to(device=h.device, dtype=F32)
         self.plan = ce_chunks.row_chunks(M, rows)
         main = spec.main
         self.W_main, self.W_tail = W[:main], W[main:]
@@ -463,7 +464,12 @@ class _Walk:
         for i, (r0, r1) in enumerate(self.plan):
             self._chunk(i, r0, r1)
         if per_row:  # the shifted path's row losses are unmasked: where, not a product
-            loss = torch.where(self.valid, self.row_loss * self.inv, 0.0)
+            weighed = self.row_loss * self.inv
+            if self.weight is not None:
+                weighed = weighed * self.weight
+            loss = torch.where(self.valid, weighed, 0.0)
+        elif self.row_plan is None and self.weight is not None:
+            loss = torch.dot(self.row_loss, self.weight) / self.denom
         elif self.row_plan is None:
             loss = self.row_loss.sum() / self.denom
         else:  # row_loss unmasked there: ignored rows weigh 0
@@ -486,7 +492,7 @@ class _Walk:
         tail = _tail(spec, hf, self.W_tail, self.b_tail, r_c, t_c, valid_c) if spec.tail else None
         lse, zt, zsum = _merge(stats, None if tail is None else tail.stats())
         self.row_loss[r0:r1] = _row_losses(spec, lse, zt, zsum, valid_c)
-        ga, gt, gs = _coefficients(spec, lse, valid_c, self.inv)
+        ga, gt, gs = _coefficients(spec, lse, valid_c, self.inv, self._row_weights(valid_c, r0, r1))
         dl = None
         if spec.main:
             dl = self._main_grads(acc, tloc, lse, ga, gt, gs, r_c, r0, r1)
@@ -503,6 +509,11 @@ class _Walk:
         if spec.need_dW:
             self._dW(i, hf, h_c, dl, dl_t)
 
+    def _row_weights(self, valid: torch.Tensor, r0: int, r1: int) -> torch.Tensor:
+        """Each row's weight in the loss, valid / denom (times ``row_weight``), rows r0:r1."""
+        w = valid.to(F32) * self.inv
+        return w if self.weight is None else w * self.weight[r0:r1]
+
     # ---- the shifted-softmax chunk (GRAD_PASS) ---------------------------------------------
     def _row_plan(self) -> _RowPlan:
         """The shifted path's per-row vectors of the whole call (``_RowPlan``), made once
@@ -511,7 +522,7 @@ class _Walk:
         spec, h, t, valid = self.spec, self.h, self.target, self.valid
         M, V = h.shape[0], self.W.shape[0]
         tloc = local_targets(t, valid, 0, spec.main)
-        w = valid.to(F32) * self.inv
+        w = self._row_weights(valid, 0, M)
         hit = tloc >= 0
         # R's flat index of each row's target entry (the chunks are consecutive runs of
         # ``rows`` rows of one row-major buffer of spec.main columns); 0 where none
@@ -843,6 +854,7 @@ def lce_fused_loss(
     need_dbias: bool,
     need_drstd: bool,
     per_row: bool = False,
+    row_weight: torch.Tensor | None = None,
 ) -> tuple[
     torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
     torch.Tensor, torch.Tensor, torch.Tensor,
@@ -867,6 +879,10 @@ def lce_fused_loss(
     (``DEFER_ONE_CHUNK`` must be on), where the upstream gradient g scales the rows of
     dlogits (dh = g * (dlogits @ W), dW = dlogits.T @ (g * h)). No dbias there: a
     bias's gradient would be a g-weighted column sum of dlogits (ValueError).
+
+    ``row_weight``: an fp32 (M,) weight of each row's loss (per-token weights of RL
+    losses: the loss is sum_rows(weight * row loss) / denom), folded into the per-row
+    coefficients of every gradient; data only (it must not require grad here).
     Targets are range-checked on CPU, and on CUDA when ``check`` (a device sync)."""
     check_operands(h, W, target, bias, rstd)
     V = W.shape[0]
@@ -887,7 +903,8 @@ def lce_fused_loss(
         need_dh, need_dW, bias is not None and need_dbias, need_drstd, shifted,
     )  # fmt: skip
     denom = denom.to(device=h.device, dtype=F32)
-    got = _Walk(h, W, target, bias, rstd, denom, spec, rows).run(per_row)
+    walk = _Walk(h, W, target, bias, rstd, denom, spec, rows, row_weight)
+    got = walk.run(per_row)
     empty = _outputs_like(h, W, bias, rstd, rows, (False,) * 4, per_row=per_row)
     return tuple(e if g is None else g for g, e in zip(got, empty, strict=True))
 
@@ -896,6 +913,7 @@ def lce_fused_loss(
 def _(
     h, W, target, bias, rstd, denom, ignore_index, softcap, label_smoothing, z_loss,
     chunk_rows, check, need_dh, need_dW, need_dbias, need_drstd, per_row=False,
+    row_weight=None,
 ):  # fmt: skip
     need = (need_dh, need_dW, bias is not None and need_dbias, rstd is not None and need_drstd)
     if per_row:
@@ -1083,6 +1101,12 @@ def _fused_setup(ctx, inputs, output) -> None:
                 inputs[4] is not None and inputs[15])  # fmt: skip
     ctx.n_inputs = len(inputs)
     ctx.per_row = len(inputs) > 16 and bool(inputs[16])
+    weight = inputs[17] if len(inputs) > 17 else None
+    if weight is not None and weight.requires_grad:
+        raise ValueError(
+            "coda::lce_fused_loss: row_weight is data here (it must not require grad); "
+            "linear_cross_entropy takes a row_weight that requires grad on the recompute path"
+        )
     ctx.save_for_backward(inputs[0], inputs[1], *output[1:], inputs[4])
     ctx.mark_non_differentiable(*output[1:])
     # the forward's other outputs are never differentiated: no zero-filled (V x H for

@@ -330,6 +330,7 @@ def _grad_in_forward(
     return_z_loss: bool,
     inputs: tuple[torch.Tensor | None, ...],
     rows: tuple[int, int, int, int | None],
+    weight_grad: bool = False,
 ) -> bool:
     """Whether this call runs the gradient-in-forward path (``ce_fused``): autograd will
     want gradients (grad mode on and an input requiring grad) and no lse or z-loss is
@@ -338,14 +339,18 @@ def _grad_in_forward(
     row buffer, chunk_rows)), where the backward's per-row upstream gradient scales the
     deferred GEMMs' rows (``ce_fused.per_row_problem`` says when it cannot): with
     ``request`` None where that M x V row buffer fits ``ce_chunks.GRAD_ROWS_BYTES``.
-    ``request`` None: automatic; False: never; True: required (ValueError when the
-    options forbid it; with nothing to differentiate it runs no gradient work either)."""
+    ``weight_grad``: a scalar loss's ``row_weight`` requires grad (the weights are
+    data on this path). ``request`` None: automatic; False: never; True: required
+    (ValueError when the options forbid it; with nothing to differentiate it runs no
+    gradient work either)."""
     forbidden = None
     M, V, elem_bytes, chunk_rows = rows
     if return_lse or return_z_loss:
         forbidden = (
             "return_lse / return_z_loss / return_entropy (extra outputs with their own gradients)"
         )
+    elif weight_grad:
+        forbidden = "a row_weight that requires grad (its gradient: the row losses)"
     elif reduction == "none":
         bias = inputs[2]
         forbidden = ce_fused.per_row_problem(bias is not None and bias.requires_grad)
@@ -381,6 +386,21 @@ def _denominator(
     if reduction in ("sum", "none"):
         return torch.ones((), dtype=F32, device=valid.device)
     return valid.sum().clamp(min=1).to(F32)
+
+
+def _checked_weight(weight: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """``row_weight`` checked against ``target``: a floating tensor of its shape, on its
+    device (ValueError / TypeError before any work)."""
+    if not weight.is_floating_point():
+        raise TypeError(f"row_weight must be a floating tensor; got {weight.dtype}")
+    if weight.shape != target.shape:
+        raise ValueError(
+            f"row_weight must be shaped like target {tuple(target.shape)} (one weight per "
+            f"token); got {tuple(weight.shape)}"
+        )
+    if weight.device != target.device:
+        raise ValueError(f"row_weight is on {weight.device} but target is on {target.device}")
+    return weight
 
 
 def _tempered(
@@ -422,6 +442,7 @@ def linear_cross_entropy(
     chunk_size: int | None = None,
     grad_in_forward: bool | None = None,
     chunk_rows: int | None = None,
+    row_weight: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, ...]:
     """Cross-entropy of the logits ``softcap(rstd * (h @ W.T) + bias)`` against ``target``,
     without materializing the M x V logits.
@@ -468,6 +489,14 @@ def linear_cross_entropy(
     ``ce_chunks.WORKSPACE_BYTES``).
     ``chunk_rows``: rows per chunk of the gradient-in-forward path (default:
     ``ce_chunks.grad_rows``, from ``ce_chunks.GRAD_ROWS_BYTES``).
+
+    ``row_weight``: per-token weights (RL losses: advantages, masks), a float tensor
+    shaped like ``target`` (shifted with it under ``shift=True``): each row's loss
+    (z-loss and smoothing included) times its weight before the reduction ("mean" still
+    divides by the count of non-ignored rows; ignored rows count 0 whatever their
+    weight). A scalar loss with weights keeps the gradient-in-forward path (the weights
+    join the per-row gradient coefficients: 3 GEMMs, row chunks, the usual workspace)
+    unless the weights require grad (then the recompute path, which differentiates them).
     """
     _checks.whole_tensors(
         "linear_cross_entropy",
@@ -475,6 +504,7 @@ def linear_cross_entropy(
         "model.lm_head, labels): the loss then runs inside the head's forward, where FSDP / "
         "ZeRO-3 gather its weight and reduce its gradient across ranks",
         *(("h", h), ("W", W), ("target", target), ("bias", bias), ("rstd", rstd)),
+        ("row_weight", row_weight),
     )
     if reduction not in ("mean", "sum", "none"):
         raise ValueError(f"reduction must be 'mean', 'sum' or 'none'; got {reduction!r}")
@@ -494,12 +524,17 @@ def linear_cross_entropy(
         h.numel() // max(h.shape[-1], 1), W.shape[0],
         (ce_fused.ACC_STORE_DTYPE or h.dtype).itemsize, chunk_rows,
     )  # fmt: skip
+    weighted = row_weight is not None and reduction != "none"
     fused = _grad_in_forward(
         grad_in_forward, reduction, return_lse or return_entropy, return_z_loss,
-        (h, W, bias, rstd), rows_at_once,
+        (h, W, bias, rstd), rows_at_once, weighted and row_weight.requires_grad,
     )  # fmt: skip
+    if row_weight is not None:
+        row_weight = _checked_weight(row_weight, target)
     if shift:
         target = _shift(target, ignore_index)
+        if row_weight is not None:
+            row_weight = F.pad(row_weight[..., 1:], (0, 1))
     H, V = h.shape[-1], W.shape[0]
     if h.shape[:-1] != target.shape:
         raise ValueError(
@@ -523,6 +558,9 @@ def linear_cross_entropy(
     if temperature != 1.0:
         r, bias, cap = _tempered(r, bias, cap, 1.0 / temperature, h2)
     valid = t != ignore_index
+    w = None
+    if row_weight is not None:
+        w = torch.where(valid, row_weight.reshape(-1).float(), 0.0)
     if fused:
         denom = _denominator(valid, reduction, num_items_in_batch)
         need = (h.requires_grad, W.requires_grad, bias is not None and bias.requires_grad,
@@ -530,9 +568,11 @@ def linear_cross_entropy(
         per_row = reduction == "none"
         loss = lce_fused_loss(
             h2, W, t, bias, r, denom, ignore_index, cap, eps, float(z_loss), chunk_rows or 0,
-            check, *need, per_row,
+            check, *need, per_row, None if per_row else w,
         )[0]  # fmt: skip
-        return loss.reshape(shape) if per_row else loss
+        if not per_row:
+            return loss
+        return (loss if w is None else loss * w).reshape(shape)
     lse, zt, zsum, entropy = lce_stats(
         h2, W, t, bias, r, ignore_index, cap, eps > 0, chunk_size or 0, check, return_entropy
     )
@@ -545,6 +585,8 @@ def linear_cross_entropy(
         if z_loss:
             rows = rows + zrows
     rows = torch.where(valid, rows, 0.0)
+    if w is not None:
+        rows = rows * w
     loss = _reduce(rows, valid, reduction, num_items_in_batch, shape)
     extras: list[torch.Tensor] = []
     if return_lse:
