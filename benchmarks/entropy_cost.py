@@ -16,6 +16,11 @@ every output, interleaved rounds, medians (benchmarks/common.py):
   the per-token loss alone on the gradient-in-forward path in one row chunk (the logits
   GEMM storing the softmax's M x V rows, the backward's dh and dW GEMMs with the per-token
   upstream gradient as their row factor: 3 logits-sized GEMMs);
+* ``coda_weighted``: ``linear_cross_entropy(..., reduction="sum", row_weight=g)``, the
+  same per-token gradient as a weighted scalar loss (REINFORCE / GRPO losses weight each
+  token's loss by its advantage, known before the forward): the default
+  gradient-in-forward path with the weights in its per-row coefficients, in row chunks
+  (no opt-in, its usual workspace);
 * ``eager`` / ``compile``: logits = h @ W.T materialized, ``F.cross_entropy`` per token and
   the entropy -sum p log p of log_softmax (fp32), eager and under ``torch.compile``;
 * ``compile_nll``: the per-token loss alone (no entropy) under ``torch.compile``, the
@@ -24,9 +29,10 @@ every output, interleaved rounds, medians (benchmarks/common.py):
   dh and dW GEMMs (forward + backward: what a loss over materialized logits cannot beat).
 
 JSON ``{device, versions, command, "rows": [{"H", "M", "V", "pass", "cublas_floor_ms", "coda_ms",
-"coda_entropy_ms", "coda_fused_ms", "eager_ms", "compile_ms", "compile_nll_ms",
-"coda_peak_gib", "coda_entropy_peak_gib", "coda_fused_peak_gib", "eager_peak_gib",
-"compile_peak_gib", "compile_nll_peak_gib"}]}`` (peaks: max allocated above the inputs).
+"coda_entropy_ms", "coda_fused_ms", "coda_weighted_ms", "eager_ms", "compile_ms",
+"compile_nll_ms", "coda_peak_gib", "coda_entropy_peak_gib", "coda_fused_peak_gib",
+"coda_weighted_peak_gib", "eager_peak_gib", "compile_peak_gib", "compile_nll_peak_gib"}]}``
+(peaks: max allocated above the inputs).
 """
 
 from __future__ import annotations
@@ -64,11 +70,13 @@ def contenders(h, W, t, up, backward: bool) -> dict:
     compiled = torch.compile(eager_entropy_loss)
     compiled_nll = torch.compile(eager_nll_loss)
 
-    def run(fn, entropy: bool):
+    def run(fn, entropy: bool, weighted: bool = False):
         def step():
             if entropy:
                 loss, ent = fn()
                 total = (loss * up).sum() + (ent * up).sum()
+            elif weighted:  # the weights are in the loss already
+                total, _ = fn()
             else:
                 loss, _ = fn()
                 total = (loss * up).sum()
@@ -97,6 +105,11 @@ def contenders(h, W, t, up, backward: bool) -> dict:
             lambda: (linear_cross_entropy(h, W, t, reduction="none", grad_in_forward=True), None),
             False,
         ),
+        "coda_weighted": run(
+            lambda: (linear_cross_entropy(h, W, t, reduction="sum", row_weight=up), None),
+            False,
+            weighted=True,
+        ),
         "eager": run(lambda: eager_entropy_loss(h, W, t), True),
         "compile": run(lambda: compiled(h, W, t), True),
         "compile_nll": run(lambda: compiled_nll(h, W, t), False),
@@ -112,7 +125,15 @@ def peak_gib(fn) -> float:
     return (torch.cuda.max_memory_allocated() - base) / GiB
 
 
-CONTENDERS = ("coda", "coda_entropy", "coda_fused", "eager", "compile", "compile_nll")
+CONTENDERS = (
+    "coda",
+    "coda_entropy",
+    "coda_fused",
+    "coda_weighted",
+    "eager",
+    "compile",
+    "compile_nll",
+)
 
 
 def plot(out: dict, path: str) -> None:
@@ -181,8 +202,9 @@ def main() -> None:
     common.write_json(args.out, out)
     plot(out, common.png_beside(args.out))
     columns = ["H", "M", "pass", "cublas_floor_ms", "coda_ms", "coda_entropy_ms", "compile_ms"]
-    columns += ["coda_fused_ms", "compile_nll_ms"]
+    columns += ["coda_fused_ms", "coda_weighted_ms", "compile_nll_ms"]
     peaks = ["coda_entropy_peak_gib", "compile_peak_gib", "coda_fused_peak_gib"]
+    peaks += ["coda_weighted_peak_gib"]
     common.print_table(rows, columns + peaks + ["compile_nll_peak_gib"])
 
 

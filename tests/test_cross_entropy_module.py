@@ -55,6 +55,28 @@ def test_shift_labels_are_used_as_given():
         module(x.float(), W.float())
 
 
+def test_row_weight_follows_labels_or_shift_labels():
+    """Per-token weights: shifted with ``labels`` (aligned with them, as the labels are
+    before the shift), taken as they are beside ``shift_labels``; the same loss and
+    gradients either way, equal to the functional's."""
+    x, W, _, labels = _data(2)
+    adv = torch.randn(labels.shape, generator=torch.Generator().manual_seed(3))
+    module = LinearCrossEntropyLoss(shift=True, reduction="sum")
+    xa, xb = _leaf(x), _leaf(x)
+    a = module(xa, W.float(), labels, row_weight=adv)
+    b = module(
+        xb, W.float(), shift_labels=F.pad(labels[:, 1:], (0, 1), value=-100),
+        row_weight=F.pad(adv[:, 1:], (0, 1)),
+    )  # fmt: skip
+    c = linear_cross_entropy(x.float(), W.float(), labels, shift=True, reduction="sum",
+                             row_weight=adv)  # fmt: skip
+    torch.testing.assert_close(a, b)
+    torch.testing.assert_close(a, c)
+    (ga,) = torch.autograd.grad(a, xa)
+    (gb,) = torch.autograd.grad(b, xb)
+    torch.testing.assert_close(ga, gb)
+
+
 def test_deferred_final_norm_gradients_reach_the_stream():
     """norm_weight: loss of rmsnorm(x) * gamma @ W.T, computed as rstd * ((x gamma) @ W.T);
     dx, dgamma and dW equal the textbook's (unfused norm, then logits, then F.cross_entropy)."""

@@ -19,7 +19,9 @@ its forward takes the hidden states, the LM head weight (V, H) and the labels::
   rows by rstd inside the GEMM epilogue, so gradients reach x and the norm weight.
 
 * ``temperature``: the loss of ``logits / temperature`` (RL losses; per-token values with
-  ``reduction="none"``), at no extra kernel cost.
+  ``reduction="none"``), at no extra kernel cost. ``row_weight`` (a forward argument):
+  per-token weights known before the forward (advantages, masks), shaped like the
+  labels; a weighted scalar loss keeps the 3-GEMM gradient-in-forward path.
 
 * ``weight`` may be the LM head module itself (an ``nn.Linear``, its bias used unless
   ``bias`` is given): under FSDP2 / FSDP1 / DeepSpeed ZeRO-3, where the head's weight is a
@@ -99,9 +101,13 @@ class LinearCrossEntropyLoss(nn.Module):
         num_items_in_batch: torch.Tensor | int | None = None,
         norm_weight: torch.Tensor | None = None,
         norm_eps: float = 1e-6,
+        row_weight: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The loss (fp32; per token, shaped like the labels, with reduction="none").
-        ``weight``: the (V, H) LM head weight, or the head module (see the module doc)."""
+        ``weight``: the (V, H) LM head weight, or the head module (see the module doc).
+        ``row_weight``: per-token weights shaped like the labels (RL advantages, masks;
+        shifted with ``labels``, taken as they are beside ``shift_labels``), see
+        ``linear_cross_entropy``."""
         if (labels is None) == (shift_labels is None):
             raise ValueError("pass exactly one of labels and shift_labels")
         target = labels if shift_labels is None else shift_labels
@@ -112,6 +118,7 @@ class LinearCrossEntropyLoss(nn.Module):
             norm_weight=norm_weight,
             norm_eps=norm_eps,
             shift=self.shift and shift_labels is None,
+            row_weight=row_weight,
         )
         if isinstance(weight, nn.Module):
             if not isinstance(weight, nn.Linear):
@@ -127,8 +134,9 @@ class LinearCrossEntropyLoss(nn.Module):
         return self._loss(hidden, head.weight, **options, bias=head.bias if bias is None else bias)
 
     def _loss(
-        self, hidden, weight, *, target, bias, num_items_in_batch, norm_weight, norm_eps, shift
-    ) -> torch.Tensor:
+        self, hidden, weight, *, target, bias, num_items_in_batch, norm_weight, norm_eps, shift,
+        row_weight,
+    ) -> torch.Tensor:  # fmt: skip
         rstd = None
         if norm_weight is not None:
             x = hidden
@@ -152,4 +160,5 @@ class LinearCrossEntropyLoss(nn.Module):
             chunk_size=self.chunk_size,
             grad_in_forward=self.grad_in_forward,
             chunk_rows=self.chunk_rows,
+            row_weight=row_weight,
         )
