@@ -364,6 +364,21 @@ def test_weights_that_require_grad_take_the_recompute_path(monkeypatch):
         ce_fused.lce_fused_loss(*args)
 
 
+def test_returned_z_loss_is_weighted_like_the_loss():
+    """With ``row_weight`` and ``return_z_loss`` (the recompute path) the returned z-loss
+    term is reduced like the loss, weights included: loss - z_loss term = the weighted
+    loss without z-loss."""
+    (h, W, _, _), target = _inputs()
+    weight = torch.rand(20, generator=torch.Generator().manual_seed(8))
+    kw = dict(row_weight=weight, reduction="sum")
+    loss, zl = linear_cross_entropy(h, W, target, z_loss=1e-2, return_z_loss=True, **kw)
+    plain = linear_cross_entropy(h, W, target, **kw)
+    torch.testing.assert_close(loss - zl, plain, rtol=1e-6, atol=1e-6)
+    hd, Wd = leaves((h, W), F64)
+    want = textbook(hd, Wd, target, z_loss=1e-2, row_weight=weight.double(), reduction="sum")
+    assert_close_to_reference(loss, want, name="loss", tol=TOL)
+
+
 @pytest.mark.parametrize(
     "weight,error,match",
     [

@@ -524,13 +524,13 @@ def linear_cross_entropy(
         h.numel() // max(h.shape[-1], 1), W.shape[0],
         (ce_fused.ACC_STORE_DTYPE or h.dtype).itemsize, chunk_rows,
     )  # fmt: skip
+    if row_weight is not None:
+        row_weight = _checked_weight(row_weight, target)
     weighted = row_weight is not None and reduction != "none"
     fused = _grad_in_forward(
         grad_in_forward, reduction, return_lse or return_entropy, return_z_loss,
         (h, W, bias, rstd), rows_at_once, weighted and row_weight.requires_grad,
     )  # fmt: skip
-    if row_weight is not None:
-        row_weight = _checked_weight(row_weight, target)
     if shift:
         target = _shift(target, ignore_index)
         if row_weight is not None:
@@ -579,14 +579,15 @@ def linear_cross_entropy(
     rows = lse - zt
     if eps > 0:
         rows = (1.0 - eps) * rows + eps * (lse - zsum / V)
+    rows = torch.where(valid, rows, 0.0)
     zrows = None
     if z_loss or return_z_loss:
         zrows = torch.where(valid, z_loss * lse * lse, 0.0)
-        if z_loss:
-            rows = rows + zrows
-    rows = torch.where(valid, rows, 0.0)
-    if w is not None:
+    if w is not None:  # each row's loss and z-loss term times its weight
         rows = rows * w
+        zrows = None if zrows is None else zrows * w
+    if z_loss:
+        rows = rows + zrows
     loss = _reduce(rows, valid, reduction, num_items_in_batch, shape)
     extras: list[torch.Tensor] = []
     if return_lse:
