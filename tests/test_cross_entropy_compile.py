@@ -99,6 +99,40 @@ def test_compile_fullgraph_matches_eager_with_dynamic_lengths(fn):
     assert ("lce_fused_loss" in code) == (OPS[fn] == "lce_fused_loss")
 
 
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_compile_with_default_arguments_across_lengths(monkeypatch, reduction):
+    """``torch.compile(fullgraph=True, dynamic=True)`` of the call with every option at its
+    default (a default float arrives as a SymFloat under dynamic=True: the argument checks
+    must take it), equal to eager; the compiled frames do not grow with new lengths, but
+    per-row losses recompile once where the row count crosses the budget of their
+    one-chunk path (``ce_chunks.GRAD_ROWS_BYTES``: here 20 rows of 40 fp32 columns)."""
+    from coda.fusions import ce_chunks
+
+    monkeypatch.setattr(ce_chunks, "GRAD_ROWS_BYTES", 20 * 40 * 4)
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+
+    def fn(h, W, t):
+        out = linear_cross_entropy(h, W, t, reduction=reduction)
+        return (out * out).sum()
+
+    compiled = torch.compile(fn, fullgraph=True, dynamic=True, backend=counter)
+    W, _ = _params()
+    frames = []
+    for M in (10, 14, 18, 30, 40, 12):
+        g = torch.Generator().manual_seed(M)
+        h = torch.randn(M, H, generator=g).requires_grad_()
+        t = torch.randint(0, V, (M,), generator=g)
+        got = compiled(h, W, t)
+        (dh,) = torch.autograd.grad(got, h)
+        want = fn(h, W, t)
+        torch.testing.assert_close(got, want)
+        torch.testing.assert_close(dh, torch.autograd.grad(want, h)[0])
+        frames.append(counter.frame_count)
+    assert frames[:3] == [frames[0]] * 3 and frames[3:] == [frames[3]] * 3
+    assert frames[3] == frames[0] + (reduction == "none")
+
+
 @pytest.mark.parametrize(
     "reduction,grad_in_forward,op",
     [

@@ -518,7 +518,10 @@ def linear_cross_entropy(
         raise ValueError(f"chunk_size must be a positive multiple of {TMA_COLS}; got {chunk_size}")
     if chunk_rows is not None and chunk_rows <= 0:
         raise ValueError(f"chunk_rows must be a positive number of rows; got {chunk_rows}")
-    if not (math.isfinite(temperature) and temperature > 0):
+    # comparisons, not math.isfinite: under torch.compile(dynamic=True) a default float
+    # argument arrives as a SymFloat, which math.isfinite cannot take (a graph break);
+    # NaN fails the first comparison
+    if not (temperature > 0 and temperature < math.inf):
         raise ValueError(f"temperature must be a positive finite float; got {temperature}")
     rows_at_once = (
         h.numel() // max(h.shape[-1], 1), W.shape[0],
