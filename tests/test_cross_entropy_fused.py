@@ -185,19 +185,18 @@ def test_only_the_gradients_asked_for(monkeypatch, grad):
     [
         dict(reduction="none", chunk_rows=8),
         dict(reduction="none", budget=20 * 40 * 4 - 1),
-        dict(reduction="none", grad=(True, True, True, False)),
         dict(return_lse=True),
         dict(return_z_loss=True, z_loss=1e-3),
         dict(grad_in_forward=False),
         dict(reduction="none", grad_in_forward=False),
     ],
-    ids=["none_chunks", "none_over_budget", "none_dbias", "return_lse", "return_z_loss",
-         "forced_off", "none_forced_off"],
+    ids=["none_chunks", "none_over_budget", "return_lse", "return_z_loss", "forced_off",
+         "none_forced_off"],
 )  # fmt: skip
 def test_recompute_path_when_asked_or_needed(monkeypatch, kwargs):
     """Extra outputs, ``grad_in_forward=False``, and per-row losses that cannot take one
     row chunk of all M = 20 rows (smaller ``chunk_rows``, a 20 x 40 fp32 row buffer over
-    ``GRAD_ROWS_BYTES``) or that need dbias: the recompute path."""
+    ``GRAD_ROWS_BYTES``): the recompute path."""
     calls = Calls(monkeypatch)
     if "budget" in kwargs:
         monkeypatch.setattr(ce_chunks, "GRAD_ROWS_BYTES", kwargs.pop("budget"))
@@ -221,18 +220,12 @@ def test_per_row_losses_match_textbook_under_any_upstream_gradient(p):
     dh and dW GEMMs in the backward with the per-row upstream gradient (drawn per row)
     folded into their row factors; loss and every gradient against the float64 textbook
     and the recompute path, with every option (both gradient passes: the shifted softmax
-    where it applies, the map pass with softcap and label smoothing together). A bias
-    that requires grad is refused on this path (a g-weighted column sum) and takes the
-    recompute path automatically."""
+    where it applies, the map pass with a bias or with softcap and label smoothing
+    together; dbias a g-weighted column sum of the stored dlogits in the backward)."""
     h, W, bias, rstd, target = make(p)
     truth = loss_and_grads(textbook, p, F64, (h, W, bias, rstd), target)
     recompute = _run(p, grad_in_forward=False, chunk_size=p["chunk_size"])
-    if p["bias"]:
-        with pytest.raises(ValueError, match="bias that requires grad"):
-            _run(p, grad_in_forward=True)
-        fused = _run(p)  # automatic: the recompute path
-    else:
-        fused = _run(p, grad_in_forward=True)
+    fused = _run(p, grad_in_forward=True)
     for name, a, r, t in zip(names(p), fused, recompute, truth, strict=True):
         assert a.shape == t.shape, name
         f = _floor(name)
@@ -277,34 +270,46 @@ def test_per_row_losses_take_one_chunk_and_three_gemms(monkeypatch, grad_pass):
     "kwargs,match",
     [
         (dict(chunk_rows=8), "chunk_rows=8 < 20 rows"),
-        (dict(bias=True), "bias that requires grad"),
         (dict(defer=False), "DEFER_ONE_CHUNK"),
     ],
-    ids=["chunk_rows", "bias", "not_deferred"],
+    ids=["chunk_rows", "not_deferred"],
 )
 def test_per_row_losses_refused_where_one_chunk_cannot_serve(monkeypatch, kwargs, match):
     """``grad_in_forward=True`` with per-row losses that one deferred row chunk cannot
     serve: a ValueError naming why, before any work."""
     calls = Calls(monkeypatch)
-    (h, W, b, _), target = _inputs(grad=(True, True, True, False))
+    (h, W, _, _), target = _inputs()
     if not kwargs.pop("defer", True):
         monkeypatch.setattr(ce_fused, "DEFER_ONE_CHUNK", False)
-    if kwargs.pop("bias", False):
-        kwargs["bias"] = b
     with pytest.raises(ValueError, match=match):
         linear_cross_entropy(h, W, target, reduction="none", grad_in_forward=True, **kwargs)
     assert calls.take() == {}
 
 
-def test_per_row_losses_opcheck_and_no_double_backward_through_g():
-    """The op with ``per_row`` agrees with its fake implementation and autograd
-    registration (opcheck); differentiating its gradients with respect to the upstream
-    gradient is refused with a clear error (the scalar loss supports it)."""
-    (h, W, _, r), target = _inputs(grad=(True, True, False, True))
-    for smoothing in (0.0, 0.1):
-        args = (h.detach(), W.detach(), target, None, r.detach(), torch.tensor(1.0), -100,
-                None, smoothing, 1e-3, 0, False, True, True, False, True, True)  # fmt: skip
+def test_per_row_losses_opcheck_and_no_double_backward_through_g(monkeypatch):
+    """The op with ``per_row`` (and the backward's ``lce_weighted_colsum``) agrees with
+    its fake implementation and autograd registration (opcheck); with a bias the backward
+    runs the dh and dW GEMMs, the g * h map pass and one more map pass for dbias;
+    differentiating the gradients with respect to the upstream gradient is refused with
+    a clear error (the scalar loss supports it)."""
+    (h, W, b, r), target = _inputs(grad=(True, True, True, True))
+    for bias, smoothing in ((None, 0.0), (None, 0.1), (b.detach(), 0.1)):
+        need = (True, True, bias is not None, True)
+        args = (h.detach(), W.detach(), target, bias, r.detach(), torch.tensor(1.0), -100,
+                None, smoothing, 1e-3, 0, False, *need, True)  # fmt: skip
         torch.library.opcheck(ce_fused.lce_fused_loss, args)
+    dl, tail = torch.randn(20, 40), torch.randn(20, 3)
+    weight = torch.randn(20)
+    torch.library.opcheck(ce_fused.lce_weighted_colsum, (dl, tail, weight, 43))
+    want = torch.cat([dl.T @ weight, tail.T @ weight])
+    got = ce_fused.lce_weighted_colsum(dl, tail, weight, 43)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    calls = Calls(monkeypatch)
+    rows = linear_cross_entropy(h, W, target, reduction="none", bias=b, rstd=r)
+    assert calls.take() == {"fused.run_epilogue": 1, "fused.run_map": 1}
+    rows.backward(torch.linspace(-1.0, 1.0, 20))
+    assert calls.take() == {"fused.run_epilogue": 2, "fused.run_map": 2}
+    assert b.grad is not None and r.grad is not None
     rows = linear_cross_entropy(h, W, target, reduction="none", rstd=r)
     g = torch.rand(20, requires_grad=True)
     with pytest.raises(RuntimeError, match="upstream gradient"):

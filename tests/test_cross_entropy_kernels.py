@@ -5,7 +5,8 @@ PingPong GEMM and compile for sm_90a; in the config ``epi(A, B)`` picks for them
 with no local memory (LDL/STL), and the default loss's kernels keep 128 x 128 tiles (on
 both paths: recompute, and gradient-in-forward with its stored acc, map pass, and the last
 row chunk's dW GEMM on transposed operands adding the fp32 sum of the other chunks; and
-the shifted softmax's store, map and row-scaled dh kernels, and its row-scaled h map pass).
+the shifted softmax's store, map and row-scaled dh kernels, and its row-scaled h map pass;
+per-row losses' dbias map pass).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from coda.fusions.ce_epilogues import (
     stats_epilogue,
     stats_map_epilogue,
     stats_store_epilogue,
+    weighted_colsum_epilogue,
 )
 from coda.primitives import OneHot
 from coda.runtime import gemm_kernels
@@ -116,6 +118,8 @@ KERNELS = {
     ),
     # the dW GEMM's operand sr * h of a row chunk (2048 x H): a map pass
     "row_scaled_map": (row_scaled_epilogue(bf16), True, (2048, 4096, MAP_K)),
+    # per-row losses with a bias: dbias, the stored dlogits' g-weighted column sums
+    "weighted_colsum_map": (weighted_colsum_epilogue(bf16), True, (8192, 128256, MAP_K)),
     # ``return_entropy`` (recompute path): SoftmaxEntropy beside lse and zt, on the V mod 8
     # tail with softcap too; the gradient with the entropy's term (and every option)
     "stats_entropy": (stats_epilogue(None, False, None, False, False, True), True),

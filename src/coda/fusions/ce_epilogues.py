@@ -102,6 +102,7 @@ __all__ = [
     "STORED_ACC",
     "TOTAL",
     "UNSCALED",
+    "WEIGHTED_COLSUM",
     "RoundTo",
     "Softcap",
     "SoftcapGrad",
@@ -115,6 +116,7 @@ __all__ = [
     "stats_epilogue",
     "stats_map_epilogue",
     "stats_store_epilogue",
+    "weighted_colsum_epilogue",
 ]
 
 F32 = torch.float32
@@ -134,6 +136,8 @@ ROW_SCALE = "row_scale"
 RANK_ROW, RANK_COL = "rank_row", "rank_col"
 #: names of ``row_scaled_epilogue``'s M x N input and output
 UNSCALED, SCALED = "unscaled_rows", "scaled_rows"
+#: output of ``weighted_colsum_epilogue``: sum_rows ROW_SCALE * UNSCALED per column
+WEIGHTED_COLSUM = "weighted_colsum"
 #: name of the per-row shift c (fp32) of ``shifted_store_epilogue``
 SHIFT = "shift"
 #: name of the stored exp(min(z - c, SHIFT_CLAMP))
@@ -522,5 +526,21 @@ def row_scaled_epilogue(dtype: torch.dtype) -> Epilogue:
             VecLoad(ROW_SCALE, per="row", dtype=F32),
             Elementwise("row_scaled", ops.mul, ins=(UNSCALED, ROW_SCALE)),
             TileStore("row_scaled", dtype, name=SCALED),
+        )
+    )
+
+
+@functools.cache
+def weighted_colsum_epilogue(dtype: torch.dtype) -> Epilogue:
+    """``WEIGHTED_COLSUM`` = sum over rows of ``ROW_SCALE`` * ``UNSCALED`` per column, in
+    fp32 (column partials per row tile, finalized): a map pass (``run_map``) over an
+    M x N tensor of ``dtype``. Per-row losses' dbias = dlogits.T @ (g / rstd): the stored
+    dlogits weighted by the backward's per-row upstream gradient."""
+    return Epilogue(
+        (
+            TileLoad(UNSCALED, dtype),
+            VecLoad(ROW_SCALE, per="row", dtype=F32),
+            Elementwise("weighted_rows", ops.mul, ins=(UNSCALED, ROW_SCALE)),
+            TileReduce(WEIGHTED_COLSUM, of="weighted_rows", op="sum", per="col"),
         )
     )

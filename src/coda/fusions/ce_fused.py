@@ -27,7 +27,8 @@ recompute path of ``cross_entropy`` runs four). How the upstream gradient g reac
 * per-row losses (``per_row``: the (M,) row losses, any upstream gradient): ONE chunk of
   every row, deferred; the backward's g (M,) scales the rows of dlogits, so it joins the
   dh GEMM's row factor, dW's operand g * h, the tail's and label smoothing's per-row
-  terms (no dbias: a g-weighted column sum).
+  terms; dbias the stored dlogits' column sums weighted by g (``lce_weighted_colsum``:
+  a bias takes the map pass, whose dlogits are stored).
 
 Per chunk of ``rows`` rows [r0, r1) (m rows; V' = ``ce_chunks.main_cols(V)``, V without
 its V mod 8 tail):
@@ -98,6 +99,7 @@ from coda.fusions.ce_epilogues import (
     STORED_ACC,
     TOTAL,
     UNSCALED,
+    WEIGHTED_COLSUM,
     grad_map_epilogue,
     row_scaled_epilogue,
     scaled_total_epilogue,
@@ -105,6 +107,7 @@ from coda.fusions.ce_epilogues import (
     shifted_store_epilogue,
     stats_map_epilogue,
     stats_store_epilogue,
+    weighted_colsum_epilogue,
 )
 from coda.fusions.ce_operands import check_operands, check_targets, local_targets
 from coda.mainloop.config import GemmConfig, long_running
@@ -877,8 +880,9 @@ def lce_fused_loss(
     takes any upstream gradient, one per row: every row goes in ONE chunk (``chunk_rows``
     is not read; an M x V' row buffer), whose dh and dW GEMMs are deferred to the backward
     (``DEFER_ONE_CHUNK`` must be on), where the upstream gradient g scales the rows of
-    dlogits (dh = g * (dlogits @ W), dW = dlogits.T @ (g * h)). No dbias there: a
-    bias's gradient would be a g-weighted column sum of dlogits (ValueError).
+    dlogits (dh = g * (dlogits @ W), dW = dlogits.T @ (g * h)); dbias is not made here
+    but in the backward, a g-weighted column sum of the stored dlogits
+    (``lce_weighted_colsum``).
 
     ``row_weight``: an fp32 (M,) weight of each row's loss (per-token weights of RL
     losses: the loss is sum_rows(weight * row loss) / denom), folded into the per-row
@@ -891,7 +895,8 @@ def lce_fused_loss(
     acc_dtype = ACC_STORE_DTYPE or h.dtype
     need_drstd = rstd is not None and need_drstd
     if per_row:
-        _check_per_row(bias is not None and need_dbias)
+        _check_per_row()
+        need_dbias = False  # the backward's (lce_weighted_colsum), with g
     eligible = shifted_ok(
         h.dtype, bias is not None, softcap, label_smoothing, need_dh, need_dW, need_drstd
     )
@@ -915,9 +920,10 @@ def _(
     chunk_rows, check, need_dh, need_dW, need_dbias, need_drstd, per_row=False,
     row_weight=None,
 ):  # fmt: skip
-    need = (need_dh, need_dW, bias is not None and need_dbias, rstd is not None and need_drstd)
     if per_row:
-        _check_per_row(need[2])
+        _check_per_row()
+    need_dbias = bias is not None and need_dbias and not per_row
+    need = (need_dh, need_dW, need_dbias, rstd is not None and need_drstd)
     rows = _chunk_rows(h, W, chunk_rows, need_dW, per_row)
     eligible = shifted_ok(h.dtype, bias is not None, softcap, label_smoothing, *need[:2], need[3])
     shifted = _takes_shifted(eligible, rows, W.shape[0], h.shape[1])
@@ -925,20 +931,17 @@ def _(
     return tuple(_outputs_like(h, W, bias, rstd, rows, need, shifted, smoothing, per_row))
 
 
-def per_row_problem(need_dbias: bool) -> str | None:
+def per_row_problem() -> str | None:
     """Why per-row losses cannot take the gradient-in-forward path (``lce_fused_loss``'s
-    ``per_row``), or None when they can: a bias gradient (a column sum of dlogits
-    weighted by the per-row upstream gradient) or ``DEFER_ONE_CHUNK`` off (the one chunk's
-    GEMMs must wait for that gradient). Read at call time."""
-    if need_dbias:
-        return "a bias that requires grad (its gradient is a g-weighted column sum of dlogits)"
+    ``per_row``), or None when they can: ``DEFER_ONE_CHUNK`` off (the one chunk's GEMMs
+    must wait for the upstream gradient). Read at call time."""
     if not DEFER_ONE_CHUNK:
         return "ce_fused.DEFER_ONE_CHUNK off (the GEMMs must wait for the upstream gradient)"
     return None
 
 
-def _check_per_row(need_dbias: bool) -> None:
-    problem = per_row_problem(need_dbias)
+def _check_per_row() -> None:
+    problem = per_row_problem()
     if problem is not None:
         raise ValueError(f"lce_fused_loss(per_row=True) cannot take {problem}")
 
@@ -1101,6 +1104,7 @@ def _fused_setup(ctx, inputs, output) -> None:
                 inputs[4] is not None and inputs[15])  # fmt: skip
     ctx.n_inputs = len(inputs)
     ctx.per_row = len(inputs) > 16 and bool(inputs[16])
+    ctx.bias_dtype = None if inputs[3] is None else inputs[3].dtype
     weight = inputs[17] if len(inputs) > 17 else None
     if weight is not None and weight.requires_grad:
         raise ValueError(
@@ -1210,9 +1214,11 @@ def _fused_backward(ctx, g_loss, *unused):
 
 
 def _per_row_backward(ctx, g_rows: torch.Tensor, through_g: bool) -> tuple:
-    """(dh, dW, None, None, drstd) of per-row losses under the (M,) upstream gradient
-    ``g_rows``: ``lce_fused_finish`` with g in the GEMMs' row factors; drstd from the
-    shifted path's dh, or the forward's (for g = 1) times g row by row."""
+    """(dh, dW, None, dbias, drstd) of per-row losses under the (M,) upstream gradient
+    ``g_rows``: ``lce_fused_finish`` with g in the GEMMs' row factors; dbias the stored
+    dlogits' column sums weighted by g / rstd (``lce_weighted_colsum``: with a bias the
+    gradient pass is the map pass, whose dlogits are rstd dL/ds); drstd from the shifted
+    path's dh, or the forward's (for g = 1) times g row by row."""
     if through_g:
         raise RuntimeError(
             "linear_cross_entropy: the gradients of per-row losses cannot be differentiated "
@@ -1222,18 +1228,47 @@ def _per_row_backward(ctx, g_rows: torch.Tensor, through_g: bool) -> tuple:
     h, W, dh_saved, dW_saved, _, drstd, dl_last, dl_tail, dl_scale, dl_smooth, rstd = (
         ctx.saved_tensors
     )
-    need_dh, need_dW, _, need_drstd = ctx.need
+    need_dh, need_dW, need_dbias, need_drstd = ctx.need
     g = g_rows.detach().to(F32)
     dh, dW = lce_fused_finish(
         g, h, W, dh_saved, dW_saved, dl_last, dl_tail, dl_scale, dl_smooth, need_dh, need_dW
     )
+    dbias = None
+    if need_dbias:
+        weight = g if rstd is None else g / rstd.detach().to(F32)
+        dbias = lce_weighted_colsum(dl_last, dl_tail, weight, W.shape[0]).to(ctx.bias_dtype)
     if not need_drstd:
         drstd = None
     elif dl_scale.numel():  # the shifted path's from dh (asked for beside it: ``shifted_ok``)
         drstd = drstd_from_dh(h, dh, rstd)
     else:
         drstd = drstd * g
-    return (dh if need_dh else None), (dW if need_dW else None), None, None, drstd
+    return (dh if need_dh else None), (dW if need_dW else None), None, dbias, drstd
+
+
+@custom_op("coda::lce_weighted_colsum", mutates_args=())
+def lce_weighted_colsum(
+    dl_last: torch.Tensor, dl_tail: torch.Tensor, weight: torch.Tensor, V: int
+) -> torch.Tensor:
+    """sum_rows weight * dlogits per vocabulary column, fp32 (V,): the stored dlogits of
+    the one row chunk (``dl_last``, V' columns in h's dtype; ``dl_tail``, the V mod 8
+    columns in fp32; either shape (0,) when absent) weighted by the fp32 (M,) ``weight``.
+    The fused columns by one map pass (``weighted_colsum_epilogue``), the tail in torch."""
+    main = ce_chunks.main_cols(V)
+    out = torch.zeros(V, dtype=F32, device=weight.device)
+    if main and dl_last.dim() == 2 and dl_last.shape[0]:
+        m = dl_last.shape[0]
+        epi = weighted_colsum_epilogue(dl_last.dtype)
+        tensors = {UNSCALED: dl_last, ROW_SCALE: weight}
+        out[:main] = run_map(epi, m, main, dl_last, **tensors)[WEIGHTED_COLSUM][:main]
+    if V - main and dl_tail.dim() == 2:
+        out[main:] = (dl_tail * weight[:, None]).sum(0)
+    return out
+
+
+@lce_weighted_colsum.register_fake
+def _(dl_last, dl_tail, weight, V):
+    return weight.new_empty((V,), dtype=F32)
 
 
 register_autograd("coda::lce_fused_loss", _fused_backward, setup_context=_fused_setup)

@@ -11,11 +11,10 @@ grad mode on, an input requiring grad, reduction "mean"/"sum", no returned lse/z
 ``coda::lce_fused_loss`` (``ce_fused``) computes the loss and all gradients in the
 forward over row chunks, 3 logits-sized GEMMs in all; its backward scales the saved
 gradients by the loss's upstream gradient. Workspace: two row buffers and, with more than
-one row chunk, an fp32 V x H dW accumulator. Per-row losses (reduction "none", no bias
-gradient) take it in ONE row chunk of every row (``per_row``), the backward's per-row
-upstream gradient folded into the deferred dh / dW GEMMs' row factors: by default where
-that M x V row buffer fits ``ce_chunks.GRAD_ROWS_BYTES``, at any size with
-``grad_in_forward=True``.
+one row chunk, an fp32 V x H dW accumulator. Per-row losses (reduction "none") take it
+in ONE row chunk of every row (``per_row``), the backward's per-row upstream gradient
+folded into the deferred dh / dW GEMMs' row factors: by default where that M x V row
+buffer fits ``ce_chunks.GRAD_ROWS_BYTES``, at any size with ``grad_in_forward=True``.
 
 **Recompute** (otherwise, or ``grad_in_forward=False``: any upstream gradient, per-row
 losses of more rows, returned lse or entropy; the low-memory choice), two custom ops:
@@ -352,8 +351,7 @@ def _grad_in_forward(
     elif weight_grad:
         forbidden = "a row_weight that requires grad (its gradient: the row losses)"
     elif reduction == "none":
-        bias = inputs[2]
-        forbidden = ce_fused.per_row_problem(bias is not None and bias.requires_grad)
+        forbidden = ce_fused.per_row_problem()
         if forbidden is None and chunk_rows is not None and chunk_rows < M:
             forbidden = f"chunk_rows={chunk_rows} < {M} rows (one chunk of every row)"
         if forbidden is not None:
@@ -477,8 +475,8 @@ def linear_cross_entropy(
     will want gradients (grad mode on, an input requiring grad) of a scalar loss
     ("mean"/"sum", no ``return_lse``/``return_z_loss``), the forward computes the loss
     AND the gradients over chunks of ``chunk_rows`` rows (3 logits-sized GEMMs; the
-    backward only scales them: ``coda.fusions.ce_fused``); per-row losses ("none", no
-    bias gradient) the same in one chunk of every row, where the M x V row buffer fits
+    backward only scales them: ``coda.fusions.ce_fused``); per-row losses ("none") the
+    same in one chunk of every row, where the M x V row buffer fits
     ``ce_chunks.GRAD_ROWS_BYTES`` (the backward's per-row gradient scales the deferred
     dh and dW GEMMs' rows); otherwise the statistics op runs and the backward
     recomputes the logits chunk by chunk over the vocabulary (4 GEMMs with a backward).
