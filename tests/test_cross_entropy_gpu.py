@@ -23,7 +23,7 @@ if not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 
 
 from coda.errors import InputError  # noqa: E402
 from coda.fusions import ce_chunks, ce_fused  # noqa: E402
-from coda.fusions.ce_epilogues import row_scaled_epilogue  # noqa: E402
+from coda.fusions.ce_epilogues import row_scaled_epilogue, weighted_colsum_epilogue  # noqa: E402
 from coda.fusions.cross_entropy import linear_cross_entropy  # noqa: E402
 from coda.testing.tolerance import assert_close_to_reference  # noqa: E402
 
@@ -134,12 +134,14 @@ PATHS = {
 
 class MapPasses:
     """Counts the gradient-in-forward path's map passes over the logits (one per row
-    chunk; not the shifted path's row-scaled h, ``row_scaled_epilogue``)."""
+    chunk; not the shifted path's row-scaled h, ``row_scaled_epilogue``, nor per-row
+    losses' dbias pass, ``weighted_colsum_epilogue``)."""
 
     def __init__(self, monkeypatch):
         self.n = 0
         real = ce_fused.run_map
         row_scaled = {row_scaled_epilogue(d) for d in (BF16, torch.float16)}
+        row_scaled |= {weighted_colsum_epilogue(d) for d in (BF16, torch.float16)}
 
         def counted(*args, **kwargs):
             self.n += args[0] not in row_scaled
