@@ -96,6 +96,27 @@ def test_deferred_final_norm_gradients_reach_the_stream():
         assert float((mine.double() - want).abs().max()) <= 2e-5 * scale
 
 
+def test_docs_rl_example_runs_and_both_forms_agree():
+    """docs/cross-entropy.md's RL block (after "## Per-row losses") runs as written; on
+    policy (ratio 1, inside the clip) the PPO form's gradients equal the weighted form's:
+    the block's two backward passes add the same gradient twice."""
+    import re
+    from pathlib import Path
+
+    page = (Path(__file__).resolve().parents[1] / "docs" / "cross-entropy.md").read_text()
+    section = page[page.index("## Per-row losses (RL)") :]
+    block = re.findall(r"```python\n(.*?)```", section, flags=re.S)[0]
+    ns: dict = {}
+    exec(compile(block, "docs/cross-entropy.md", "exec"), ns)  # noqa: S102
+    h, W, labels, adv = ns["h"], ns["W"], ns["labels"], ns["advantages"]
+    count = (labels[:, 1:] != -100).sum()
+    hd, Wd = h.detach().requires_grad_(), W.detach().requires_grad_()
+    once = linear_cross_entropy(hd, Wd, labels, shift=True, reduction="sum", row_weight=adv)
+    dh, dW = torch.autograd.grad(once / count, (hd, Wd))
+    torch.testing.assert_close(h.grad, 2 * dh, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(W.grad, 2 * dW, rtol=1e-4, atol=1e-6)
+
+
 def test_docs_example_runs():
     """docs/cross-entropy.md's "Calling it" block runs as written and trains h and W."""
     import re
