@@ -297,10 +297,11 @@ register_autograd("coda::lce_stats", _stats_backward, setup_context=_stats_setup
 # ---- the loss ----------------------------------------------------------------------------
 
 
-def _shift(target: torch.Tensor, ignore_index: int) -> torch.Tensor:
-    """Causal-LM labels: position t predicts label t + 1; the last position is ignored
-    (Hugging Face's ``ForCausalLMLoss``; h is used unshifted, so no copy of h)."""
-    return F.pad(target[..., 1:], (0, 1), value=ignore_index)
+def _shift(x: torch.Tensor, fill: float) -> torch.Tensor:
+    """Causal-LM labels (and their per-token weights): position t predicts label t + 1;
+    the last position gets ``fill`` (``ignore_index`` for labels: Hugging Face's
+    ``ForCausalLMLoss``; h is used unshifted, so no copy of h)."""
+    return F.pad(x[..., 1:], (0, 1), value=fill)
 
 
 def _reduce(
@@ -535,7 +536,7 @@ def linear_cross_entropy(
     if shift:
         target = _shift(target, ignore_index)
         if row_weight is not None:
-            row_weight = F.pad(row_weight[..., 1:], (0, 1))
+            row_weight = _shift(row_weight, 0.0)
     H, V = h.shape[-1], W.shape[0]
     if h.shape[:-1] != target.shape:
         raise ValueError(

@@ -122,9 +122,25 @@ class _OnlineSoftmaxState(StateTransition):
 
     #: the running state's identity (max first), one value per partial
     STATE_IDENTITY: ClassVar[tuple[float, ...]] = ()
+    #: the simulator's names of those values, in the same order ("m": the running max)
+    STATE_KEYS: ClassVar[str] = ""
 
     def trace_begin_tile(self, tile: Any) -> dict:
         return {}
+
+    def begin_tile(self, tile: Tile) -> dict[str, torch.Tensor]:
+        pairs = zip(self.STATE_KEYS, self.STATE_IDENTITY, strict=True)
+        return {key: tile.full_rows(x) for key, x in pairs}
+
+    def end_tile(self, tile: Tile, state: dict[str, torch.Tensor]) -> None:
+        for name, key in zip(self.partial_names, self.STATE_KEYS, strict=True):
+            tile.write_row_partial(name, state[key])
+
+    def _visited(self, sub: Subtile) -> tuple[torch.Tensor, Any]:
+        """(the subtile's values of ``of``, -inf past the edges; its tile-local rows)."""
+        v = sub.values[self.of]
+        v = torch.where(sub.mask(sub.specs[self.of].width), v, torch.full_like(v, NEG_INF))
+        return v, sub.local_rows()
 
     def masks_edges(self, zero_outside: frozenset[str]) -> bool:
         return True  # the columns past N must not count: -inf there, whatever the value
@@ -184,6 +200,7 @@ class LogSumExp(_OnlineSoftmaxState):
     """Online log-sum-exp per row of tile value ``of`` -> output ``name`` (M,)."""
 
     STATE_IDENTITY: ClassVar[tuple[float, ...]] = (NEG_INF, 0.0)  # (max, sum of exp(v - max))
+    STATE_KEYS: ClassVar[str] = "ms"
 
     @property
     def partial_names(self) -> tuple[str, str]:
@@ -200,25 +217,14 @@ class LogSumExp(_OnlineSoftmaxState):
         env.outputs[pmax] = pm
         env.outputs[psum] = torch.exp(blocks - pm[:, :, None]).sum(2)
 
-    def begin_tile(self, tile: Tile) -> dict[str, torch.Tensor]:
-        return {"m": tile.full_rows(NEG_INF), "s": tile.full_rows(0.0)}
-
     def visit(self, sub: Subtile, state: dict[str, torch.Tensor]) -> None:
-        w = sub.specs[self.of].width
-        v = sub.values[self.of]
-        v = torch.where(sub.mask(w), v, torch.full_like(v, NEG_INF))
-        rows = sub.local_rows()
+        v, rows = self._visited(sub)
         m_old, s_old = state["m"][rows], state["s"][rows]
         m_new = torch.maximum(m_old, v.amax(1))
         # rows with no finite element yet keep m = -inf; shift by 0 there to avoid inf - inf
         shift = torch.where(m_new == NEG_INF, torch.zeros_like(m_new), m_new)
         s_new = s_old * torch.exp(m_old - shift) + torch.exp(v - shift[:, None]).sum(1)
         state["m"][rows], state["s"][rows] = m_new, s_new
-
-    def end_tile(self, tile: Tile, state: dict[str, torch.Tensor]) -> None:
-        pmax, psum = self.partial_names
-        tile.write_row_partial(pmax, state["m"])
-        tile.write_row_partial(psum, state["s"])
 
     def finalize(
         self,
@@ -300,6 +306,7 @@ class SoftmaxEntropy(_OnlineSoftmaxState):
     lse: str | None = attrs.field(default=None, validator=_optional_new_name)
     # (max, sum of exp(v - max), sum of exp(v - max) (v - max))
     STATE_IDENTITY: ClassVar[tuple[float, ...]] = (NEG_INF, 0.0, 0.0)
+    STATE_KEYS: ClassVar[str] = "mst"
 
     def tensors(self, values: Mapping[str, ValueSpec]) -> tuple[TensorSpec, ...]:
         out = super().tensors(values)
@@ -334,14 +341,8 @@ class SoftmaxEntropy(_OnlineSoftmaxState):
         env.outputs[psum] = ps.reshape(M, nt)
         env.outputs[pwsum] = pt.reshape(M, nt)
 
-    def begin_tile(self, tile: Tile) -> dict[str, torch.Tensor]:
-        return {"m": tile.full_rows(NEG_INF), "s": tile.full_rows(0.0), "t": tile.full_rows(0.0)}
-
     def visit(self, sub: Subtile, state: dict[str, torch.Tensor]) -> None:
-        w = sub.specs[self.of].width
-        v = sub.values[self.of]
-        v = torch.where(sub.mask(w), v, torch.full_like(v, NEG_INF))
-        rows = sub.local_rows()
+        v, rows = self._visited(sub)
         m_old, s_old, t_old = state["m"][rows], state["s"][rows], state["t"][rows]
         m_new = torch.maximum(m_old, v.amax(1))
         base = torch.where(m_new == NEG_INF, torch.zeros_like(m_new), m_new)
@@ -352,10 +353,6 @@ class SoftmaxEntropy(_OnlineSoftmaxState):
         s_new = s_old * f + s_sub
         t_new = (t_old + (finite_old - base) * s_old) * f + t_sub
         state["m"][rows], state["s"][rows], state["t"][rows] = m_new, s_new, t_new
-
-    def end_tile(self, tile: Tile, state: dict[str, torch.Tensor]) -> None:
-        for name, key in zip(self.partial_names, "mst", strict=True):
-            tile.write_row_partial(name, state[key])
 
     def finalize(
         self,
