@@ -2,8 +2,8 @@
 three custom ops (schema, fake tensors, autograd registration, AOT dispatch), and
 ``torch.compile(fullgraph=True)`` of a loss with every option on both paths (the
 recompute one: with a returned lse; the gradient-in-forward one: a scalar loss, and
-per-row losses under a per-row upstream gradient), no graph break, values and gradients
-equal to eager, a new sequence length without recompiling."""
+per-row losses under a per-row upstream gradient, with a detached entropy too), no graph
+break, values and gradients equal to eager, a new sequence length without recompiling."""
 
 from __future__ import annotations
 
@@ -59,6 +59,19 @@ def per_row_loss_fn(h, rstd, W, bias, labels):
     return (rows * rows).sum()
 
 
+def entropy_masked_loss_fn(h, rstd, W, bias, labels):
+    """Per-row losses with the detached entropy as data (``return_entropy="detached"``,
+    the gradient-in-forward path): the loss of the tokens whose entropy is above the
+    batch's mean (a high-entropy token mask of RL losses), plus the logged mean entropy
+    (no gradient)."""
+    rows, ent = linear_cross_entropy(
+        h, W, labels, rstd=rstd, softcap=20.0, shift=True, reduction="none",
+        temperature=0.8, label_smoothing=0.0, z_loss=1e-3, return_entropy="detached",
+    )  # fmt: skip
+    mask = (ent > ent.mean()).to(rows.dtype)
+    return (rows * mask).sum() + ent.mean()
+
+
 def run(fn, T, seed):
     g = torch.Generator().manual_seed(seed)
     h = torch.randn(2, T, H, generator=g).requires_grad_()
@@ -71,10 +84,17 @@ def run(fn, T, seed):
     return out.detach(), [h.grad, rstd.grad, W.grad, bias.grad]
 
 
-OPS = {loss_fn: "lce_stats", fused_loss_fn: "lce_fused_loss", per_row_loss_fn: "lce_fused_loss"}
+OPS = {
+    loss_fn: "lce_stats",
+    fused_loss_fn: "lce_fused_loss",
+    per_row_loss_fn: "lce_fused_loss",
+    entropy_masked_loss_fn: "lce_fused_loss",
+}
 
 
-@pytest.mark.parametrize("fn", list(OPS), ids=["recompute", "grad_in_forward", "per_row"])
+@pytest.mark.parametrize(
+    "fn", list(OPS), ids=["recompute", "grad_in_forward", "per_row", "detached_entropy"]
+)
 def test_compile_fullgraph_matches_eager_with_dynamic_lengths(fn):
     torch._dynamo.reset()
     counter = CompileCounterWithBackend("aot_eager")
@@ -99,13 +119,16 @@ def test_compile_fullgraph_matches_eager_with_dynamic_lengths(fn):
     assert ("lce_fused_loss" in code) == (OPS[fn] == "lce_fused_loss")
 
 
+@pytest.mark.parametrize("norm", [False, True], ids=["plain", "deferred_norm"])
 @pytest.mark.parametrize("reduction", ["mean", "none"])
-def test_compile_with_default_arguments_across_lengths(monkeypatch, reduction):
+def test_compile_with_default_arguments_across_lengths(monkeypatch, reduction, norm):
     """``torch.compile(fullgraph=True, dynamic=True)`` of the call with every option at its
     default (a default float arrives as a SymFloat under dynamic=True: the argument checks
     must take it), equal to eager; the compiled frames do not grow with new lengths, but
     per-row losses recompile once where the row count crosses the budget of their
-    one-chunk path (``ce_chunks.GRAD_ROWS_BYTES``: here 20 rows of 40 fp32 columns)."""
+    one-chunk path (``ce_chunks.GRAD_ROWS_BYTES``: here 20 rows of 40 fp32 columns).
+    ``norm``: with the deferred final norm's rstd (the shifted softmax's drstd = h . dh /
+    rstd in the traced backward, whose eager row slices must not guard on the length)."""
     from coda.fusions import ce_chunks
 
     monkeypatch.setattr(ce_chunks, "GRAD_ROWS_BYTES", 20 * 40 * 4)
@@ -113,7 +136,8 @@ def test_compile_with_default_arguments_across_lengths(monkeypatch, reduction):
     counter = CompileCounterWithBackend("aot_eager")
 
     def fn(h, W, t):
-        out = linear_cross_entropy(h, W, t, reduction=reduction)
+        rstd = torch.rsqrt(h.float().pow(2).mean(-1) + 1e-6) if norm else None
+        out = linear_cross_entropy(h, W, t, reduction=reduction, rstd=rstd)
         return (out * out).sum()
 
     compiled = torch.compile(fn, fullgraph=True, dynamic=True, backend=counter)

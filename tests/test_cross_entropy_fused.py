@@ -24,7 +24,20 @@ import pytest
 import torch
 from hypothesis import given, settings
 
-from _ce_helpers import BF16, F32, F64, TOL, leaves, loss_and_grads, make, names, problems, textbook
+from _ce_helpers import (
+    BF16,
+    F32,
+    F64,
+    TOL,
+    leaves,
+    loss_and_grads,
+    make,
+    names,
+    options,
+    problems,
+    textbook,
+    textbook_logits,
+)
 from _fusion_helpers import ZeroFills
 from coda.fusions import _dispatch, ce_chunks, ce_fused
 from coda.fusions import cross_entropy as ce
@@ -314,6 +327,102 @@ def test_per_row_losses_opcheck_and_no_double_backward_through_g(monkeypatch):
     g = torch.rand(20, requires_grad=True)
     with pytest.raises(RuntimeError, match="upstream gradient"):
         torch.autograd.grad(rows, (h, W), g, create_graph=True)
+
+
+# ---- the entropy beside the loss (``return_entropy="detached"``) --------------------------------
+
+
+def _with_detached_entropy(store: list):
+    """``linear_cross_entropy`` returning the loss alone, its detached entropy kept in
+    ``store``, for ``loss_and_grads``."""
+
+    def run(h, W, target, **kwargs):
+        loss, ent = linear_cross_entropy(h, W, target, return_entropy="detached", **kwargs)
+        store.append(ent)
+        return loss
+
+    return run
+
+
+def _textbook_entropy(p, h, W, bias, rstd):
+    """Float64 per-row softmax entropy of the materialized logits of problem ``p``."""
+    logits = textbook_logits(h, W, bias, rstd, p["softcap"], p["temperature"])
+    logp = torch.log_softmax(logits, -1)
+    return -(logp.exp() * logp).sum(-1)
+
+
+@pytest.mark.parametrize("grad_pass", ["shifted", "map"])
+@settings(max_examples=examples(150))
+@given(p=problems())
+def test_detached_entropy_beside_the_fused_loss(p, grad_pass):
+    """``return_entropy="detached"`` keeps the gradient-in-forward path (scalar losses in
+    row chunks, per-row losses in one): the per-row softmax entropy of the final logits
+    (softcapped, tempered, every row, ignored ones too) against float64, not requiring
+    grad, with the loss and every gradient unchanged (against the textbook), both
+    gradient passes and every option (V mod 8 tails and V < 8 included)."""
+    store: list = []
+    kwargs = {} if p["reduction"] == "none" else dict(chunk_rows=p["chunk_rows"])
+    h, W, bias, rstd, target = make(p)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(ce_fused, "GRAD_PASS", grad_pass)
+        got = loss_and_grads(
+            _with_detached_entropy(store), p, F32, (h, W, bias, rstd), target,
+            grad_in_forward=True, **kwargs,
+        )  # fmt: skip
+    truth = loss_and_grads(textbook, p, F64, (h, W, bias, rstd), target)
+    (ent,) = store
+    assert not ent.requires_grad and ent.dtype == F32 and ent.shape == (p["M"],)
+    want = _textbook_entropy(p, h, W, bias, rstd)
+    assert_close_to_reference(ent, want, name="entropy", tol=TOL, floor=0.1)
+    for name, a, t in zip(names(p), got, truth, strict=True):
+        floor = _floor(name)
+        if name == "loss" and p["row_weight"]:  # signed weights: a cancelling sum
+            opts = {**options(p), "row_weight": options(p)["row_weight"].abs()}
+            floor = max(floor, float(textbook(h, W, target, bias=bias, rstd=rstd, **opts).max()))
+        assert_close_to_reference(a, t, name=name, tol=TOL, floor=floor)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_detached_entropy_runs_no_extra_pass(monkeypatch, reduction):
+    """The detached entropy costs no call: the same GEMM and map-pass counts as the loss
+    alone (forward and backward), on the automatic path; under no_grad the statistics
+    op's; ``return_entropy=True`` (differentiable) keeps the recompute path and
+    ``grad_in_forward=True`` refuses it; other values are a ValueError."""
+    calls = Calls(monkeypatch)
+    (h, W, _, _), target = _inputs()
+    kw = dict(reduction=reduction, chunk_rows=8 if reduction == "mean" else None)
+    loss = linear_cross_entropy(h, W, target, **kw)
+    plain_fwd = calls.take()
+    torch.autograd.grad(loss.sum(), (h, W))
+    plain_bwd = calls.take()
+    loss, ent = linear_cross_entropy(h, W, target, return_entropy="detached", **kw)
+    assert calls.take() == plain_fwd and plain_fwd.get("recompute.run_epilogue") is None
+    torch.autograd.grad(loss.sum(), (h, W))
+    assert calls.take() == plain_bwd
+    assert not ent.requires_grad
+    with torch.no_grad():
+        _, ent_eval = linear_cross_entropy(h, W, target, return_entropy="detached", **kw)
+    assert "fused.run_epilogue" not in calls.take()
+    _, ent_grad = linear_cross_entropy(h, W, target, return_entropy=True, **kw)
+    assert ent_grad.requires_grad and "fused.run_epilogue" not in calls.take()
+    for other in (ent_eval, ent_grad.detach()):
+        torch.testing.assert_close(other, ent, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="return_entropy"):
+        linear_cross_entropy(h, W, target, return_entropy=True, grad_in_forward=True, **kw)
+    with pytest.raises(ValueError, match="return_entropy must be"):
+        linear_cross_entropy(h, W, target, return_entropy="detach", **kw)
+
+
+def test_entropy_op_opcheck():
+    """The op with ``entropy`` (its tenth output, no gradient) agrees with its fake
+    implementation and autograd registration, scalar and per-row, with a V mod 8 tail."""
+    (h, W, b, r), target = _inputs()
+    for bias, per_row, rows in ((None, False, 8), (b.detach(), False, 0), (None, True, 0)):
+        args = (h.detach(), W.detach(), target, bias, r.detach(), torch.tensor(1.0), -100,
+                None, 0.1, 1e-3, rows, False, True, True, bias is not None, True, per_row,
+                None, True)  # fmt: skip
+        torch.library.opcheck(ce_fused.lce_fused_loss, args)
+        assert ce_fused.lce_fused_loss(*args)[9].shape == (20,)
 
 
 # ---- per-token weights ------------------------------------------------------------------------

@@ -6,7 +6,7 @@ with no local memory (LDL/STL), and the default loss's kernels keep 128 x 128 ti
 both paths: recompute, and gradient-in-forward with its stored acc, map pass, and the last
 row chunk's dW GEMM on transposed operands adding the fp32 sum of the other chunks; and
 the shifted softmax's store, map and row-scaled dh kernels, and its row-scaled h map pass;
-per-row losses' dbias map pass).
+per-row losses' dbias map pass; the entropy beside the statistics of both paths).
 """
 
 from __future__ import annotations
@@ -127,6 +127,28 @@ KERNELS = {
     "stats_entropy_tail_softcap": (stats_epilogue(None, False, 30.0, False, True, True), False),
     "grad_entropy": (grad_epilogue(bf16, None, False, None, False, False, False, True), False),
     "grad_entropy_all": (grad_epilogue(bf16, bf16, True, 30.0, True, True, True, True), False),
+    # ``return_entropy="detached"`` on the gradient-in-forward path: SoftmaxEntropy in
+    # place of LogSumExp in the statistics of each of its forward kernels
+    "shifted_store_entropy": (shifted_store_epilogue(bf16, False, None, False, True), True),
+    "shifted_store_entropy_rstd_sum": (
+        shifted_store_epilogue(bf16, True, None, True, True),
+        True,
+    ),
+    "shifted_store_entropy_softcap": (
+        shifted_store_epilogue(bf16, True, 30.0, False, True),
+        True,
+    ),
+    "shifted_map_entropy": (
+        shifted_map_epilogue(bf16, bf16, True, None, False, True),
+        True,
+        (16384, 8192, MAP_K),
+    ),
+    "stats_store_entropy": (stats_store_epilogue(bf16, None, False, None, False, True), True),
+    "stats_map_entropy_all": (
+        stats_map_epilogue(bf16, bf16, True, 30.0, True, True),
+        False,
+        (16384, 8192, MAP_K),
+    ),
     # OneHot at width 1/2 (pairs across lanes) feeding a row and a column reduction
     "onehot_half": (
         Epilogue().add(

@@ -257,10 +257,7 @@ def _stats(
         prims.append(VecLoad("valid", per="col", dtype=F32))
         prims.append(Elementwise("z_lse", mask_neg_inf, ins=(z, "valid")))
         lse_of = "z_lse"
-    if entropy:  # lse from the entropy's own running (max, sum); -inf columns: p = 0
-        prims.append(SoftmaxEntropy("ent", of=lse_of, lse="lse"))
-    else:
-        prims.append(LogSumExp("lse", of=lse_of))
+    prims.append(_lse(lse_of, entropy))  # -inf columns: p = 0 in the entropy
     prims.append(
         TargetSelect("zt", of=z, target="tloc", ignore_index=-1, target_dtype=TARGET_DTYPE)
     )
@@ -324,14 +321,26 @@ def shifted_exp(z: Any, c: Any) -> Any:
     return cm.exp_fast(cm.minimum(z - c, SHIFT_CLAMP))
 
 
+def _lse(of: str, entropy: bool) -> Any:
+    """The row log-sum-exp of ``of`` as ``lse``: ``LogSumExp``, or with ``entropy`` a
+    ``SoftmaxEntropy`` (``ent``) that gives lse from its own running max and sum."""
+    return SoftmaxEntropy("ent", of=of, lse="lse") if entropy else LogSumExp("lse", of=of)
+
+
 def _shifted(
-    rstd: bool, softcap: float | None, with_sum: bool, out_dtype: torch.dtype, src: str
+    rstd: bool,
+    softcap: float | None,
+    with_sum: bool,
+    out_dtype: torch.dtype,
+    src: str,
+    entropy: bool = False,
 ) -> list:
-    """z from ``src``, its exact lse and zt (with ``with_sum``: zsum), and R =
-    ``shifted_exp(z, SHIFT)`` stored as ``SHIFTED`` (with ``softcap``: times dz/ds =
-    1 - (z / cap)^2, the chain to the pre-cap logits)."""
+    """z from ``src``, its exact lse and zt (with ``with_sum``: zsum; with ``entropy``:
+    the softmax's entropy ``ent``), and R = ``shifted_exp(z, SHIFT)`` stored as
+    ``SHIFTED`` (with ``softcap``: times dz/ds = 1 - (z / cap)^2, the chain to the
+    pre-cap logits)."""
     prims, z = _logits(None, rstd, softcap, src)
-    prims.append(LogSumExp("lse", of=z))
+    prims.append(_lse(z, entropy))
     prims.append(
         TargetSelect("zt", of=z, target="tloc", ignore_index=-1, target_dtype=TARGET_DTYPE)
     )
@@ -349,14 +358,19 @@ def _shifted(
 
 @functools.cache
 def shifted_store_epilogue(
-    out_dtype: torch.dtype, rstd: bool, softcap: float | None = None, with_sum: bool = False
+    out_dtype: torch.dtype,
+    rstd: bool,
+    softcap: float | None = None,
+    with_sum: bool = False,
+    entropy: bool = False,
 ) -> Epilogue:
     """The shifted-softmax forward after the logits GEMM (see the module doc): outputs
     ``lse`` and ``zt`` of z = [softcap of] (rstd *) acc, exact from the fp32 acc; stores
     ``SHIFTED`` = exp(min(z - c, ``SHIFT_CLAMP``)) [* (1 - (z / cap)^2)] in
-    ``out_dtype`` (with ``with_sum`` also ``zsum``, for label smoothing). Inputs ``tloc``,
-    ``SHIFT`` (fp32 per row) and, with ``rstd``, ``rstd``."""
-    return Epilogue(_shifted(rstd, softcap, with_sum, out_dtype, "acc"))
+    ``out_dtype`` (with ``with_sum`` also ``zsum``, for label smoothing; with ``entropy``
+    ``ent``, the entropy of softmax(z)). Inputs ``tloc``, ``SHIFT`` (fp32 per row) and,
+    with ``rstd``, ``rstd``."""
+    return Epilogue(_shifted(rstd, softcap, with_sum, out_dtype, "acc", entropy))
 
 
 @functools.cache
@@ -366,11 +380,12 @@ def shifted_map_epilogue(
     rstd: bool,
     softcap: float | None = None,
     with_sum: bool = False,
+    entropy: bool = False,
 ) -> Epilogue:
     """``shifted_store_epilogue`` without a GEMM (``run_map``) over the acc a plain GEMM
     stored (``STORED_ACC``, ``acc_dtype``): the statistics of exactly those stored values
     and R written over them in place when the dtypes agree. Reads no ``acc``."""
-    prims = _shifted(rstd, softcap, with_sum, out_dtype, STORED_ACC)
+    prims = _shifted(rstd, softcap, with_sum, out_dtype, STORED_ACC, entropy)
     return Epilogue([TileLoad(STORED_ACC, acc_dtype), *prims])
 
 
@@ -396,6 +411,7 @@ def stats_store_epilogue(
     rstd: bool,
     softcap: float | None,
     with_sum: bool,
+    entropy: bool = False,
 ) -> Epilogue:
     """``stats_epilogue`` (unmasked: the gradient-in-forward path runs only whole 8-column
     groups through the GEMM) plus the GEMM result itself, stored as ``STORED_ACC`` in
@@ -407,7 +423,7 @@ def stats_store_epilogue(
     if store_dtype != F32:
         prims.append(Elementwise("acc_r", RoundTo(store_dtype), ins=("acc",)))
         src = "acc_r"
-    prims += _stats(bias_dtype, rstd, softcap, with_sum, masked=False, src=src)
+    prims += _stats(bias_dtype, rstd, softcap, with_sum, masked=False, src=src, entropy=entropy)
     prims.append(TileStore(src, store_dtype, name=STORED_ACC))
     return Epilogue(prims)
 
@@ -419,13 +435,16 @@ def stats_map_epilogue(
     rstd: bool,
     softcap: float | None,
     with_sum: bool,
+    entropy: bool = False,
 ) -> Epilogue:
     """``stats_store_epilogue``'s statistics without a GEMM (``run_map``): taken from the
     acc a plain GEMM stored, loaded back as ``STORED_ACC`` (``acc_dtype``), so the same
     values as the fused epilogue's (which rounds acc to the stored dtype first). Reads no
     ``acc``; stores nothing M x N."""
     prims: list = [TileLoad(STORED_ACC, acc_dtype)]
-    prims += _stats(bias_dtype, rstd, softcap, with_sum, masked=False, src=STORED_ACC)
+    prims += _stats(
+        bias_dtype, rstd, softcap, with_sum, masked=False, src=STORED_ACC, entropy=entropy
+    )
     return Epilogue(prims)
 
 

@@ -119,6 +119,7 @@ __all__ = [
     "STATS_PASS",
     "lce_fused_finish",
     "lce_fused_loss",
+    "merge_entropy",
     "per_row_problem",
     "shifted_ok",
     "stats_by_map",
@@ -241,6 +242,9 @@ class _Spec:
     need_drstd: bool
     #: the shifted-softmax gradient (``GRAD_PASS``, ``shifted_ok``)
     shifted: bool = False
+    #: each row's softmax entropy too (``SoftmaxEntropy`` in the statistics' epilogue),
+    #: an output without a gradient
+    entropy: bool = False
 
     @property
     def main(self) -> int:
@@ -343,6 +347,11 @@ class _Tail:
         """(lse, zt, zsum) over the tail columns."""
         return torch.logsumexp(self.z, 1), (self.z * self.hit).sum(1), self.z.sum(1)
 
+    def entropy(self) -> torch.Tensor:
+        """The entropy of the softmax over the tail columns alone, per row."""
+        logp = torch.log_softmax(self.z, 1)
+        return -(torch.exp(logp) * logp).sum(1)
+
     def grad(self, spec: _Spec, lse, ga, gt, gs) -> torch.Tensor:
         """dL/ds of the tail columns (the chain of ``ce_epilogues._grad``)."""
         g = ga[:, None] * torch.exp(self.z - lse[:, None]) + gt[:, None] * self.hit
@@ -352,6 +361,17 @@ class _Tail:
             u = self.z * (1.0 / spec.softcap)
             g = g - g * (u * u)
         return g
+
+
+def merge_entropy(parts, lse: torch.Tensor) -> torch.Tensor:
+    """The entropy of the softmax over a union of disjoint column sets, from each set's
+    (lse_c, entropy_c) and the union's ``lse``: H = sum_c p(c) (H_c + lse - lse_c) with
+    p(c) = exp(lse_c - lse), the set's probability (a set of probability 0 adds 0)."""
+    total = torch.zeros_like(lse)
+    for lse_c, ent_c in parts:
+        p = torch.exp(lse_c - lse)
+        total += torch.where(p > 0, p * (ent_c + (lse - lse_c)), 0.0)
+    return total
 
 
 def _tail(spec: _Spec, hf, W_tail, bias_tail, r_c, t_c, valid_c) -> _Tail:
@@ -444,6 +464,7 @@ class _Walk:
         elif spec.need_dW and not self.defer:
             self.dW = torch.empty_like(self.W)
         self.dbias = torch.zeros(V, dtype=F32, device=device) if spec.need_dbias else None
+        self.ent = torch.empty(M, dtype=F32, device=device) if spec.entropy else None
         self.drstd = None
         if spec.need_drstd:  # the shifted path's deferred rows: the backward's, zeros here
             self.drstd = (torch.zeros if spec.shifted else torch.empty)(M, dtype=F32, device=device)
@@ -479,7 +500,7 @@ class _Walk:
             loss = torch.dot(self.row_loss, self.row_plan.w)
         dbias = None if self.dbias is None else self.dbias.to(self.spec.bias_dtype)
         dW = self.dW32 if self.several else self.dW
-        return [loss, self.dh, dW, dbias, self.drstd, *self.last, self.smooth]
+        return [loss, self.dh, dW, dbias, self.drstd, *self.last, self.smooth, self.ent]
 
     # ---- one row chunk ------------------------------------------------------------------
     def _chunk(self, i: int, r0: int, r1: int) -> None:
@@ -491,9 +512,12 @@ class _Walk:
             self._shifted_chunk(i, r0, r1, h_c, t_c, valid_c, r_c, hf)
             return
         tloc = local_targets(t_c, valid_c, 0, spec.main)
-        stats, acc = self._main_stats(h_c, tloc, r_c, r1 - r0) if spec.main else (None, None)
+        stats = acc = ent = None
+        if spec.main:
+            stats, acc, ent = self._main_stats(h_c, tloc, r_c, r1 - r0)
         tail = _tail(spec, hf, self.W_tail, self.b_tail, r_c, t_c, valid_c) if spec.tail else None
         lse, zt, zsum = _merge(stats, None if tail is None else tail.stats())
+        self._entropy(r0, r1, stats, ent, tail, lse)
         self.row_loss[r0:r1] = _row_losses(spec, lse, zt, zsum, valid_c)
         ga, gt, gs = _coefficients(spec, lse, valid_c, self.inv, self._row_weights(valid_c, r0, r1))
         dl = None
@@ -511,6 +535,19 @@ class _Walk:
             self._dh(r0, r1, dl, dl_t)
         if spec.need_dW:
             self._dW(i, hf, h_c, dl, dl_t)
+
+    def _entropy(self, r0: int, r1: int, main, ent, tail: _Tail | None, lse) -> None:
+        """Rows r0:r1 of the softmax entropy (``spec.entropy``): the fused columns' (``ent``
+        of the statistics ``main``, None without fused columns) merged with the tail's."""
+        if self.ent is None:
+            return
+        if tail is None:
+            self.ent[r0:r1] = ent
+            return
+        parts = [(tail.stats()[0], tail.entropy())]
+        if main is not None:
+            parts.append((main[0], ent))
+        self.ent[r0:r1] = merge_entropy(parts, lse)
 
     def _row_weights(self, valid: torch.Tensor, r0: int, r1: int) -> torch.Tensor:
         """Each row's weight in the loss, valid / denom (times ``row_weight``), rows r0:r1."""
@@ -548,6 +585,7 @@ class _Walk:
         tail = _tail(spec, hf, self.W_tail, None, r_c, t_c, valid_c) if spec.tail else None
         main = (out["lse"], out["zt"], out["zsum"] if spec.with_sum else None)
         lse, zt, zsum = _merge(main, None if tail is None else tail.stats())
+        self._entropy(r0, r1, main, out.get("ent"), tail, lse)
         if spec.with_sum or spec.z_loss:
             self.row_loss[r0:r1] = _row_losses(spec, lse, zt, zsum, valid_c)
         else:  # lse - zt, weighed by w (0 on ignored rows) in the loss
@@ -596,7 +634,7 @@ class _Walk:
         h, r = self.h, self.rstd
         index = torch.where(ok, self.target, 0)
         zt = torch.empty(h.shape[0], dtype=F32, device=h.device)
-        for a, b in ce_chunks.row_chunks(h.shape[0], SLICE_ROWS):
+        for a, b in _slices(h.shape[0]):
             rows = self.W.index_select(0, index[a:b]).mul_(h[a:b])
             torch.sum(rows, 1, dtype=F32, out=zt[a:b])
         if r is not None:
@@ -614,13 +652,16 @@ class _Walk:
         if stats_by_map(m, spec.main, self.h.shape[1]):
             acc, on_device = self._stored_logits(h_c, m)
             epi = shifted_map_epilogue(
-                spec.acc_dtype, spec.out_dtype, spec.rstd, spec.softcap, spec.with_sum
-            )
+                spec.acc_dtype, spec.out_dtype, spec.rstd, spec.softcap, spec.with_sum,
+                spec.entropy,
+            )  # fmt: skip
             outputs = {SHIFTED: acc} if on_device else None
             return run_map(
                 epi, m, spec.main, self.h, outputs, **{STORED_ACC: acc}, tloc=tloc, **vec
             )
-        epi = shifted_store_epilogue(spec.out_dtype, spec.rstd, spec.softcap, spec.with_sum)
+        epi = shifted_store_epilogue(
+            spec.out_dtype, spec.rstd, spec.softcap, spec.with_sum, spec.entropy
+        )
         return run_epilogue(epi, h_c, self.W_main, self._out(SHIFTED, 0, m), tloc=tloc, **vec)
 
     @staticmethod
@@ -655,9 +696,9 @@ class _Walk:
         return matmul(h_c, self.W_main, out=bufs[STORED_ACC]), True
 
     def _main_stats(self, h_c, tloc, r_c, m: int):
-        """Step 1: ((lse, zt, zsum), stored acc) of the fused columns."""
+        """Step 1: ((lse, zt, zsum), stored acc, entropy or None) of the fused columns."""
         spec = self.spec
-        opts = (spec.bias_dtype, spec.rstd, spec.softcap, spec.with_sum)
+        opts = (spec.bias_dtype, spec.rstd, spec.softcap, spec.with_sum, spec.entropy)
         if stats_by_map(m, spec.main, self.h.shape[1]):
             acc, _ = self._stored_logits(h_c, m)
             out = run_map(
@@ -672,7 +713,7 @@ class _Walk:
             )  # fmt: skip
             acc = out[STORED_ACC]
         zsum = out["zsum"] if spec.with_sum else None
-        return (out["lse"], out["zt"], zsum), acc
+        return (out["lse"], out["zt"], zsum), acc, out.get("ent")
 
     def _main_grads(self, acc, tloc, lse, ga, gt, gs, r_c, r0: int, r1: int):
         """Step 4 on the fused columns: dlogits (None when no GEMM needs them); dbias and
@@ -803,7 +844,7 @@ def _last_chunk(M, rows: int) -> tuple[bool, int]:
 
 def _outputs_like(
     h, W, bias, rstd, rows: int, need: tuple[bool, ...], shifted: bool = False,
-    smoothing: bool = False, per_row: bool = False,
+    smoothing: bool = False, per_row: bool = False, entropy: bool = False,
 ) -> list:  # fmt: skip
     """Empty tensors of the op's outputs, shape (0,) where not made: the fp32 loss, 0-dim
     (or (M,) with ``per_row``); dh_part (rows before the last chunk, H) in h's dtype;
@@ -812,8 +853,9 @@ def _outputs_like(
     dlogits (m_last, V') in h's dtype and its tail's fp32 (m_last, V mod 8), and on the
     ``shifted`` path the fp32 row factor (m_last,) of the last chunk's R (its dlogits
     are R times it) and, with label smoothing, the fp32 per-row gs (* rstd) of every row
-    (M,). With the last chunk not deferred (one chunk, ``DEFER_ONE_CHUNK`` off): dh (M, H) and dW
-    (V, H) whole, no dlogits."""
+    (M,); with ``entropy`` each row's fp32 softmax entropy (M,). With the last chunk not
+    deferred (one chunk, ``DEFER_ONE_CHUNK`` off): dh (M, H) and dW (V, H) whole, no
+    dlogits."""
     need_dh, need_dW, need_dbias, need_drstd = need
     M, H = h.shape
     V = W.shape[0]
@@ -835,6 +877,7 @@ def _outputs_like(
         h.new_empty((m_last, V - main) if last and V - main else (0,), dtype=F32),
         h.new_empty((m_last,) if last and main and shifted else (0,), dtype=F32),
         h.new_empty((M,) if shifted and smoothing and main else (0,), dtype=F32),
+        h.new_empty((M,) if entropy else (0,), dtype=F32),
     ]
 
 
@@ -858,11 +901,12 @@ def lce_fused_loss(
     need_drstd: bool,
     per_row: bool = False,
     row_weight: torch.Tensor | None = None,
+    entropy: bool = False,
 ) -> tuple[
     torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-    torch.Tensor, torch.Tensor, torch.Tensor,
+    torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
 ]:  # fmt: skip
-    """(loss, dh, dW, dbias, drstd, dl_last, dl_tail, dl_scale, dl_smooth): the fp32
+    """(loss, dh, dW, dbias, drstd, dl_last, dl_tail, dl_scale, dl_smooth, ent): the fp32
     scalar loss
     sum_rows(row loss) / ``denom`` (a 0-dim fp32 tensor: the valid-row count, 1, or
     num_items_in_batch) of the logits softcap(rstd * h @ W.T + bias), and its gradients
@@ -887,6 +931,11 @@ def lce_fused_loss(
     ``row_weight``: an fp32 (M,) weight of each row's loss (per-token weights of RL
     losses: the loss is sum_rows(weight * row loss) / denom), folded into the per-row
     coefficients of every gradient; data only (it must not require grad here).
+
+    ``entropy``: ``ent`` is each row's softmax entropy -sum_j p_j log p_j (fp32 (M,),
+    ignored rows too), from ``SoftmaxEntropy`` in place of the log-sum-exp in the
+    statistics' epilogue; an output without a gradient (the entropy's gradient is not a
+    row scale of the softmax: ``linear_cross_entropy``'s recompute path has it).
     Targets are range-checked on CPU, and on CUDA when ``check`` (a device sync)."""
     check_operands(h, W, target, bias, rstd)
     V = W.shape[0]
@@ -905,7 +954,7 @@ def lce_fused_loss(
     spec = _Spec(
         V, acc_dtype, h.dtype, ignore_index, softcap, float(label_smoothing), float(z_loss),
         None if bias is None else bias.dtype, rstd is not None,
-        need_dh, need_dW, bias is not None and need_dbias, need_drstd, shifted,
+        need_dh, need_dW, bias is not None and need_dbias, need_drstd, shifted, entropy,
     )  # fmt: skip
     denom = denom.to(device=h.device, dtype=F32)
     walk = _Walk(h, W, target, bias, rstd, denom, spec, rows, row_weight)
@@ -918,7 +967,7 @@ def lce_fused_loss(
 def _(
     h, W, target, bias, rstd, denom, ignore_index, softcap, label_smoothing, z_loss,
     chunk_rows, check, need_dh, need_dW, need_dbias, need_drstd, per_row=False,
-    row_weight=None,
+    row_weight=None, entropy=False,
 ):  # fmt: skip
     if per_row:
         _check_per_row()
@@ -928,7 +977,7 @@ def _(
     eligible = shifted_ok(h.dtype, bias is not None, softcap, label_smoothing, *need[:2], need[3])
     shifted = _takes_shifted(eligible, rows, W.shape[0], h.shape[1])
     smoothing = bool(label_smoothing)
-    return tuple(_outputs_like(h, W, bias, rstd, rows, need, shifted, smoothing, per_row))
+    return tuple(_outputs_like(h, W, bias, rstd, rows, need, shifted, smoothing, per_row, entropy))
 
 
 def per_row_problem() -> str | None:
@@ -978,13 +1027,23 @@ def _scaled_gemm(out, A, B, gvec, *, partial=None, row_scale=None, config=None, 
 SLICE_ROWS = 2048
 
 
+def _slices(M) -> tuple:
+    """Row ranges of ``SLICE_ROWS`` rows covering M rows; ONE range of every row where M
+    is symbolic (a compiler traces the backward: its fused kernels keep no such
+    temporaries, and a Python loop over a symbolic size would guard on it, one recompile
+    per sequence length)."""
+    if isinstance(M, torch.SymInt):
+        return ((0, M),)
+    return ce_chunks.row_chunks(M, SLICE_ROWS)
+
+
 def drstd_from_dh(h: torch.Tensor, dh: torch.Tensor, rstd: torch.Tensor) -> torch.Tensor:
     """dL/drstd per row from dL/dh: with logits z = rstd * (h @ W.T),
     dL/drstd = sum_v dL/dz_v (h . W_v) = h . (dL/dh) / rstd, in fp32 (slice by slice,
     ``SLICE_ROWS``): the shifted path's rstd gradient, with no reduction beside the
     statistics in the logits GEMM."""
     out = torch.empty(h.shape[0], dtype=F32, device=h.device)
-    for a, b in ce_chunks.row_chunks(h.shape[0], SLICE_ROWS):
+    for a, b in _slices(h.shape[0]):
         out[a:b] = (h[a:b].float() * dh[a:b].float()).sum(1)
     return out / rstd
 
@@ -993,7 +1052,7 @@ def _row_weighted_sum(h: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """sum_m weights[m] h[m] in fp32 (H,), slice by slice (``SLICE_ROWS``): the shifted
     path's label-smoothing term of dW (every row of dW gains it)."""
     out = torch.zeros(h.shape[1], dtype=F32, device=h.device)
-    for a, b in ce_chunks.row_chunks(h.shape[0], SLICE_ROWS):
+    for a, b in _slices(h.shape[0]):
         out += weights[a:b] @ h[a:b].float()
     return out
 
@@ -1111,7 +1170,7 @@ def _fused_setup(ctx, inputs, output) -> None:
             "coda::lce_fused_loss: row_weight is data here (it must not require grad); "
             "linear_cross_entropy takes a row_weight that requires grad on the recompute path"
         )
-    ctx.save_for_backward(inputs[0], inputs[1], *output[1:], inputs[4])
+    ctx.save_for_backward(inputs[0], inputs[1], *output[1:9], inputs[4])
     ctx.mark_non_differentiable(*output[1:])
     # the forward's other outputs are never differentiated: no zero-filled (V x H for
     # the dW sum!) gradients materialized for them in the backward

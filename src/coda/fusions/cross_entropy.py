@@ -15,9 +15,12 @@ one row chunk, an fp32 V x H dW accumulator. Per-row losses (reduction "none") t
 in ONE row chunk of every row (``per_row``), the backward's per-row upstream gradient
 folded into the deferred dh / dW GEMMs' row factors: by default where that M x V row
 buffer fits ``ce_chunks.GRAD_ROWS_BYTES``, at any size with ``grad_in_forward=True``.
+``return_entropy="detached"`` keeps this path: the entropy, without a gradient, comes
+from the same statistics' epilogue (``SoftmaxEntropy`` in place of ``LogSumExp``).
 
 **Recompute** (otherwise, or ``grad_in_forward=False``: any upstream gradient, per-row
-losses of more rows, returned lse or entropy; the low-memory choice), two custom ops:
+losses of more rows, returned lse or a differentiable entropy; the low-memory choice),
+two custom ops:
 
 * ``coda::lce_stats(h, W, target, bias, rstd, ...) -> (lse, zt, zsum, entropy)``: per
   row, the log-sum-exp of the logits z, the target logit z[target] (0 for ignored rows),
@@ -56,7 +59,7 @@ from coda.fusions import _checks, ce_chunks, ce_fused
 from coda.fusions._dispatch import matmul, run_epilogue
 from coda.fusions.ce_chunks import TMA_COLS, Chunk
 from coda.fusions.ce_epilogues import grad_epilogue, stats_epilogue
-from coda.fusions.ce_fused import lce_fused_loss
+from coda.fusions.ce_fused import lce_fused_loss, merge_entropy
 from coda.fusions.ce_operands import check_operands, check_targets, local_targets
 
 __all__ = ["lce_fused_loss", "lce_stats", "lce_stats_backward", "linear_cross_entropy"]
@@ -142,10 +145,7 @@ def lce_stats(
             zt = zt + out["zt"]
             if with_sum:
                 zsum = zsum + out["zsum"]
-    entropy = torch.zeros_like(lse)
-    for lse_c, ent_c in parts:  # H = sum_c p(c) (H_c + lse - lse_c), p(c) = e^(lse_c - lse)
-        entropy += torch.exp(lse_c - lse) * (ent_c + (lse - lse_c))
-    return lse, zt, zsum, entropy
+    return lse, zt, zsum, merge_entropy(parts, lse)
 
 
 @lce_stats.register_fake
@@ -347,7 +347,8 @@ def _grad_in_forward(
     M, V, elem_bytes, chunk_rows = rows
     if return_lse or return_z_loss:
         forbidden = (
-            "return_lse / return_z_loss / return_entropy (extra outputs with their own gradients)"
+            "return_lse / return_z_loss / return_entropy=True (extra outputs with their own "
+            "gradients)"
         )
     elif weight_grad:
         forbidden = "a row_weight that requires grad (its gradient: the row losses)"
@@ -436,7 +437,7 @@ def linear_cross_entropy(
     shift: bool = False,
     return_lse: bool = False,
     return_z_loss: bool = False,
-    return_entropy: bool = False,
+    return_entropy: bool | Literal["detached"] = False,
     check: bool = False,
     chunk_size: int | None = None,
     grad_in_forward: bool | None = None,
@@ -468,8 +469,12 @@ def linear_cross_entropy(
     z_loss) with ``return_lse`` (per-row log-sum-exp, shaped like ``target``) and
     ``return_z_loss`` (the z-loss term, reduced like the loss); ``return_entropy`` appends
     the per-row entropy of softmax(logits), -sum_j p_j log p_j (fp32, shaped like
-    ``target``, every row, ignored ones too: RL losses mask it themselves), differentiable.
-    Extra outputs take the recompute path. ``check``: range-check
+    ``target``, every row, ignored ones too: RL losses mask it themselves), differentiable;
+    ``return_entropy="detached"`` returns it without a gradient (``requires_grad``
+    False: for logging and masks, as RL trainers use it under ``torch.no_grad``), which
+    the gradient-in-forward path computes beside the loss in its statistics' epilogue.
+    Other extra outputs (a differentiable entropy, lse, z-loss) take the recompute path.
+    ``check``: range-check
     the targets on CUDA too (a device sync; always done on CPU).
 
     Two paths (docs/cross-entropy.md). ``grad_in_forward`` None (default): when autograd
@@ -522,6 +527,11 @@ def linear_cross_entropy(
     # NaN fails the first comparison
     if not (temperature > 0 and temperature < math.inf):
         raise ValueError(f"temperature must be a positive finite float; got {temperature}")
+    if not (return_entropy is True or return_entropy is False or return_entropy == "detached"):
+        raise ValueError(
+            f"return_entropy must be True, False or 'detached'; got {return_entropy!r}"
+        )
+    detached_entropy = return_entropy == "detached"
     rows_at_once = (
         h.numel() // max(h.shape[-1], 1), W.shape[0],
         (ce_fused.ACC_STORE_DTYPE or h.dtype).itemsize, chunk_rows,
@@ -530,7 +540,7 @@ def linear_cross_entropy(
         row_weight = _checked_weight(row_weight, target)
     weighted = row_weight is not None and reduction != "none"
     fused = _grad_in_forward(
-        grad_in_forward, reduction, return_lse or return_entropy, return_z_loss,
+        grad_in_forward, reduction, return_lse or return_entropy is True, return_z_loss,
         (h, W, bias, rstd), rows_at_once, weighted and row_weight.requires_grad,
     )  # fmt: skip
     if shift:
@@ -568,16 +578,18 @@ def linear_cross_entropy(
         need = (h.requires_grad, W.requires_grad, bias is not None and bias.requires_grad,
                 rstd is not None and rstd.requires_grad)  # fmt: skip
         per_row = reduction == "none"
-        loss = lce_fused_loss(
+        out = lce_fused_loss(
             h2, W, t, bias, r, denom, ignore_index, cap, eps, float(z_loss), chunk_rows or 0,
-            check, *need, per_row, None if per_row else w,
-        )[0]  # fmt: skip
-        if not per_row:
-            return loss
-        return (loss if w is None else loss * w).reshape(shape)
+            check, *need, per_row, None if per_row else w, detached_entropy,
+        )  # fmt: skip
+        loss = out[0]
+        if per_row:
+            loss = (loss if w is None else loss * w).reshape(shape)
+        return (loss, out[9].reshape(shape)) if detached_entropy else loss
     lse, zt, zsum, entropy = lce_stats(
-        h2, W, t, bias, r, ignore_index, cap, eps > 0, chunk_size or 0, check, return_entropy
-    )
+        h2, W, t, bias, r, ignore_index, cap, eps > 0, chunk_size or 0, check,
+        bool(return_entropy),
+    )  # fmt: skip
     rows = lse - zt
     if eps > 0:
         rows = (1.0 - eps) * rows + eps * (lse - zsum / V)
@@ -597,5 +609,6 @@ def linear_cross_entropy(
     if return_z_loss:
         extras.append(_reduce(zrows, valid, reduction, num_items_in_batch, shape))
     if return_entropy:
-        extras.append(entropy.reshape(shape))
+        entropy = entropy.reshape(shape)
+        extras.append(entropy.detach() if detached_entropy else entropy)
     return (loss, *extras) if extras else loss
