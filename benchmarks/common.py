@@ -127,6 +127,46 @@ def environment() -> dict:
     }
 
 
+PEERS = ("liger_kernel", "cut_cross_entropy")
+
+
+def peer_losses(reduction: str = "mean") -> dict[str, Callable | None]:
+    """The fused LM-head losses of the peers as ``fn(h, W, t) -> loss`` (``reduction``
+    "mean" or "none", ignore_index -100): "liger", Liger-Kernel's
+    ``LigerFusedLinearCrossEntropyLoss``, and "cce", Cut Cross-Entropy's
+    ``linear_cross_entropy``; None where the package is not installed."""
+    fns: dict[str, Callable | None] = {"liger": None, "cce": None}
+    try:
+        from liger_kernel.transformers.fused_linear_cross_entropy import (
+            LigerFusedLinearCrossEntropyLoss,
+        )
+
+        liger = LigerFusedLinearCrossEntropyLoss(ignore_index=-100, reduction=reduction)
+        fns["liger"] = lambda h, W, t: liger(W, h, t)
+    except ImportError:
+        pass
+    try:
+        from cut_cross_entropy import linear_cross_entropy as cce
+
+        fns["cce"] = lambda h, W, t: cce(h, W, t, ignore_index=-100, reduction=reduction)
+    except ImportError:
+        pass
+    return fns
+
+
+def environment_with_peers() -> dict:
+    """``environment()`` plus the peers' package versions (None: not installed)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    env = environment()
+    for pkg in PEERS:
+        try:
+            env["versions"][pkg] = version(pkg.replace("_", "-"))
+        except PackageNotFoundError:
+            env["versions"][pkg] = None
+    return env
+
+
 def write_json(path: str, payload: dict) -> None:
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with open(path, "w") as f:

@@ -145,21 +145,7 @@ def loss_functions() -> dict[str, Callable | None]:
         "eager": eager_loss,
         "compile": torch.compile(eager_loss),
     }
-    try:
-        from liger_kernel.transformers.fused_linear_cross_entropy import (
-            LigerFusedLinearCrossEntropyLoss,
-        )
-
-        liger = LigerFusedLinearCrossEntropyLoss(ignore_index=-100)
-        fns["liger"] = lambda h, W, t: liger(W, h, t)
-    except ImportError:
-        fns["liger"] = None
-    try:
-        from cut_cross_entropy import linear_cross_entropy as cce
-
-        fns["cce"] = lambda h, W, t: cce(h, W, t, ignore_index=-100)
-    except ImportError:
-        fns["cce"] = None
+    fns.update(common.peer_losses())
     return fns
 
 
@@ -310,21 +296,6 @@ def plot(rows: list[dict], path: str) -> None:
     common.save_figure(plt, fig, path)
 
 
-def _environment() -> dict:
-    """``common.environment()`` plus the peers' package versions."""
-    versions = {}
-    for pkg in ("liger_kernel", "cut_cross_entropy"):
-        try:
-            from importlib.metadata import version
-
-            versions[pkg] = version(pkg.replace("_", "-"))
-        except Exception:
-            versions[pkg] = None
-    env = common.environment()
-    env["versions"].update(versions)
-    return env
-
-
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--H", type=int, nargs="+", default=[2048, 4096, 8192])
@@ -355,7 +326,7 @@ def main(argv=None) -> None:
     for name in (set(EXTRA) - set(args.extras)) | set(args.skip):
         fns[name] = None
     result: dict = {"rows": [], "workspace": [], "floor": [], "sweep": []}
-    env = _environment()
+    env = common.environment_with_peers()
     for H in args.H:
         for M in args.M:
             # a static torch.compile per shape (one shared cache would turn dynamic)

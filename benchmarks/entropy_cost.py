@@ -21,18 +21,24 @@ every output, interleaved rounds, medians (benchmarks/common.py):
   token's loss by its advantage, known before the forward): the default
   gradient-in-forward path with the weights in its per-row coefficients, in row chunks
   (no opt-in, its usual workspace);
+* ``coda_fused_entropy``: ``coda_fused`` with ``return_entropy="detached"``, the entropy
+  logged beside the loss without a gradient (``SoftmaxEntropy`` in the logits GEMM's
+  epilogue in place of the log-sum-exp, on the same path);
 * ``eager`` / ``compile``: logits = h @ W.T materialized, ``F.cross_entropy`` per token and
   the entropy -sum p log p of log_softmax (fp32), eager and under ``torch.compile``;
 * ``compile_nll``: the per-token loss alone (no entropy) under ``torch.compile``, the
   counterpart of ``coda_fused``;
+* ``compile_logged``: the per-token loss and the entropy of the detached log-softmax
+  (logged, no gradient) under ``torch.compile``, the counterpart of ``coda_fused_entropy``;
+* ``liger`` / ``cce``: the per-token loss alone (``reduction="none"``; neither returns the
+  entropy) of Liger-Kernel's ``LigerFusedLinearCrossEntropyLoss`` and Cut Cross-Entropy's
+  ``linear_cross_entropy``, under the same per-token upstream gradient;
 * ``cublas_floor``: the GEMMs alone on cuBLAS, the logits GEMM (forward) and the logits,
   dh and dW GEMMs (forward + backward: what a loss over materialized logits cannot beat).
 
-JSON ``{device, versions, command, "rows": [{"H", "M", "V", "pass", "cublas_floor_ms", "coda_ms",
-"coda_entropy_ms", "coda_fused_ms", "coda_weighted_ms", "eager_ms", "compile_ms",
-"compile_nll_ms", "coda_peak_gib", "coda_entropy_peak_gib", "coda_fused_peak_gib",
-"coda_weighted_peak_gib", "eager_peak_gib", "compile_peak_gib", "compile_nll_peak_gib"}]}``
-(peaks: max allocated above the inputs).
+JSON ``{device, versions, command, "rows": [{"H", "M", "V", "pass", "cublas_floor_ms",
+"<contender>_ms", "<contender>_peak_gib" for each contender above}]}`` (peaks: max
+allocated above the inputs; a contender whose package is not installed is left out).
 """
 
 from __future__ import annotations
@@ -66,9 +72,20 @@ def eager_nll_loss(h, W, t):
     return F.cross_entropy(logits, t, reduction="none", ignore_index=-100), None
 
 
+def eager_logged_entropy_loss(h, W, t):
+    """Per-token loss from materialized logits and the entropy of the detached
+    log-softmax (logged: no gradient through it)."""
+    logp = torch.log_softmax((h @ W.T).float(), -1)
+    loss = F.nll_loss(logp, t, reduction="none", ignore_index=-100)
+    logp = logp.detach()
+    return loss, -(logp.exp() * logp).sum(-1)
+
+
 def contenders(h, W, t, up, backward: bool) -> dict:
     compiled = torch.compile(eager_entropy_loss)
     compiled_nll = torch.compile(eager_nll_loss)
+    compiled_logged = torch.compile(eager_logged_entropy_loss)
+    peers = common.peer_losses("none")
 
     def run(fn, entropy: bool, weighted: bool = False):
         def step():
@@ -110,9 +127,21 @@ def contenders(h, W, t, up, backward: bool) -> dict:
             False,
             weighted=True,
         ),
+        "coda_fused_entropy": run(
+            lambda: linear_cross_entropy(
+                h, W, t, reduction="none", grad_in_forward=True, return_entropy="detached"
+            ),
+            False,
+        ),
         "eager": run(lambda: eager_entropy_loss(h, W, t), True),
         "compile": run(lambda: compiled(h, W, t), True),
         "compile_nll": run(lambda: compiled_nll(h, W, t), False),
+        "compile_logged": run(lambda: compiled_logged(h, W, t), False),
+        **{
+            name: run(lambda fn=fn: (fn(h, W, t), None), False)
+            for name, fn in peers.items()
+            if fn is not None
+        },
     }
 
 
@@ -130,9 +159,13 @@ CONTENDERS = (
     "coda_entropy",
     "coda_fused",
     "coda_weighted",
+    "coda_fused_entropy",
     "eager",
     "compile",
     "compile_nll",
+    "compile_logged",
+    "liger",
+    "cce",
 )
 
 
@@ -144,13 +177,15 @@ def plot(out: dict, path: str) -> None:
         print("matplotlib not installed: no PNG", file=sys.stderr)
         return
     rows = out["rows"]
+    names = [c for c in CONTENDERS if rows and f"{c}_ms" in rows[0]]  # peers: if installed
     fig, axes = plt.subplots(1, 3, figsize=(18, 5))
-    width = 0.8 / len(CONTENDERS)
+    width = 0.8 / len(names)
+    colors = {c: plt.get_cmap("tab20")(i) for i, c in enumerate(names)}  # > 10 contenders
     for ax, kind in zip(axes[:2], ("fwd", "fwd+bwd"), strict=True):
         sel = [r for r in rows if r["pass"] == kind]
-        for i, c in enumerate(CONTENDERS):
+        for i, c in enumerate(names):
             ys = [r[f"{c}_ms"] / r["cublas_floor_ms"] for r in sel]
-            ax.bar([x + i * width for x in range(len(sel))], ys, width, label=c)
+            ax.bar([x + i * width for x in range(len(sel))], ys, width, label=c, color=colors[c])
         ax.set_xticks(
             [x + 0.4 - width / 2 for x in range(len(sel))],
             [f"H={r['H']}\nM={r['M']}" for r in sel],
@@ -158,9 +193,9 @@ def plot(out: dict, path: str) -> None:
         ax.axhline(1.0, color="k", lw=0.5)
         ax.set_title(f"per-token loss, {kind}: time / cuBLAS GEMM floor (lower is better)")
     sel = [r for r in rows if r["pass"] == "fwd+bwd"]
-    for i, c in enumerate(CONTENDERS):
+    for i, c in enumerate(names):
         ys = [r[f"{c}_peak_gib"] for r in sel]
-        axes[2].bar([x + i * width for x in range(len(sel))], ys, width, label=c)
+        axes[2].bar([x + i * width for x in range(len(sel))], ys, width, label=c, color=colors[c])
     axes[2].set_xticks(
         [x + 0.4 - width / 2 for x in range(len(sel))], [f"H={r['H']}\nM={r['M']}" for r in sel]
     )
@@ -198,14 +233,15 @@ def main() -> None:
             row.update({f"{k}_peak_gib": peak_gib(fn) for k, fn in fns.items()})
             rows.append(row)
             print({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()})
-    out = {**common.environment(), "rows": rows}
+    out = {**common.environment_with_peers(), "rows": rows}
     common.write_json(args.out, out)
     plot(out, common.png_beside(args.out))
     columns = ["H", "M", "pass", "cublas_floor_ms", "coda_ms", "coda_entropy_ms", "compile_ms"]
-    columns += ["coda_fused_ms", "coda_weighted_ms", "compile_nll_ms"]
+    columns += ["coda_fused_ms", "coda_weighted_ms", "compile_nll_ms", "coda_fused_entropy_ms"]
+    columns += ["compile_logged_ms", "liger_ms", "cce_ms"]
     peaks = ["coda_entropy_peak_gib", "compile_peak_gib", "coda_fused_peak_gib"]
-    peaks += ["coda_weighted_peak_gib"]
-    common.print_table(rows, columns + peaks + ["compile_nll_peak_gib"])
+    peaks += ["coda_weighted_peak_gib", "compile_nll_peak_gib", "liger_peak_gib", "cce_peak_gib"]
+    common.print_table(rows, [c for c in columns + peaks if c in rows[0]])
 
 
 if __name__ == "__main__":

@@ -445,3 +445,81 @@ def test_return_entropy_matches_float64_no_worse_than_eager_bf16(name, shape, ch
     for n, a, t, e in zip(names, ours, truth, eager, strict=True):
         assert torch.isfinite(a).all(), n
         assert_close_to_reference(a, t, name=n, baseline=e, atol=1e-3, floor=1e-3)
+
+
+# the gradient-in-forward path's configurations with ``return_entropy="detached"``:
+# (options, keyword arguments, ce_fused.GRAD_PASS, ce_fused.STATS_PASS)
+DETACHED_ENTROPY = {
+    # the shifted softmax, SoftmaxEntropy in its store epilogue, 128-row chunks
+    "shifted_rows128": (dict(z_loss=1e-4), dict(chunk_rows=128), "auto", "epilogue"),
+    # per-row losses in one chunk with the deferred norm's rstd (drstd from dh)
+    "shifted_none_rstd": (dict(rstd=True, reduction="none"), {}, "auto", "epilogue"),
+    # the statistics (and R) by a map pass over the plain GEMM's stored acc
+    "shifted_stats_map": (dict(temperature=0.8), {}, "auto", "map"),
+    # bias, softcap and smoothing: the stats-store epilogue and the gradient's map pass
+    "map_all": (
+        dict(bias=True, rstd=True, softcap=15.0, label_smoothing=0.05),
+        dict(chunk_rows=128),
+        "auto",
+        "epilogue",
+    ),
+    "map_stats_map": (dict(rstd=True, softcap=15.0), {}, "map", "map"),
+}
+
+
+@pytest.mark.parametrize("shape", [(512, 256, 1000), (300, 264, 50257), (257, 128, 151936)],
+                         ids=lambda s: "x".join(map(str, s)))  # fmt: skip
+@pytest.mark.parametrize("name", list(DETACHED_ENTROPY))
+def test_detached_entropy_beside_the_fused_loss(name, shape, monkeypatch):
+    """``return_entropy="detached"`` on the gradient-in-forward path (the recompute
+    path's statistics op must not run): the per-row entropy against float64 of the
+    materialized logits and the loss and every gradient unchanged, both by the 2 x
+    eager-bf16 rule; ``SoftmaxEntropy`` in each of the path's statistics kernels (the
+    shifted store and map epilogues, the stats-store and stats-map ones), with the V mod
+    8 tail (50257) merged in torch."""
+    from coda.fusions import cross_entropy as ce
+
+    opts, kwargs, grad_pass, stats_pass = DETACHED_ENTROPY[name]
+    opts = dict(opts)
+    monkeypatch.setattr(ce_fused, "GRAD_PASS", grad_pass)
+    monkeypatch.setattr(ce_fused, "STATS_PASS", stats_pass)
+
+    def no_stats(*args, **kw):
+        raise AssertionError("the recompute path's statistics op ran")
+
+    bias, rstd = opts.pop("bias", False), opts.pop("rstd", False)
+    M, H, V = shape
+    *tensors, target = inputs(M, H, V, seed=M + V + 2, bias=bias, rstd=rstd)
+    upstream = torch.randn(M, device="cuda") if opts.get("reduction") == "none" else None
+    entropies = []
+
+    def coda_loss(h, W, target, **kw):
+        with monkeypatch.context() as m:
+            m.setattr(ce, "lce_stats", no_stats)
+            loss, ent = linear_cross_entropy(h, W, target, return_entropy="detached", **kw)
+        assert not ent.requires_grad and ent.shape == (M,)
+        entropies.append(ent)
+        return loss
+
+    def textbook_entropy(dtype):
+        """The entropy of the logits materialized in ``dtype`` (float64, or eager's bf16
+        logits with an fp32 softmax)."""
+        h, W, b, r = (None if t is None else t.to(dtype) for t in tensors)
+        logits = textbook_logits(h, W, b, r, opts.get("softcap"), opts.get("temperature", 1.0))
+        logp = torch.log_softmax(logits.to(F64 if dtype == F64 else torch.float32), -1)
+        return -(logp.exp() * logp).sum(-1)
+
+    ours = grads_of(coda_loss, tensors, target, BF16, upstream, grad_in_forward=True,
+                    **kwargs, **opts)  # fmt: skip
+    truth = grads_of(textbook, tensors, target, F64, upstream, **opts)
+    eager = grads_of(textbook, tensors, target, BF16, upstream, **opts)
+    names = ["loss", "dh", "dW"] + (["dbias"] if bias else []) + (["drstd"] if rstd else [])
+    for n, a, t, e in zip(names, ours, truth, eager, strict=True):
+        assert torch.isfinite(a).all(), n
+        assert_close_to_reference(a, t, name=n, baseline=e, atol=1e-3, floor=1e-3)
+    (ent,) = entropies
+    assert torch.isfinite(ent).all()
+    assert_close_to_reference(
+        ent, textbook_entropy(F64), name="entropy", baseline=textbook_entropy(BF16),
+        atol=1e-3, floor=1e-3,
+    )  # fmt: skip

@@ -77,6 +77,27 @@ def test_row_weight_follows_labels_or_shift_labels():
     torch.testing.assert_close(ga, gb)
 
 
+@pytest.mark.parametrize("mode", ["detached", True])
+def test_return_entropy_with_the_deferred_norm(mode):
+    """``return_entropy``: (loss, per-token entropy shaped like the labels) equal to the
+    functional's, under the deferred norm and a shift; "detached" without a gradient on
+    the gradient-in-forward path (the loss's gradients those of the loss alone), True
+    differentiable."""
+    x, W, gamma, labels = _data(4)
+    module = LinearCrossEntropyLoss(shift=True, return_entropy=mode)
+    assert "return_entropy" in repr(module)
+    xa = _leaf(x)
+    loss, ent = module(xa, W.float(), labels, norm_weight=gamma.float())
+    assert ent.shape == labels.shape and ent.requires_grad == (mode is True)
+    plain = LinearCrossEntropyLoss(shift=True)(xa, W.float(), labels, norm_weight=gamma.float())
+    torch.testing.assert_close(loss, plain)
+    (g_loss,) = torch.autograd.grad(loss, xa, retain_graph=True)
+    torch.testing.assert_close(g_loss, torch.autograd.grad(plain, xa)[0])
+    xd = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * gamma
+    logp = torch.log_softmax(xd @ W.T, -1)
+    torch.testing.assert_close(ent.double(), -(logp.exp() * logp).sum(-1), rtol=1e-5, atol=1e-5)
+
+
 def test_deferred_final_norm_gradients_reach_the_stream():
     """norm_weight: loss of rmsnorm(x) * gamma @ W.T, computed as rstd * ((x gamma) @ W.T);
     dx, dgamma and dW equal the textbook's (unfused norm, then logits, then F.cross_entropy)."""

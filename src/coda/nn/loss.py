@@ -22,6 +22,9 @@ its forward takes the hidden states, the LM head weight (V, H) and the labels::
   ``reduction="none"``), at no extra kernel cost. ``row_weight`` (a forward argument):
   per-token weights known before the forward (advantages, masks), shaped like the
   labels; a weighted scalar loss keeps the 3-GEMM gradient-in-forward path.
+  ``return_entropy``: the forward returns (loss, per-token softmax entropy); "detached"
+  (logged, no gradient) keeps the gradient-in-forward path, True (differentiable) takes
+  the recompute one.
 
 * ``weight`` may be the LM head module itself (an ``nn.Linear``, its bias used unless
   ``bias`` is given): under FSDP2 / FSDP1 / DeepSpeed ZeRO-3, where the head's weight is a
@@ -70,6 +73,7 @@ class LinearCrossEntropyLoss(nn.Module):
         chunk_size: int | None = None,
         grad_in_forward: bool | None = None,
         chunk_rows: int | None = None,
+        return_entropy: bool | Literal["detached"] = False,
     ) -> None:
         super().__init__()
         self.ignore_index = ignore_index
@@ -83,11 +87,13 @@ class LinearCrossEntropyLoss(nn.Module):
         self.chunk_size = chunk_size
         self.grad_in_forward = grad_in_forward
         self.chunk_rows = chunk_rows
+        self.return_entropy = return_entropy
 
     def extra_repr(self) -> str:
         keys = ("ignore_index", "reduction", "label_smoothing", "z_loss", "softcap", "shift")
         keys += ("temperature",) if self.temperature != 1.0 else ()
         keys += ("grad_in_forward",) if self.grad_in_forward is not None else ()
+        keys += ("return_entropy",) if self.return_entropy else ()
         return ", ".join(f"{k}={getattr(self, k)!r}" for k in keys)
 
     def forward(
@@ -102,8 +108,10 @@ class LinearCrossEntropyLoss(nn.Module):
         norm_weight: torch.Tensor | None = None,
         norm_eps: float = 1e-6,
         row_weight: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """The loss (fp32; per token, shaped like the labels, with reduction="none").
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """The loss (fp32; per token, shaped like the labels, with reduction="none"); with
+        ``return_entropy`` the tuple (loss, entropy), the fp32 per-token entropy shaped like
+        the labels (every position, ignored ones too).
         ``weight``: the (V, H) LM head weight, or the head module (see the module doc).
         ``row_weight``: per-token weights shaped like the labels (RL advantages, masks;
         shifted with ``labels``, taken as they are beside ``shift_labels``), see
@@ -136,7 +144,7 @@ class LinearCrossEntropyLoss(nn.Module):
     def _loss(
         self, hidden, weight, *, target, bias, num_items_in_batch, norm_weight, norm_eps, shift,
         row_weight,
-    ) -> torch.Tensor:  # fmt: skip
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         rstd = None
         if norm_weight is not None:
             x = hidden
@@ -161,4 +169,5 @@ class LinearCrossEntropyLoss(nn.Module):
             grad_in_forward=self.grad_in_forward,
             chunk_rows=self.chunk_rows,
             row_weight=row_weight,
+            return_entropy=self.return_entropy,
         )
