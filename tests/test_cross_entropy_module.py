@@ -117,6 +117,25 @@ def test_deferred_final_norm_gradients_reach_the_stream():
         assert float((mine.double() - want).abs().max()) <= 2e-5 * scale
 
 
+def test_docs_detached_entropy_example_runs():
+    """docs/cross-entropy.md's detached-entropy block runs as written: the entropy of the
+    shifted positions' logits without a gradient, the masked loss's gradient reaching h
+    and W."""
+    import re
+    from pathlib import Path
+
+    page = (Path(__file__).resolve().parents[1] / "docs" / "cross-entropy.md").read_text()
+    section = page[page.index("### The detached entropy") :]
+    block = re.findall(r"```python\n(.*?)```", section, flags=re.S)[0]
+    ns: dict = {}
+    exec(compile(block, "docs/cross-entropy.md", "exec"), ns)  # noqa: S102
+    h, W, entropy = ns["h"], ns["W"], ns["entropy"]
+    assert not entropy.requires_grad and h.grad is not None and W.grad is not None
+    logp = torch.log_softmax(h.detach().double() @ W.detach().double().T, -1)
+    want = -(logp.exp() * logp).sum(-1)
+    torch.testing.assert_close(entropy.double(), want, rtol=1e-5, atol=1e-5)
+
+
 def test_docs_rl_example_runs_and_both_forms_agree():
     """docs/cross-entropy.md's RL block (after "## Per-row losses") runs as written; on
     policy (ratio 1, inside the clip) the PPO form's gradients equal the weighted form's:
