@@ -315,7 +315,7 @@ def test_out_of_range_targets_raise_on_cpu():
         (dict(chunk_size=12), "multiple of 8"),
         (dict(chunk_rows=0), "chunk_rows"),
         (dict(reduction="none", grad_in_forward=True, chunk_rows=2), "chunk_rows=2 < 4"),
-        (dict(return_lse=True, grad_in_forward=True), "grad_in_forward=True"),
+        (dict(return_entropy=True, grad_in_forward=True), "grad_in_forward=True"),
     ],
 )
 def test_bad_arguments(kwargs, match):

@@ -72,6 +72,17 @@ def entropy_masked_loss_fn(h, rstd, W, bias, labels):
     return (rows * mask).sum() + ent.mean()
 
 
+def fused_extras_fn(h, rstd, W, bias, labels):
+    """A scalar loss returning its lse and z-loss, both differentiated (the
+    gradient-in-forward path: the extras keep it, their gradients from ``coda::lce_lse``'s
+    backward)."""
+    loss, lse, zl = linear_cross_entropy(
+        h, W, labels, rstd=rstd, bias=bias, softcap=20.0, z_loss=1e-3, shift=True,
+        label_smoothing=0.0, chunk_rows=4, temperature=0.8, return_lse=True, return_z_loss=True,
+    )  # fmt: skip
+    return loss + 1e-2 * lse.mean() + zl
+
+
 def run(fn, T, seed):
     g = torch.Generator().manual_seed(seed)
     h = torch.randn(2, T, H, generator=g).requires_grad_()
@@ -89,11 +100,14 @@ OPS = {
     fused_loss_fn: "lce_fused_loss",
     per_row_loss_fn: "lce_fused_loss",
     entropy_masked_loss_fn: "lce_fused_loss",
+    fused_extras_fn: "lce_fused_loss",
 }
 
 
 @pytest.mark.parametrize(
-    "fn", list(OPS), ids=["recompute", "grad_in_forward", "per_row", "detached_entropy"]
+    "fn",
+    list(OPS),
+    ids=["recompute", "grad_in_forward", "per_row", "detached_entropy", "lse_z_loss"],
 )
 def test_compile_fullgraph_matches_eager_with_dynamic_lengths(fn):
     torch._dynamo.reset()

@@ -198,18 +198,16 @@ def test_only_the_gradients_asked_for(monkeypatch, grad):
     [
         dict(reduction="none", chunk_rows=8),
         dict(reduction="none", budget=20 * 40 * 4 - 1),
-        dict(return_lse=True),
-        dict(return_z_loss=True, z_loss=1e-3),
+        dict(return_entropy=True),
         dict(grad_in_forward=False),
         dict(reduction="none", grad_in_forward=False),
     ],
-    ids=["none_chunks", "none_over_budget", "return_lse", "return_z_loss", "forced_off",
-         "none_forced_off"],
+    ids=["none_chunks", "none_over_budget", "return_entropy", "forced_off", "none_forced_off"],
 )  # fmt: skip
 def test_recompute_path_when_asked_or_needed(monkeypatch, kwargs):
-    """Extra outputs, ``grad_in_forward=False``, and per-row losses that cannot take one
-    row chunk of all M = 20 rows (smaller ``chunk_rows``, a 20 x 40 fp32 row buffer over
-    ``GRAD_ROWS_BYTES``): the recompute path."""
+    """A differentiable entropy, ``grad_in_forward=False``, and per-row losses that cannot
+    take one row chunk of all M = 20 rows (smaller ``chunk_rows``, a 20 x 40 fp32 row
+    buffer over ``GRAD_ROWS_BYTES``): the recompute path."""
     calls = Calls(monkeypatch)
     if "budget" in kwargs:
         monkeypatch.setattr(ce_chunks, "GRAD_ROWS_BYTES", kwargs.pop("budget"))
@@ -423,6 +421,105 @@ def test_entropy_op_opcheck():
                 None, True)  # fmt: skip
         torch.library.opcheck(ce_fused.lce_fused_loss, args)
         assert ce_fused.lce_fused_loss(*args)[9].shape == (20,)
+
+
+# ---- the returned lse and z-loss ------------------------------------------------------------
+
+
+def _with_lse_and_z_loss(p, ups: list):
+    """``linear_cross_entropy`` returning loss + the returned lse and z-loss under the
+    upstream gradients ``ups`` (per-row for lse, a scalar or per-row for the z-loss): a
+    function of all three outputs for ``loss_and_grads``."""
+
+    def run(h, W, target, **kwargs):
+        loss, lse, zl = linear_cross_entropy(
+            h, W, target, return_lse=True, return_z_loss=True, **kwargs
+        )
+        g_lse, g_z = (u.to(lse.dtype) for u in ups)
+        return loss + ((lse * g_lse).sum() + (zl * g_z).sum()) * _unit(loss)
+
+    return run
+
+
+def _unit(loss):
+    """1, shaped to broadcast against the loss (scalar or per-row)."""
+    return torch.ones_like(loss)
+
+
+@pytest.mark.parametrize("grad_pass", ["shifted", "map"])
+@settings(max_examples=examples(100))
+@given(p=problems())
+def test_returned_lse_and_z_loss_keep_the_fused_path(p, grad_pass):
+    """``return_lse`` / ``return_z_loss`` on the gradient-in-forward path: the lse (per row)
+    and the z-loss term (reduced like the loss, weights included) against float64, and the
+    gradients of a function of all three outputs (upstream gradients drawn on lse and the
+    z-loss: their gradients come from ``coda::lce_lse``'s backward) against the textbook,
+    every option, both gradient passes."""
+    g = torch.Generator().manual_seed(p["seed"] + 3)
+    z_shape = (p["M"],) if p["reduction"] == "none" else ()
+    ups = [torch.randn(p["M"], generator=g, dtype=F64), torch.randn(z_shape, generator=g)]
+    kwargs = {} if p["reduction"] == "none" else dict(chunk_rows=p["chunk_rows"])
+    h, W, bias, rstd, target = make(p)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(ce_fused, "GRAD_PASS", grad_pass)
+        got = loss_and_grads(
+            _with_lse_and_z_loss(p, ups), p, F32, (h, W, bias, rstd), target,
+            grad_in_forward=True, **kwargs,
+        )  # fmt: skip
+
+    def truth_fn(h, W, target, **opts):
+        loss = textbook(h, W, target, **opts)
+        lse = torch.logsumexp(
+            textbook_logits(h, W, opts.get("bias"), opts.get("rstd"), p["softcap"],
+                            p["temperature"]), -1,
+        )  # fmt: skip
+        valid = target != p["ignore_index"]
+        zrows = torch.where(valid, p["z_loss"] * lse * lse, 0.0)
+        if p["row_weight"]:
+            zrows = zrows * torch.where(valid, options(p)["row_weight"], 0.0)
+        zl = textbook_reduce(zrows, valid, p)
+        return loss + ((lse * ups[0]).sum() + (zl * ups[1].double()).sum()) * _unit(loss)
+
+    truth = loss_and_grads(truth_fn, p, F64, (h, W, bias, rstd), target)
+    for name, a, t in zip(names(p), got, truth, strict=True):
+        floor = 1.0 if name == "loss" else _floor(name)  # the lse terms: O(1) each
+        assert_close_to_reference(a, t, name=name, tol=TOL, floor=floor)
+
+
+def textbook_reduce(rows, valid, p):
+    """The loss's reduction of per-row values, as ``textbook``."""
+    if p["reduction"] == "none":
+        return rows
+    if p.get("num_items_in_batch") is not None:
+        return rows.sum() / p["num_items_in_batch"]
+    if p["reduction"] == "sum":
+        return rows.sum()
+    return rows.sum() / valid.sum().clamp(min=1)
+
+
+def test_logged_lse_and_z_loss_cost_no_gemm(monkeypatch):
+    """A returned lse and z-loss that are only logged add no call to the gradient-in-forward
+    path, forward or backward; differentiating the lse adds the recompute path's backward
+    for it (the logits GEMM per vocabulary chunk, then its dh and dW GEMMs), once;
+    ``coda::lce_lse`` passes opcheck."""
+    calls = Calls(monkeypatch)
+    (h, W, _, _), target = _inputs()
+    loss = linear_cross_entropy(h, W, target, chunk_rows=8, z_loss=1e-3)
+    plain_fwd = calls.take()
+    torch.autograd.grad(loss, (h, W))
+    plain_bwd = calls.take()
+    loss, lse, zl = linear_cross_entropy(
+        h, W, target, chunk_rows=8, z_loss=1e-3, return_lse=True, return_z_loss=True
+    )
+    assert calls.take() == plain_fwd and lse.requires_grad and zl.requires_grad
+    torch.autograd.grad(loss, (h, W), retain_graph=True)
+    assert calls.take() == plain_bwd
+    torch.autograd.grad(loss + lse.mean(), (h, W))
+    # V = 43: the chunk of 40 columns and the padded one of the 3-column tail
+    extra = {"recompute.run_epilogue": 2, "recompute.matmul": 4}
+    assert calls.take() == {k: plain_bwd.get(k, 0) + extra.get(k, 0) for k in plain_bwd | extra}
+    args = (lse.detach(), h.detach(), W.detach(), target, None, None, -100, None)
+    torch.library.opcheck(ce.lce_lse, args)
 
 
 # ---- per-token weights ------------------------------------------------------------------------

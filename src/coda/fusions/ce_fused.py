@@ -245,6 +245,8 @@ class _Spec:
     #: each row's softmax entropy too (``SoftmaxEntropy`` in the statistics' epilogue),
     #: an output without a gradient
     entropy: bool = False
+    #: each row's log-sum-exp as an output too (without a gradient here)
+    lse: bool = False
 
     @property
     def main(self) -> int:
@@ -465,6 +467,7 @@ class _Walk:
             self.dW = torch.empty_like(self.W)
         self.dbias = torch.zeros(V, dtype=F32, device=device) if spec.need_dbias else None
         self.ent = torch.empty(M, dtype=F32, device=device) if spec.entropy else None
+        self.lse = torch.empty(M, dtype=F32, device=device) if spec.lse else None
         self.drstd = None
         if spec.need_drstd:  # the shifted path's deferred rows: the backward's, zeros here
             self.drstd = (torch.zeros if spec.shifted else torch.empty)(M, dtype=F32, device=device)
@@ -500,7 +503,9 @@ class _Walk:
             loss = torch.dot(self.row_loss, self.row_plan.w)
         dbias = None if self.dbias is None else self.dbias.to(self.spec.bias_dtype)
         dW = self.dW32 if self.several else self.dW
-        return [loss, self.dh, dW, dbias, self.drstd, *self.last, self.smooth, self.ent]
+        return [
+            loss, self.dh, dW, dbias, self.drstd, *self.last, self.smooth, self.ent, self.lse
+        ]  # fmt: skip
 
     # ---- one row chunk ------------------------------------------------------------------
     def _chunk(self, i: int, r0: int, r1: int) -> None:
@@ -518,6 +523,8 @@ class _Walk:
         tail = _tail(spec, hf, self.W_tail, self.b_tail, r_c, t_c, valid_c) if spec.tail else None
         lse, zt, zsum = _merge(stats, None if tail is None else tail.stats())
         self._entropy(r0, r1, stats, ent, tail, lse)
+        if self.lse is not None:
+            self.lse[r0:r1] = lse
         self.row_loss[r0:r1] = _row_losses(spec, lse, zt, zsum, valid_c)
         ga, gt, gs = _coefficients(spec, lse, valid_c, self.inv, self._row_weights(valid_c, r0, r1))
         dl = None
@@ -586,6 +593,8 @@ class _Walk:
         main = (out["lse"], out["zt"], out["zsum"] if spec.with_sum else None)
         lse, zt, zsum = _merge(main, None if tail is None else tail.stats())
         self._entropy(r0, r1, main, out.get("ent"), tail, lse)
+        if self.lse is not None:
+            self.lse[r0:r1] = lse
         if spec.with_sum or spec.z_loss:
             self.row_loss[r0:r1] = _row_losses(spec, lse, zt, zsum, valid_c)
         else:  # lse - zt, weighed by w (0 on ignored rows) in the loss
@@ -844,7 +853,7 @@ def _last_chunk(M, rows: int) -> tuple[bool, int]:
 
 def _outputs_like(
     h, W, bias, rstd, rows: int, need: tuple[bool, ...], shifted: bool = False,
-    smoothing: bool = False, per_row: bool = False, entropy: bool = False,
+    smoothing: bool = False, per_row: bool = False, entropy: bool = False, lse: bool = False,
 ) -> list:  # fmt: skip
     """Empty tensors of the op's outputs, shape (0,) where not made: the fp32 loss, 0-dim
     (or (M,) with ``per_row``); dh_part (rows before the last chunk, H) in h's dtype;
@@ -853,7 +862,8 @@ def _outputs_like(
     dlogits (m_last, V') in h's dtype and its tail's fp32 (m_last, V mod 8), and on the
     ``shifted`` path the fp32 row factor (m_last,) of the last chunk's R (its dlogits
     are R times it) and, with label smoothing, the fp32 per-row gs (* rstd) of every row
-    (M,); with ``entropy`` each row's fp32 softmax entropy (M,). With the last chunk not
+    (M,); with ``entropy`` each row's fp32 softmax entropy (M,), with ``lse`` its fp32
+    log-sum-exp (M,). With the last chunk not
     deferred (one chunk, ``DEFER_ONE_CHUNK`` off): dh (M, H) and dW (V, H) whole, no
     dlogits."""
     need_dh, need_dW, need_dbias, need_drstd = need
@@ -878,6 +888,7 @@ def _outputs_like(
         h.new_empty((m_last,) if last and main and shifted else (0,), dtype=F32),
         h.new_empty((M,) if shifted and smoothing and main else (0,), dtype=F32),
         h.new_empty((M,) if entropy else (0,), dtype=F32),
+        h.new_empty((M,) if lse else (0,), dtype=F32),
     ]
 
 
@@ -902,11 +913,12 @@ def lce_fused_loss(
     per_row: bool = False,
     row_weight: torch.Tensor | None = None,
     entropy: bool = False,
+    return_lse: bool = False,
 ) -> tuple[
     torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-    torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+    torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
 ]:  # fmt: skip
-    """(loss, dh, dW, dbias, drstd, dl_last, dl_tail, dl_scale, dl_smooth, ent): the fp32
+    """(loss, dh, dW, dbias, drstd, dl_last, dl_tail, dl_scale, dl_smooth, ent, lse): the fp32
     scalar loss
     sum_rows(row loss) / ``denom`` (a 0-dim fp32 tensor: the valid-row count, 1, or
     num_items_in_batch) of the logits softcap(rstd * h @ W.T + bias), and its gradients
@@ -936,6 +948,8 @@ def lce_fused_loss(
     ignored rows too), from ``SoftmaxEntropy`` in place of the log-sum-exp in the
     statistics' epilogue; an output without a gradient (the entropy's gradient is not a
     row scale of the softmax: ``linear_cross_entropy``'s recompute path has it).
+    ``return_lse``: ``lse`` is each row's log-sum-exp (fp32 (M,)), likewise without a
+    gradient here (``linear_cross_entropy`` attaches one, ``coda::lce_lse``).
     Targets are range-checked on CPU, and on CUDA when ``check`` (a device sync)."""
     check_operands(h, W, target, bias, rstd)
     V = W.shape[0]
@@ -955,6 +969,7 @@ def lce_fused_loss(
         V, acc_dtype, h.dtype, ignore_index, softcap, float(label_smoothing), float(z_loss),
         None if bias is None else bias.dtype, rstd is not None,
         need_dh, need_dW, bias is not None and need_dbias, need_drstd, shifted, entropy,
+        return_lse,
     )  # fmt: skip
     denom = denom.to(device=h.device, dtype=F32)
     walk = _Walk(h, W, target, bias, rstd, denom, spec, rows, row_weight)
@@ -967,7 +982,7 @@ def lce_fused_loss(
 def _(
     h, W, target, bias, rstd, denom, ignore_index, softcap, label_smoothing, z_loss,
     chunk_rows, check, need_dh, need_dW, need_dbias, need_drstd, per_row=False,
-    row_weight=None, entropy=False,
+    row_weight=None, entropy=False, return_lse=False,
 ):  # fmt: skip
     if per_row:
         _check_per_row()
@@ -977,7 +992,11 @@ def _(
     eligible = shifted_ok(h.dtype, bias is not None, softcap, label_smoothing, *need[:2], need[3])
     shifted = _takes_shifted(eligible, rows, W.shape[0], h.shape[1])
     smoothing = bool(label_smoothing)
-    return tuple(_outputs_like(h, W, bias, rstd, rows, need, shifted, smoothing, per_row, entropy))
+    return tuple(
+        _outputs_like(
+            h, W, bias, rstd, rows, need, shifted, smoothing, per_row, entropy, return_lse
+        )
+    )
 
 
 def per_row_problem() -> str | None:

@@ -62,7 +62,7 @@ from coda.fusions.ce_epilogues import grad_epilogue, stats_epilogue
 from coda.fusions.ce_fused import lce_fused_loss, merge_entropy
 from coda.fusions.ce_operands import check_operands, check_targets, local_targets
 
-__all__ = ["lce_fused_loss", "lce_stats", "lce_stats_backward", "linear_cross_entropy"]
+__all__ = ["lce_fused_loss", "lce_lse", "lce_stats", "lce_stats_backward", "linear_cross_entropy"]
 
 F32 = torch.float32
 Reduction = Literal["mean", "sum", "none"]
@@ -294,6 +294,61 @@ def _stats_backward(ctx, g_lse, g_zt, g_zsum, g_entropy):
 register_autograd("coda::lce_stats", _stats_backward, setup_context=_stats_setup)
 
 
+@custom_op("coda::lce_lse", mutates_args=())
+def lce_lse(
+    lse: torch.Tensor,
+    h: torch.Tensor,
+    W: torch.Tensor,
+    target: torch.Tensor,
+    bias: torch.Tensor | None,
+    rstd: torch.Tensor | None,
+    ignore_index: int,
+    softcap: float | None,
+) -> torch.Tensor:
+    """The per-row log-sum-exp ``lse`` that the gradient-in-forward op computed (fp32
+    (M,), no gradient there), as a differentiable function of (h, W, bias, rstd): the
+    forward a copy; the backward, which runs only where the returned lse (or the z-loss
+    built from it) is differentiated, the recompute path's gradient of lse under its
+    upstream gradient (``lce_stats_backward``: the logits GEMM again, then the dh / dW
+    GEMMs). Logged values cost nothing."""
+    return lse.clone()
+
+
+@lce_lse.register_fake
+def _(lse, h, W, target, bias, rstd, ignore_index, softcap):
+    return torch.empty_like(lse)
+
+
+def _lse_setup(ctx, inputs, output) -> None:
+    lse, h, W, target, bias, rstd, ignore_index, softcap = inputs
+    need = ctx.needs_input_grad
+    ctx.flags = (need[1], need[2], bias is not None and need[4], rstd is not None and need[5])
+    ctx.args = (ignore_index, softcap)
+    ctx.save_for_backward(h, W, target, bias, rstd, lse)
+
+
+def _lse_backward(ctx, g_lse):
+    need_dh, need_dW, need_dbias, need_drstd = ctx.flags
+    if g_lse is None or not any(ctx.flags):
+        return (None,) * 8
+    h, W, target, bias, rstd, lse = ctx.saved_tensors
+    zeros = torch.zeros_like(lse)
+    grads = iter(
+        lce_stats_backward(
+            g_lse.float().contiguous(), zeros, zeros, h, W, target, bias, rstd, lse,
+            *ctx.args, False, 0, *ctx.flags,
+        )
+    )  # fmt: skip
+    dh = next(grads) if need_dh else None
+    dW = next(grads) if need_dW else None
+    dbias = next(grads) if need_dbias else None
+    drstd = next(grads) if need_drstd else None
+    return None, dh, dW, None, dbias, drstd, None, None
+
+
+register_autograd("coda::lce_lse", _lse_backward, setup_context=_lse_setup)
+
+
 # ---- the loss ----------------------------------------------------------------------------
 
 
@@ -326,15 +381,16 @@ def _reduce(
 def _grad_in_forward(
     request: bool | None,
     reduction: str,
-    return_lse: bool,
-    return_z_loss: bool,
+    entropy_grad: bool,
     inputs: tuple[torch.Tensor | None, ...],
     rows: tuple[int, int, int, int | None],
     weight_grad: bool = False,
 ) -> bool:
     """Whether this call runs the gradient-in-forward path (``ce_fused``): autograd will
-    want gradients (grad mode on and an input requiring grad) and no lse or z-loss is
-    returned. A scalar loss (reduction "mean" / "sum") always can; per-row losses
+    want gradients (grad mode on and an input requiring grad) and no differentiable
+    entropy is returned (``entropy_grad``: ``return_entropy=True``; a returned lse or
+    z-loss keeps this path, their gradients computed in the backward only where they are
+    used, ``lce_lse``). A scalar loss (reduction "mean" / "sum") always can; per-row losses
     ("none") in ONE row chunk of all M rows (``rows`` = (M, V, bytes per element of the
     row buffer, chunk_rows)), where the backward's per-row upstream gradient scales the
     deferred GEMMs' rows (``ce_fused.per_row_problem`` says when it cannot): with
@@ -345,11 +401,8 @@ def _grad_in_forward(
     gradient work either)."""
     forbidden = None
     M, V, elem_bytes, chunk_rows = rows
-    if return_lse or return_z_loss:
-        forbidden = (
-            "return_lse / return_z_loss / return_entropy=True (extra outputs with their own "
-            "gradients)"
-        )
+    if entropy_grad:
+        forbidden = "return_entropy=True (a differentiable entropy; 'detached' keeps the path)"
     elif weight_grad:
         forbidden = "a row_weight that requires grad (its gradient: the row losses)"
     elif reduction == "none":
@@ -540,8 +593,8 @@ def linear_cross_entropy(
         row_weight = _checked_weight(row_weight, target)
     weighted = row_weight is not None and reduction != "none"
     fused = _grad_in_forward(
-        grad_in_forward, reduction, return_lse or return_entropy is True, return_z_loss,
-        (h, W, bias, rstd), rows_at_once, weighted and row_weight.requires_grad,
+        grad_in_forward, reduction, return_entropy is True, (h, W, bias, rstd), rows_at_once,
+        weighted and row_weight.requires_grad,
     )  # fmt: skip
     if shift:
         target = _shift(target, ignore_index)
@@ -578,14 +631,22 @@ def linear_cross_entropy(
         need = (h.requires_grad, W.requires_grad, bias is not None and bias.requires_grad,
                 rstd is not None and rstd.requires_grad)  # fmt: skip
         per_row = reduction == "none"
+        want_lse = return_lse or return_z_loss
         out = lce_fused_loss(
             h2, W, t, bias, r, denom, ignore_index, cap, eps, float(z_loss), chunk_rows or 0,
-            check, *need, per_row, None if per_row else w, detached_entropy,
+            check, *need, per_row, None if per_row else w, detached_entropy, want_lse,
         )  # fmt: skip
         loss = out[0]
         if per_row:
             loss = (loss if w is None else loss * w).reshape(shape)
-        return (loss, out[9].reshape(shape)) if detached_entropy else loss
+        if not (want_lse or detached_entropy):
+            return loss
+        lse = None
+        if want_lse:  # differentiable: its gradient in the backward, only where it is used
+            lse = lce_lse(out[10], h2, W, t, bias, r, ignore_index, cap)
+        entropy = out[9] if detached_entropy else None
+        return _with_extras(loss, lse, entropy, valid, w, shape, reduction, num_items_in_batch,
+                            return_lse, return_z_loss, float(z_loss))  # fmt: skip
     lse, zt, zsum, entropy = lce_stats(
         h2, W, t, bias, r, ignore_index, cap, eps > 0, chunk_size or 0, check,
         bool(return_entropy),
@@ -594,21 +655,38 @@ def linear_cross_entropy(
     if eps > 0:
         rows = (1.0 - eps) * rows + eps * (lse - zsum / V)
     rows = torch.where(valid, rows, 0.0)
-    zrows = None
-    if z_loss or return_z_loss:
-        zrows = torch.where(valid, z_loss * lse * lse, 0.0)
     if w is not None:  # each row's loss and z-loss term times its weight
         rows = rows * w
-        zrows = None if zrows is None else zrows * w
     if z_loss:
-        rows = rows + zrows
+        rows = rows + _z_rows(lse, valid, w, float(z_loss))
     loss = _reduce(rows, valid, reduction, num_items_in_batch, shape)
+    if return_entropy:
+        entropy = entropy.detach() if detached_entropy else entropy
+    else:
+        entropy = None
+    return _with_extras(loss, lse, entropy, valid, w, shape, reduction, num_items_in_batch,
+                        return_lse, return_z_loss, float(z_loss))  # fmt: skip
+
+
+def _z_rows(lse: torch.Tensor, valid: torch.Tensor, w: torch.Tensor | None, z_loss: float):
+    """Each row's z-loss term z_loss * lse^2 (0 on ignored rows), times its weight."""
+    zrows = torch.where(valid, z_loss * lse * lse, 0.0)
+    return zrows if w is None else zrows * w
+
+
+def _with_extras(
+    loss, lse, entropy, valid, w, shape, reduction, num_items_in_batch, return_lse: bool,
+    return_z_loss: bool, z_loss: float,
+):  # fmt: skip
+    """``loss``, or the tuple (loss[, lse][, z_loss][, entropy]) the options ask for: the
+    per-row lse and entropy shaped like the targets, the z-loss term reduced like the loss
+    (weights included)."""
     extras: list[torch.Tensor] = []
     if return_lse:
         extras.append(lse.reshape(shape))
     if return_z_loss:
+        zrows = _z_rows(lse, valid, w, z_loss)
         extras.append(_reduce(zrows, valid, reduction, num_items_in_batch, shape))
-    if return_entropy:
-        entropy = entropy.reshape(shape)
-        extras.append(entropy.detach() if detached_entropy else entropy)
+    if entropy is not None:
+        extras.append(entropy.reshape(shape))
     return (loss, *extras) if extras else loss
