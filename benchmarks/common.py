@@ -127,6 +127,18 @@ def environment() -> dict:
     }
 
 
+def peak_above_gib(fn: Callable[[], object]) -> float:
+    """GiB of CUDA memory ``fn`` allocates at its peak above what was allocated before it
+    (its results freed when it returns: the workspace and what its graph keeps alive
+    inside the call)."""
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2**30
+
+
 PEERS = ("liger_kernel", "cut_cross_entropy")
 
 

@@ -55,8 +55,6 @@ import common  # noqa: E402
 
 from coda.fusions.cross_entropy import linear_cross_entropy  # noqa: E402
 
-GiB = 2**30
-
 
 def eager_entropy_loss(h, W, t):
     """Per-token loss and entropy from materialized logits (fp32 softmax)."""
@@ -145,15 +143,6 @@ def contenders(h, W, t, up, backward: bool) -> dict:
     }
 
 
-def peak_gib(fn) -> float:
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    fn()
-    torch.cuda.synchronize()
-    return (torch.cuda.max_memory_allocated() - base) / GiB
-
-
 CONTENDERS = (
     "coda",
     "coda_entropy",
@@ -230,7 +219,7 @@ def main() -> None:
             times = common.interleaved(fns, rounds=args.rounds, reps=args.reps, warmup=2)
             row = {"H": H, "M": M, "V": args.V, "pass": "fwd+bwd" if backward else "fwd"}
             row.update({f"{k}_ms": common.median(v) for k, v in times.items()})
-            row.update({f"{k}_peak_gib": peak_gib(fn) for k, fn in fns.items()})
+            row.update({f"{k}_peak_gib": common.peak_above_gib(fn) for k, fn in fns.items()})
             rows.append(row)
             print({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()})
     out = {**common.environment_with_peers(), "rows": rows}

@@ -523,3 +523,74 @@ def test_detached_entropy_beside_the_fused_loss(name, shape, monkeypatch):
         ent, textbook_entropy(F64), name="entropy", baseline=textbook_entropy(BF16),
         atol=1e-3, floor=1e-3,
     )  # fmt: skip
+
+
+# the gradient-in-forward path with ``return_lse`` / ``return_z_loss``: (options, kwargs)
+RETURNED_LSE = {
+    "shifted_rows128": (dict(z_loss=1e-4), dict(chunk_rows=128)),
+    "shifted_none_rstd": (dict(rstd=True, z_loss=1e-4, reduction="none"), {}),
+    "map_all": (dict(bias=True, rstd=True, softcap=15.0, label_smoothing=0.05, z_loss=1e-4), {}),
+}
+
+
+@pytest.mark.parametrize("shape", [(512, 256, 1000), (300, 264, 50257)],
+                         ids=lambda s: "x".join(map(str, s)))  # fmt: skip
+@pytest.mark.parametrize("name", list(RETURNED_LSE))
+def test_returned_lse_and_z_loss_on_the_fused_path(name, shape, monkeypatch):
+    """``return_lse`` and ``return_z_loss`` keep the gradient-in-forward path (the
+    recompute path's statistics op must not run in the forward): the per-row lse, the
+    z-loss term and the gradients of a function of all three outputs (their gradients by
+    ``coda::lce_lse``'s backward) against float64 by the 2 x eager-bf16 rule."""
+    from coda.fusions import cross_entropy as ce
+
+    opts, kwargs = RETURNED_LSE[name]
+    opts = dict(opts)
+    bias, rstd = opts.pop("bias", False), opts.pop("rstd", False)
+    M, H, V = shape
+    *tensors, target = inputs(M, H, V, seed=M + V + 3, bias=bias, rstd=rstd)
+    gen = torch.Generator(device="cuda").manual_seed(9)
+    u_lse = torch.randn(M, device="cuda", generator=gen)
+    u_z = torch.randn((M,) if opts.get("reduction") == "none" else (), device="cuda",
+                      generator=gen)  # fmt: skip
+    upstream = torch.randn(M, device="cuda") if opts.get("reduction") == "none" else None
+    parts = []
+
+    def no_stats(*args, **kw):
+        raise AssertionError("the recompute path's statistics op ran")
+
+    def coda_fn(h, W, target, **kw):
+        with monkeypatch.context() as m:
+            m.setattr(ce, "lce_stats", no_stats)
+            loss, lse, zl = linear_cross_entropy(
+                h, W, target, return_lse=True, return_z_loss=True, **kw
+            )
+        parts.append((lse, zl))
+        return loss + ((lse * u_lse).sum() + (zl * u_z).sum()) * torch.ones_like(loss)
+
+    def truth_fn(h, W, target, bias=None, rstd=None, **kw):
+        loss = textbook(h, W, target, bias=bias, rstd=rstd, **kw)
+        logits = textbook_logits(h, W, bias, rstd, kw.get("softcap"), kw.get("temperature", 1.0))
+        lse = torch.logsumexp(logits.to(F64 if h.dtype == F64 else torch.float32), -1)
+        valid = target != -100
+        zrows = torch.where(valid, kw.get("z_loss", 0.0) * lse * lse, 0.0)
+        if kw.get("reduction") == "none":
+            zl = zrows
+        elif kw.get("reduction") == "sum":
+            zl = zrows.sum()
+        else:
+            zl = zrows.sum() / valid.sum().clamp(min=1)
+        parts.append((lse, zl))
+        total = loss + ((lse * u_lse.to(lse.dtype)).sum() + (zl * u_z.to(lse.dtype)).sum())
+        return total * torch.ones_like(loss)
+
+    ours = grads_of(coda_fn, tensors, target, BF16, upstream, grad_in_forward=True,
+                    **kwargs, **opts)  # fmt: skip
+    truth = grads_of(truth_fn, tensors, target, F64, upstream, **opts)
+    eager = grads_of(truth_fn, tensors, target, BF16, upstream, **opts)
+    names = ["loss", "dh", "dW"] + (["dbias"] if bias else []) + (["drstd"] if rstd else [])
+    for n, a, t, e in zip(names, ours, truth, eager, strict=True):
+        assert torch.isfinite(a).all(), n
+        assert_close_to_reference(a, t, name=n, baseline=e, atol=1e-3, floor=1e-3)
+    for n, i in (("lse", 0), ("z_loss", 1)):
+        got, want, base = (p[i] for p in parts)
+        assert_close_to_reference(got, want, name=n, baseline=base, atol=1e-3, floor=1e-3)
