@@ -7,7 +7,7 @@ and ``_dispatch`` (fused kernel on CUDA, the epilogues' reference on CPU).
 ``linear_cross_entropy`` runs one of two paths (``_grad_in_forward`` picks):
 
 **Gradient-in-forward** (default when autograd will want gradients of a scalar loss:
-grad mode on, an input requiring grad, reduction "mean"/"sum", no returned lse/z-loss):
+grad mode on, an input requiring grad, reduction "mean"/"sum", no differentiable entropy):
 ``coda::lce_fused_loss`` (``ce_fused``) computes the loss and all gradients in the
 forward over row chunks, 3 logits-sized GEMMs in all; its backward scales the saved
 gradients by the loss's upstream gradient. Workspace: two row buffers and, with more than
@@ -16,10 +16,13 @@ in ONE row chunk of every row (``per_row``), the backward's per-row upstream gra
 folded into the deferred dh / dW GEMMs' row factors: by default where that M x V row
 buffer fits ``ce_chunks.GRAD_ROWS_BYTES``, at any size with ``grad_in_forward=True``.
 ``return_entropy="detached"`` keeps this path: the entropy, without a gradient, comes
-from the same statistics' epilogue (``SoftmaxEntropy`` in place of ``LogSumExp``).
+from the same statistics' epilogue (``SoftmaxEntropy`` in place of ``LogSumExp``). So do
+``return_lse`` / ``return_z_loss``: the forward's lse, differentiable through
+``coda::lce_lse``, whose backward (the recompute path's gradient of lse) runs only where
+they are differentiated.
 
 **Recompute** (otherwise, or ``grad_in_forward=False``: any upstream gradient, per-row
-losses of more rows, returned lse or a differentiable entropy; the low-memory choice),
+losses of more rows, a differentiable entropy; the low-memory choice),
 two custom ops:
 
 * ``coda::lce_stats(h, W, target, bias, rstd, ...) -> (lse, zt, zsum, entropy)``: per
@@ -526,13 +529,15 @@ def linear_cross_entropy(
     ``return_entropy="detached"`` returns it without a gradient (``requires_grad``
     False: for logging and masks, as RL trainers use it under ``torch.no_grad``), which
     the gradient-in-forward path computes beside the loss in its statistics' epilogue.
-    Other extra outputs (a differentiable entropy, lse, z-loss) take the recompute path.
+    A differentiable entropy takes the recompute path; a returned lse or z-loss does not
+    (their gradient, where they are differentiated, is the recompute path's backward of
+    lse, run in the backward: 3 more logits-sized GEMMs; logged, they cost nothing).
     ``check``: range-check
     the targets on CUDA too (a device sync; always done on CPU).
 
     Two paths (docs/cross-entropy.md). ``grad_in_forward`` None (default): when autograd
     will want gradients (grad mode on, an input requiring grad) of a scalar loss
-    ("mean"/"sum", no ``return_lse``/``return_z_loss``), the forward computes the loss
+    ("mean"/"sum", no ``return_entropy=True``), the forward computes the loss
     AND the gradients over chunks of ``chunk_rows`` rows (3 logits-sized GEMMs; the
     backward only scales them: ``coda.fusions.ce_fused``); per-row losses ("none") the
     same in one chunk of every row, where the M x V row buffer fits
