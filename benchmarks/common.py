@@ -139,6 +139,42 @@ def peak_above_gib(fn: Callable[[], object]) -> float:
     return (torch.cuda.max_memory_allocated() - base) / 2**30
 
 
+def add_lm_head_args(parser, out: str, rounds: int) -> None:
+    """The LM-head loss benchmarks' shared options: --shapes (H x M pairs), --V, --rounds,
+    --reps, --out and --replot."""
+    parser.add_argument("--shapes", default="2048x8192,4096x8192", help="HxM pairs")
+    parser.add_argument("--V", type=int, default=128256)
+    parser.add_argument("--rounds", type=int, default=rounds)
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--out", default=out)
+    add_replot_option(parser)
+
+
+def lm_head_problems(shapes: str, V: int):
+    """Per "HxM" of ``shapes`` (comma-separated): (H, M, h, W, t, g), bf16 hidden states h
+    (M, H) ~ N(0, 1/4) and LM head W (V, H) ~ N(0, 1/H), both requiring grad, int64
+    targets t, and the CUDA generator that drew them (seed 0, for further draws)."""
+    for shape in shapes.split(","):
+        H, M = (int(x) for x in shape.split("x"))
+        g = torch.Generator(device="cuda").manual_seed(0)
+        h = torch.randn(M, H, device="cuda", generator=g).to(torch.bfloat16).requires_grad_()
+        W = (torch.randn(V, H, device="cuda", generator=g) / H**0.5).to(torch.bfloat16)
+        W.requires_grad_()
+        t = torch.randint(0, V, (M,), device="cuda", generator=g)
+        yield H, M, h, W, t, g
+
+
+def measured_row(row: dict, fns: dict, rounds: int, reps: int) -> dict:
+    """``row`` plus each contender's median time over interleaved rounds (``<name>_ms``)
+    and its peak memory above what was allocated before it (``<name>_peak_gib``),
+    printed."""
+    times = interleaved(fns, rounds=rounds, reps=reps, warmup=2)
+    row = {**row, **{f"{k}_ms": median(v) for k, v in times.items()}}
+    row.update({f"{k}_peak_gib": peak_above_gib(fn) for k, fn in fns.items()})
+    print({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()})
+    return row
+
+
 PEERS = ("liger_kernel", "cut_cross_entropy")
 
 

@@ -196,32 +196,17 @@ def plot(out: dict, path: str) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--shapes", default="2048x8192,4096x8192", help="HxM pairs")
-    p.add_argument("--V", type=int, default=128256)
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--reps", type=int, default=3)
-    p.add_argument("--out", default="benchmarks/results/entropy_cost_h200.json")
-    common.add_replot_option(p)
+    common.add_lm_head_args(p, "benchmarks/results/entropy_cost_h200.json", rounds=3)
     args = p.parse_args()
     if common.replotted(args, plot):
         return
     rows = []
-    for shape in args.shapes.split(","):
-        H, M = (int(x) for x in shape.split("x"))
-        g = torch.Generator(device="cuda").manual_seed(0)
-        h = torch.randn(M, H, device="cuda", generator=g).to(torch.bfloat16).requires_grad_()
-        W = (torch.randn(args.V, H, device="cuda", generator=g) / H**0.5).to(torch.bfloat16)
-        W.requires_grad_()
-        t = torch.randint(0, args.V, (M,), device="cuda", generator=g)
+    for H, M, h, W, t, g in common.lm_head_problems(args.shapes, args.V):
         up = torch.randn(M, device="cuda", generator=g)
         for backward in (False, True):
             fns = contenders(h, W, t, up, backward)
-            times = common.interleaved(fns, rounds=args.rounds, reps=args.reps, warmup=2)
             row = {"H": H, "M": M, "V": args.V, "pass": "fwd+bwd" if backward else "fwd"}
-            row.update({f"{k}_ms": common.median(v) for k, v in times.items()})
-            row.update({f"{k}_peak_gib": common.peak_above_gib(fn) for k, fn in fns.items()})
-            rows.append(row)
-            print({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()})
+            rows.append(common.measured_row(row, fns, args.rounds, args.reps))
     out = {**common.environment_with_peers(), "rows": rows}
     common.write_json(args.out, out)
     plot(out, common.png_beside(args.out))

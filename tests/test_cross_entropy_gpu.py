@@ -186,6 +186,12 @@ def test_matches_float64_no_worse_than_eager_bf16(name, shape, path, monkeypatch
     assert passes.n == chunks, (passes.n, chunks)  # the path asked for is the one that ran
     truth = grads_of(textbook, tensors, target, F64, upstream, **opts)
     eager = grads_of(textbook, tensors, target, BF16, upstream, **opts)
+    _assert_like_float64(ours, truth, eager, bias, rstd)
+
+
+def _assert_like_float64(ours, truth, eager, bias: bool, rstd: bool) -> None:
+    """(loss, dh, dW[, dbias][, drstd]) finite and against float64 by the 2 x eager-bf16
+    rule (atol 1e-3)."""
     names = ["loss", "dh", "dW"] + (["dbias"] if bias else []) + (["drstd"] if rstd else [])
     for n, a, t, e in zip(names, ours, truth, eager, strict=True):
         assert torch.isfinite(a).all(), n
@@ -513,10 +519,7 @@ def test_detached_entropy_beside_the_fused_loss(name, shape, monkeypatch):
                     **kwargs, **opts)  # fmt: skip
     truth = grads_of(textbook, tensors, target, F64, upstream, **opts)
     eager = grads_of(textbook, tensors, target, BF16, upstream, **opts)
-    names = ["loss", "dh", "dW"] + (["dbias"] if bias else []) + (["drstd"] if rstd else [])
-    for n, a, t, e in zip(names, ours, truth, eager, strict=True):
-        assert torch.isfinite(a).all(), n
-        assert_close_to_reference(a, t, name=n, baseline=e, atol=1e-3, floor=1e-3)
+    _assert_like_float64(ours, truth, eager, bias, rstd)
     (ent,) = entropies
     assert torch.isfinite(ent).all()
     assert_close_to_reference(
@@ -587,10 +590,7 @@ def test_returned_lse_and_z_loss_on_the_fused_path(name, shape, monkeypatch):
                     **kwargs, **opts)  # fmt: skip
     truth = grads_of(truth_fn, tensors, target, F64, upstream, **opts)
     eager = grads_of(truth_fn, tensors, target, BF16, upstream, **opts)
-    names = ["loss", "dh", "dW"] + (["dbias"] if bias else []) + (["drstd"] if rstd else [])
-    for n, a, t, e in zip(names, ours, truth, eager, strict=True):
-        assert torch.isfinite(a).all(), n
-        assert_close_to_reference(a, t, name=n, baseline=e, atol=1e-3, floor=1e-3)
+    _assert_like_float64(ours, truth, eager, bias, rstd)
     for n, i in (("lse", 0), ("z_loss", 1)):
         got, want, base = (p[i] for p in parts)
         assert_close_to_reference(got, want, name=n, baseline=base, atol=1e-3, floor=1e-3)
