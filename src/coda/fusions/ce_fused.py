@@ -6,7 +6,7 @@ chunks, workspace), ``ce_operands`` (checks, targets) and ``_dispatch`` (fused k
 CUDA, the epilogues' reference on CPU).
 
 Two custom ops. ``coda::lce_fused_loss(h, W, target, bias, rstd, denom, ...) -> (loss,
-dh, dW, dbias, drstd, dl_last, dl_tail, dl_scale, dl_smooth)``: the scalar loss
+dh, dW, dbias, drstd, dl_last, dl_tail, dl_scale, dl_smooth, ent, lse)``: the scalar loss
 sum_rows(row loss) / denom and its gradients for an upstream gradient of 1, three
 logits-sized GEMMs in all (the
 recompute path of ``cross_entropy`` runs four). How the upstream gradient g reaches them
@@ -863,9 +863,8 @@ def _outputs_like(
     ``shifted`` path the fp32 row factor (m_last,) of the last chunk's R (its dlogits
     are R times it) and, with label smoothing, the fp32 per-row gs (* rstd) of every row
     (M,); with ``entropy`` each row's fp32 softmax entropy (M,), with ``lse`` its fp32
-    log-sum-exp (M,). With the last chunk not
-    deferred (one chunk, ``DEFER_ONE_CHUNK`` off): dh (M, H) and dW (V, H) whole, no
-    dlogits."""
+    log-sum-exp (M,). With the last chunk not deferred (one chunk, ``DEFER_ONE_CHUNK``
+    off): dh (M, H) and dW (V, H) whole, no dlogits."""
     need_dh, need_dW, need_dbias, need_drstd = need
     M, H = h.shape
     V = W.shape[0]
