@@ -40,6 +40,12 @@ def textbook(h, W, target, *, bias=None, rstd=None, softcap=None, label_smoothin
         rows = rows + z_loss * torch.logsumexp(logits, -1) ** 2 * valid
     if row_weight is not None:
         rows = rows * torch.where(valid, row_weight.to(rows.dtype), 0.0)
+    return reduce_rows(rows, valid, reduction, num_items_in_batch)
+
+
+def reduce_rows(rows, valid, reduction="mean", num_items_in_batch=None):
+    """The loss's reduction of per-row values: as they are ("none"), their sum over
+    ``num_items_in_batch``, their sum, or their mean over the valid rows (0 with none)."""
     if reduction == "none":
         return rows
     if num_items_in_batch is not None:

@@ -35,6 +35,7 @@ from _ce_helpers import (
     names,
     options,
     problems,
+    reduce_rows,
     textbook,
     textbook_logits,
 )
@@ -436,14 +437,9 @@ def _with_lse_and_z_loss(p, ups: list):
             h, W, target, return_lse=True, return_z_loss=True, **kwargs
         )
         g_lse, g_z = (u.to(lse.dtype) for u in ups)
-        return loss + ((lse * g_lse).sum() + (zl * g_z).sum()) * _unit(loss)
+        return loss + ((lse * g_lse).sum() + (zl * g_z).sum()) * torch.ones_like(loss)
 
     return run
-
-
-def _unit(loss):
-    """1, shaped to broadcast against the loss (scalar or per-row)."""
-    return torch.ones_like(loss)
 
 
 @pytest.mark.parametrize("grad_pass", ["shifted", "map"])
@@ -477,24 +473,14 @@ def test_returned_lse_and_z_loss_keep_the_fused_path(p, grad_pass):
         zrows = torch.where(valid, p["z_loss"] * lse * lse, 0.0)
         if p["row_weight"]:
             zrows = zrows * torch.where(valid, options(p)["row_weight"], 0.0)
-        zl = textbook_reduce(zrows, valid, p)
-        return loss + ((lse * ups[0]).sum() + (zl * ups[1].double()).sum()) * _unit(loss)
+        zl = reduce_rows(zrows, valid, p["reduction"], p.get("num_items_in_batch"))
+        total = (lse * ups[0]).sum() + (zl * ups[1].double()).sum()
+        return loss + total * torch.ones_like(loss)
 
     truth = loss_and_grads(truth_fn, p, F64, (h, W, bias, rstd), target)
     for name, a, t in zip(names(p), got, truth, strict=True):
         floor = 1.0 if name == "loss" else _floor(name)  # the lse terms: O(1) each
         assert_close_to_reference(a, t, name=name, tol=TOL, floor=floor)
-
-
-def textbook_reduce(rows, valid, p):
-    """The loss's reduction of per-row values, as ``textbook``."""
-    if p["reduction"] == "none":
-        return rows
-    if p.get("num_items_in_batch") is not None:
-        return rows.sum() / p["num_items_in_batch"]
-    if p["reduction"] == "sum":
-        return rows.sum()
-    return rows.sum() / valid.sum().clamp(min=1)
 
 
 def test_logged_lse_and_z_loss_cost_no_gemm(monkeypatch):

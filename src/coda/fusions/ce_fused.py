@@ -521,8 +521,9 @@ class _Walk:
         if spec.main:
             stats, acc, ent = self._main_stats(h_c, tloc, r_c, r1 - r0)
         tail = _tail(spec, hf, self.W_tail, self.b_tail, r_c, t_c, valid_c) if spec.tail else None
-        lse, zt, zsum = _merge(stats, None if tail is None else tail.stats())
-        self._entropy(r0, r1, stats, ent, tail, lse)
+        tstats = None if tail is None else tail.stats()
+        lse, zt, zsum = _merge(stats, tstats)
+        self._entropy(r0, r1, stats, ent, tail, tstats, lse)
         if self.lse is not None:
             self.lse[r0:r1] = lse
         self.row_loss[r0:r1] = _row_losses(spec, lse, zt, zsum, valid_c)
@@ -543,15 +544,16 @@ class _Walk:
         if spec.need_dW:
             self._dW(i, hf, h_c, dl, dl_t)
 
-    def _entropy(self, r0: int, r1: int, main, ent, tail: _Tail | None, lse) -> None:
+    def _entropy(self, r0: int, r1: int, main, ent, tail: _Tail | None, tstats, lse) -> None:
         """Rows r0:r1 of the softmax entropy (``spec.entropy``): the fused columns' (``ent``
-        of the statistics ``main``, None without fused columns) merged with the tail's."""
+        of the statistics ``main``, None without fused columns) merged with the tail's
+        (``tstats``: its statistics, already taken)."""
         if self.ent is None:
             return
         if tail is None:
             self.ent[r0:r1] = ent
             return
-        parts = [(tail.stats()[0], tail.entropy())]
+        parts = [(tstats[0], tail.entropy())]
         if main is not None:
             parts.append((main[0], ent))
         self.ent[r0:r1] = merge_entropy(parts, lse)
@@ -591,8 +593,9 @@ class _Walk:
         R = out[SHIFTED]
         tail = _tail(spec, hf, self.W_tail, None, r_c, t_c, valid_c) if spec.tail else None
         main = (out["lse"], out["zt"], out["zsum"] if spec.with_sum else None)
-        lse, zt, zsum = _merge(main, None if tail is None else tail.stats())
-        self._entropy(r0, r1, main, out.get("ent"), tail, lse)
+        tstats = None if tail is None else tail.stats()
+        lse, zt, zsum = _merge(main, tstats)
+        self._entropy(r0, r1, main, out.get("ent"), tail, tstats, lse)
         if self.lse is not None:
             self.lse[r0:r1] = lse
         if spec.with_sum or spec.z_loss:

@@ -269,7 +269,6 @@ def _stats_setup(ctx, inputs, output) -> None:
 
 
 def _stats_backward(ctx, g_lse, g_zt, g_zsum, g_entropy):
-    need_dh, need_dW, need_dbias, need_drstd = ctx.flags
     h, W, target, bias, rstd, lse, entropy = ctx.saved_tensors
     if not any(ctx.flags):
         return (None,) * 11
@@ -281,17 +280,19 @@ def _stats_backward(ctx, g_lse, g_zt, g_zsum, g_entropy):
         g_entropy = entropy = None
     else:  # dH/dz = -p (z - E_p[z])
         g_entropy = g_entropy.float().contiguous()
-    grads = iter(
-        lce_stats_backward(
-            g_lse, g_zt, g_zsum, h, W, target, bias, rstd, lse, *ctx.args, *ctx.flags,
-            g_entropy, entropy,
-        )
+    grads = lce_stats_backward(
+        g_lse, g_zt, g_zsum, h, W, target, bias, rstd, lse, *ctx.args, *ctx.flags,
+        g_entropy, entropy,
     )  # fmt: skip
-    dh = next(grads) if need_dh else None
-    dW = next(grads) if need_dW else None
-    dbias = next(grads) if need_dbias else None
-    drstd = next(grads) if need_drstd else None
+    dh, dW, dbias, drstd = _by_flag(grads, ctx.flags)
     return dh, dW, None, dbias, drstd, None, None, None, None, None, None
+
+
+def _by_flag(grads: list, flags: tuple[bool, ...]) -> list:
+    """``lce_stats_backward``'s gradients (those asked for, in order) as [dh, dW, dbias,
+    drstd], None where its flag is off."""
+    it = iter(grads)
+    return [next(it) if flag else None for flag in flags]
 
 
 register_autograd("coda::lce_stats", _stats_backward, setup_context=_stats_setup)
@@ -331,21 +332,15 @@ def _lse_setup(ctx, inputs, output) -> None:
 
 
 def _lse_backward(ctx, g_lse):
-    need_dh, need_dW, need_dbias, need_drstd = ctx.flags
     if g_lse is None or not any(ctx.flags):
         return (None,) * 8
     h, W, target, bias, rstd, lse = ctx.saved_tensors
     zeros = torch.zeros_like(lse)
-    grads = iter(
-        lce_stats_backward(
-            g_lse.float().contiguous(), zeros, zeros, h, W, target, bias, rstd, lse,
-            *ctx.args, False, 0, *ctx.flags,
-        )
+    grads = lce_stats_backward(
+        g_lse.float().contiguous(), zeros, zeros, h, W, target, bias, rstd, lse,
+        *ctx.args, False, 0, *ctx.flags,
     )  # fmt: skip
-    dh = next(grads) if need_dh else None
-    dW = next(grads) if need_dW else None
-    dbias = next(grads) if need_dbias else None
-    drstd = next(grads) if need_drstd else None
+    dh, dW, dbias, drstd = _by_flag(grads, ctx.flags)
     return None, dh, dW, None, dbias, drstd, None, None
 
 
