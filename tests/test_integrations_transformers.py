@@ -314,6 +314,32 @@ def test_torch_compile_of_the_patched_model_keeps_its_results():
         assert_close_to_reference(p.grad, theirs[name].grad, name=f"compiled d{name}", tol=TOL)
 
 
+def test_torch_compile_of_the_patched_model_does_not_recompile_per_length():
+    """``torch.compile`` as users call it (dynamic shapes left to dynamo) over four
+    sequence lengths: dynamo compiles the first length, recompiles once with a dynamic
+    length at the second, and never again (the fused seams' counters and caches must not
+    enter its guards); every call fused, each loss equal to the uncompiled model's."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    _, mine, patch = pair(**CONFIGS["gqa"])
+    other = copy.deepcopy(mine)
+    other_patch = other.__dict__["_coda_patch"]
+    mine.train(), other.train()
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(other, backend=counter)
+    frames = []
+    for S in (9, 12, 17, 21):
+        ids, labels = batch(mine.config.vocab_size, S=S, seed=S)
+        want = mine(ids, labels=labels).loss
+        got = compiled(ids, labels=labels).loss
+        got.backward()
+        assert_close_to_reference(got, want, name=f"compiled loss S={S}", tol=TOL)
+        frames.append(counter.frame_count)
+    assert frames[1] == frames[2] == frames[3], frames
+    assert other_patch.calls == {"fused_stack": 4, "fused_loss": 4}, other_patch.fallbacks
+
+
 def test_revert_restores_the_original_model():
     torch.manual_seed(0)
     config = LlamaConfig(**CONFIGS["gqa"], attn_implementation="eager")

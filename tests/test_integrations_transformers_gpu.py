@@ -185,3 +185,35 @@ def test_short_side_by_side_training_agrees():
     assert all(math.isfinite(x) for v in result.losses.values() for x in v)
     assert all(v is not None and v > 0 for v in result.peak_gib.values())
     assert result.coda_calls == {"fused_stack": 40, "fused_loss": 40}
+
+
+def test_torch_compile_of_the_patched_model():
+    """``torch.compile`` (inductor, dynamic shapes left to dynamo, as users call it) of a
+    patched bf16 model over three sequence lengths: every call fused, the loss and every
+    gradient within the float64 rule (against eager bf16 as the baseline), and no
+    recompile after the second length."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    name = "gqa_h256"
+    mine, eager, truth, patch = trio(name, seed=3)
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("inductor")
+    compiled = torch.compile(mine, backend=counter)
+    frames = []
+    errs = Errors()
+    for S in (203, 150, 97):
+        ids, labels = batch(CONFIGS[name]["vocab_size"], S=S, seed=S)
+        losses = {}
+        for key, model in (("coda", compiled), ("eager", eager), ("truth", truth)):
+            model.zero_grad(set_to_none=True)
+            out = model(ids, labels=labels)
+            out.loss.backward()
+            losses[key] = out.loss.detach()
+        frames.append(counter.frame_count)
+        errs.add(f"loss S={S}", losses["coda"], losses["eager"], losses["truth"])
+        ours, theirs, ref = (dict(m.named_parameters()) for m in (mine, eager, truth))
+        for pname, p in ref.items():
+            errs.add(f"d{pname} S={S}", ours[pname].grad, theirs[pname].grad, p.grad)
+    errs.check()
+    assert frames[1] == frames[2], frames
+    assert patch.calls == {"fused_stack": 3, "fused_loss": 3} and not patch.fallbacks

@@ -621,6 +621,12 @@ def _return_dict(module: nn.Module, args: Mapping[str, Any]) -> bool:
     return bool(value)
 
 
+# Under torch.compile the two patched forwards below run eagerly, and only they
+# (``recursive=False``): what they call, the fused stack, the loss and Hugging Face's own
+# forward, is compiled as frames of its own. They are dispatchers that read and bump the
+# patch's call counters, and a counter read inside a compiled frame becomes a guard on its
+# value: a recompile on every call until dynamo's cache limit.
+@torch.compiler.disable(recursive=False)
 def _stack_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     """The patched forward of a ``LlamaModel`` instance (bound with ``types.MethodType``)."""
     patch: CodaPatch = self.__dict__["_coda_patch"]
@@ -638,6 +644,7 @@ def _stack_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     return out if _return_dict(self, named) else out.to_tuple()
 
 
+@torch.compiler.disable(recursive=False)
 def _causal_lm_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     """The patched forward of a ``LlamaForCausalLM`` instance: the fused loss in training
     with labels (over the fused stack, or over the stack's original forward when this
