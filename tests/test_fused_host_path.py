@@ -271,3 +271,23 @@ def test_finalize_lanes_follow_the_size_class_and_size_the_grid():
         cols = finalize.plan(EPILOGUES["dgamma_colsum"], lanes=lanes)  # column results only
         per_warp = 32 // lanes[1]
         assert cols.extent(5000, 2056) == 32 * -(-2056 // per_warp)
+
+
+def test_kernels_run_only_on_hopper_gpus(monkeypatch):
+    """``checks.kernels_run_on``, the fusions' choice between the kernels and their
+    reference path: never on the CPU, on a CUDA device only at compute capability 9.0,
+    the answer remembered per device."""
+    monkeypatch.setattr(checks, "_kernel_devices", {})
+    caps = {0: (9, 0), 1: (8, 0)}
+    asked = []
+
+    def capability(device=None):
+        asked.append(device.index)
+        return caps[device.index]
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", capability)
+    assert not checks.kernels_run_on(torch.device("cpu"))
+    assert checks.kernels_run_on(torch.device("cuda", 0))
+    assert not checks.kernels_run_on(torch.device("cuda", 1))
+    assert checks.kernels_run_on(torch.device("cuda", 0))
+    assert asked == [0, 1]

@@ -2,8 +2,9 @@
 
 Sits above ``coda.runtime`` and below ``coda.nn`` (nothing in coda below imports it).
 Every op is a ``torch.library`` custom op (namespace ``coda``) with a fake implementation
-and an autograd formula, so ``torch.compile(fullgraph=True)`` keeps it whole; on CUDA it
-runs the fused kernels, on CPU the same epilogues' ``reference`` (see ``_dispatch``).
+and an autograd formula, so ``torch.compile(fullgraph=True)`` keeps it whole; on a Hopper
+GPU it runs the fused kernels, on any other device (the CPU, other GPUs) the same
+epilogues' ``reference`` there (see ``_dispatch``).
 
 * ``NormedStream`` (x, h, rstd): the residual stream with its deferred RMSNorm caches.
 * ``norm``: ``rms_norm_stats`` (caches of a given stream), ``linear_add_rms_norm`` (a GEMM

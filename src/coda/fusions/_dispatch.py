@@ -3,12 +3,16 @@
 Sits at the bottom of ``coda.fusions``, right above ``coda.runtime``: every fusion calls its
 epilogues and GEMMs through these helpers, never ``epi(...)`` / ``coda.gemm`` /
 ``epi.reference`` directly, so the SAME ``Epilogue`` objects define the GPU path and the
-CPU path, and CI (CPU) tests exactly the algebra the GPU runs.
+CPU path, and CI (CPU) tests exactly the algebra the GPU runs. The fused kernels run on
+a Hopper GPU (``uses_kernels``); on any other device (the CPU, a GPU of another
+architecture) the same calls run the reference path there.
 
-* ``run_epilogue(epi, A, B, outputs=None, *, config=None, **tensors)``: on CUDA tensors
+* ``uses_kernels(t)``: whether calls on ``t``'s device take the fused kernels (a Hopper
+  GPU) rather than the reference path.
+* ``run_epilogue(epi, A, B, outputs=None, *, config=None, **tensors)``: on a Hopper GPU
   the fused kernel ``epi(A, B, **tensors)`` (A, B row-major or transposed views;
   ``outputs``: caller buffers it writes its M x N outputs into; ``config``: as
-  ``Epilogue.__call__`` takes it); on CPU tensors ``epi.reference(A, B,
+  ``Epilogue.__call__`` takes it); elsewhere ``epi.reference(A, B,
   **tensors)`` (fp32 inside, outputs in their declared dtypes, new tensors). Finalized
   results are under their names either way (the GPU returns per-tile partials only
   when ``outputs`` is given).
@@ -19,8 +23,8 @@ CPU path, and CI (CPU) tests exactly the algebra the GPU runs.
   names caller buffers to write into. Its zero operands (which only give the launch its
   M, N) are slices of one cached, read-only zero buffer per (device, dtype)
   (``_zero_rows``): no allocation or fill per call.
-* ``matmul(A, B, out=None, accumulate=False)``: ``A @ B.T`` by ``coda.gemm`` on CUDA, by
-  ``A.float() @ B.float().T`` on CPU.
+* ``matmul(A, B, out=None, accumulate=False)``: ``A @ B.T`` by ``coda.gemm`` on a Hopper
+  GPU, by ``A.float() @ B.float().T`` elsewhere.
 """
 
 from __future__ import annotations
@@ -30,11 +34,18 @@ from typing import Any
 import torch
 
 from coda.epilogue import Epilogue
+from coda.runtime.checks import kernels_run_on
 
-__all__ = ["MAP_K", "matmul", "run_epilogue", "run_map"]
+__all__ = ["MAP_K", "matmul", "run_epilogue", "run_map", "uses_kernels"]
 
 #: K of the zero GEMM under ``run_map``: the smallest whose 16-bit rows are 16 bytes (TMA).
 MAP_K = 8
+
+
+def uses_kernels(t: torch.Tensor) -> bool:
+    """True when work on ``t``'s device runs coda's fused kernels (a Hopper GPU), False
+    where it runs the reference path (the CPU, other GPUs)."""
+    return kernels_run_on(t.device)
 
 
 def run_epilogue(
@@ -46,10 +57,10 @@ def run_epilogue(
     config: Any = None,
     **tensors: Any,
 ) -> dict:
-    """``epi`` after acc = A @ B.T: fused on CUDA (into ``outputs`` where given; with
-    ``config``, e.g. ``"gemm"``: the plain GEMM's tile), ``epi.reference`` on CPU
+    """``epi`` after acc = A @ B.T: fused on a Hopper GPU (into ``outputs`` where given;
+    with ``config``, e.g. ``"gemm"``: the plain GEMM's tile), ``epi.reference`` elsewhere
     (``outputs`` and ``config`` ignored: the reference returns new tensors)."""
-    if A.is_cuda:  # (an empty or None ``outputs`` and a None ``config`` are the defaults)
+    if uses_kernels(A):  # (an empty or None ``outputs`` and a None ``config`` are the defaults)
         return epi(A, B, outputs=outputs, config=config, **tensors)
     return epi.reference(A, B, **tensors)
 
@@ -63,9 +74,9 @@ def run_map(
     **tensors: Any,
 ) -> dict:
     """Run ``epi`` (which must not read ``acc``) over an (M, N) problem on ``like``'s device,
-    with ``like``'s dtype for the (unused) GEMM operands. ``outputs``: on CUDA, caller
-    tensors the kernel writes its M x N outputs into (ignored on CPU, where the reference
-    returns new tensors)."""
+    with ``like``'s dtype for the (unused) GEMM operands. ``outputs``: on a Hopper GPU,
+    caller tensors the kernel writes its M x N outputs into (ignored elsewhere, where the
+    reference returns new tensors)."""
     if epi.reads_acc:
         raise ValueError("run_map runs epilogues that do not read acc; this one does")
     A = _zero_rows(M, like)
@@ -111,8 +122,8 @@ def matmul(
     """``A @ B.T`` (A: (M, K), B: (N, K), each row-major or a transposed view) into a new
     tensor of ``out_dtype`` (default A's), or into ``out`` (``out += A @ B.T`` with
     ``accumulate=True``). fp32 accumulation on both paths. ``config``: the GEMM's
-    (CUDA; None: ``coda.gemm``'s heuristic)."""
-    if A.is_cuda:
+    (Hopper; None: ``coda.gemm``'s heuristic)."""
+    if uses_kernels(A):
         from coda.matmul import gemm
 
         extra = {"accumulate": True} if accumulate else {}

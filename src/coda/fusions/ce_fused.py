@@ -85,7 +85,7 @@ import torch
 from torch.library import custom_op, register_autograd
 
 from coda.fusions import ce_chunks
-from coda.fusions._dispatch import matmul, run_epilogue, run_map
+from coda.fusions._dispatch import matmul, run_epilogue, run_map, uses_kernels
 from coda.fusions.ce_epilogues import (
     GRAD_SCALE,
     PARTIAL_SUM,
@@ -475,7 +475,7 @@ class _Walk:
     def _buffers(self, m: int) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """The row buffers (stored acc, dlogits: one tensor twice by default) on CUDA;
         the CPU reference returns new tensors instead."""
-        if not self.h.is_cuda or self.spec.main == 0:
+        if not uses_kernels(self.h) or self.spec.main == 0:
             return None
         spec = self.spec
         return row_buffers(m, spec.main, spec.acc_dtype, spec.out_dtype, spec.store, self.h.device)
@@ -955,7 +955,7 @@ def lce_fused_loss(
     Targets are range-checked on CPU, and on CUDA when ``check`` (a device sync)."""
     check_operands(h, W, target, bias, rstd)
     V = W.shape[0]
-    if check or not h.is_cuda:
+    if check or not uses_kernels(h):
         check_targets(target, V, ignore_index)
     acc_dtype = ACC_STORE_DTYPE or h.dtype
     need_drstd = rstd is not None and need_drstd
@@ -1086,7 +1086,7 @@ def _row_scaled(h: torch.Tensor, row_scale: torch.Tensor) -> torch.Tensor:
     M, H = h.shape
     if not M:
         return torch.empty_like(h)
-    outputs = {SCALED: torch.empty_like(h)} if h.is_cuda else None
+    outputs = {SCALED: torch.empty_like(h)} if uses_kernels(h) else None
     tensors = {UNSCALED: h, ROW_SCALE: row_scale}
     return run_map(row_scaled_epilogue(h.dtype), M, H, h, outputs, **tensors)[SCALED]
 

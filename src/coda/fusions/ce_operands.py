@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from coda.errors import InputError
+from coda.fusions._dispatch import uses_kernels
 from coda.fusions.ce_chunks import TMA_COLS
 from coda.fusions.ce_epilogues import TARGET_DTYPE
 from coda.specs import FLOAT_DTYPES, INDEX_DTYPES, dtype_name
@@ -53,7 +54,7 @@ def check_operands(
         raise ValueError(f"{OP}: bias must have shape ({W.shape[0]},); got {tuple(bias.shape)}")
     if rstd is not None and (rstd.shape != (h.shape[0],) or rstd.dtype != F32):
         raise ValueError(f"{OP}: rstd must be fp32 ({h.shape[0]},); got {tuple(rstd.shape)}")
-    if h.is_cuda and h.shape[1] % TMA_COLS:
+    if uses_kernels(h) and h.shape[1] % TMA_COLS:
         raise InputError(
             f"{OP}: H={h.shape[1]} must be a multiple of {TMA_COLS} on the GPU (TMA moves rows "
             f"of 16 bytes); pad the hidden size (zero columns of h and W do not change the loss)"

@@ -59,7 +59,7 @@ import torch.nn.functional as F
 from torch.library import custom_op, register_autograd
 
 from coda.fusions import _checks, ce_chunks, ce_fused
-from coda.fusions._dispatch import matmul, run_epilogue
+from coda.fusions._dispatch import matmul, run_epilogue, uses_kernels
 from coda.fusions.ce_chunks import TMA_COLS, Chunk
 from coda.fusions.ce_epilogues import grad_epilogue, stats_epilogue
 from coda.fusions.ce_fused import lce_fused_loss, merge_entropy
@@ -119,7 +119,7 @@ def lce_stats(
     on CUDA when ``check`` (a device sync). ``chunk_size`` 0: automatic (``ce_chunks``)."""
     check_operands(h, W, target, bias, rstd)
     M, V = h.shape[0], W.shape[0]
-    if check or not h.is_cuda:
+    if check or not uses_kernels(h):
         check_targets(target, V, ignore_index)
     valid = target != ignore_index
     n_partials = (4 if with_sum else 3) + (3 if with_entropy else 0)
@@ -202,7 +202,7 @@ def lce_stats_backward(
     if need_drstd:
         drstd = torch.zeros((M,), dtype=F32, device=h.device)
     buf = None
-    if store and h.is_cuda:  # one dlogits buffer, reused by every chunk
+    if store and uses_kernels(h):  # one dlogits buffer, reused by every chunk
         buf = torch.empty((M, max(c.gemm_cols for c in plan)), dtype=h.dtype, device=h.device)
     rows = {"lse": lse, "ga": g_lse, "gt": g_zt}
     if with_sum:

@@ -19,7 +19,8 @@ dependency: this module reads the model's modules by attribute name and imports
   ``logits`` is ``None``. When the call cannot run the fused stack (padding, gradient
   checkpointing, sharded layers...), the stack's original forward runs and the loss over
   its normed output is still fused. In eval mode, or without labels, the original forward
-  runs and returns real logits (``generate()`` keeps working; USERS.md item 4).
+  runs and returns real logits (``generate()`` keeps working; USERS.md item 4). On a GPU
+  that is not a Hopper both seams run the original forward (``NOT_HOPPER``).
 
 Sharded weights (FSDP2 ``fully_shard``, DeepSpeed ZeRO-3; USERS.md item 3): the fused
 stack reads the layers' weights by attribute and never calls the layers, so it runs only
@@ -76,6 +77,7 @@ from coda.nn import (
     _hf,
 )
 from coda.nn._sharding import shard_kind, unit, unwrapped_type
+from coda.runtime.checks import kernels_run_on
 
 __all__ = [
     "SUPPORTED_FAMILIES",
@@ -479,6 +481,8 @@ class CodaPatch:
         ids, embeds = args.get("input_ids"), args.get("inputs_embeds")
         if (ids is None) == (embeds is None):
             return "input_ids/inputs_embeds"  # the original raises its own error
+        if (why := _device_problem(args)) is not None:
+            return why
         seq = (ids if embeds is None else embeds).shape[1]
         window = getattr(config, "sliding_window", None)
         if window is not None and seq > int(window):
@@ -601,6 +605,22 @@ class CodaPatch:
         return stream.x.view(B, S, H)
 
 
+#: The fallback reason of a call whose inputs are on a GPU where coda's kernels do not run.
+NOT_HOPPER = "not a Hopper GPU"
+
+
+def _device_problem(args: Mapping[str, Any]) -> str | None:
+    """``NOT_HOPPER`` when the call's inputs are on a CUDA device that is not a Hopper GPU
+    (Hugging Face's forward runs there: coda's ops would take their reference path, slower
+    than it), else None (a Hopper GPU, or the CPU, where the fused modules run their
+    reference path, as CI tests them)."""
+    x = args.get("input_ids")
+    x = args.get("inputs_embeds") if x is None else x
+    if isinstance(x, torch.Tensor) and x.device.type == "cuda" and not kernels_run_on(x.device):
+        return NOT_HOPPER
+    return None
+
+
 def _loss_problem(causal_lm: nn.Module) -> str | None:
     """None when the model's loss is Hugging Face's causal-LM cross-entropy, else the
     attribute that customizes it."""
@@ -657,7 +677,7 @@ def _causal_lm_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     labels, shift_labels = named.get("labels"), named.get("shift_labels")
     if labels is None and shift_labels is None:
         return original(*args, **kwargs)
-    reason = _loss_problem(self)
+    reason = _device_problem(named) or _loss_problem(self)
     if reason is not None:
         patch._fallback(reason, True)
         return original(*args, **kwargs)

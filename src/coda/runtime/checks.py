@@ -101,6 +101,18 @@ def same_device(named: Sequence[tuple[str, torch.Tensor]]) -> torch.device:
 
 
 _hopper_ok: dict[torch.device, int] = {}
+_kernel_devices: dict[torch.device, bool] = {}
+
+
+def kernels_run_on(device: torch.device) -> bool:
+    """True when coda's kernels run on ``device``: a CUDA device that is a Hopper GPU
+    (sm_90). The fusions take their reference path (plain torch on the same device)
+    elsewhere: on the CPU and on other GPUs. Remembered per device (a dict look-up)."""
+    ok = _kernel_devices.get(device)
+    if ok is None:
+        ok = device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)
+        _kernel_devices[device] = ok
+    return ok
 
 
 def hopper_device(device: torch.device) -> int:
