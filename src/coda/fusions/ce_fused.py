@@ -473,8 +473,8 @@ class _Walk:
             self.drstd = (torch.zeros if spec.shifted else torch.empty)(M, dtype=F32, device=device)
 
     def _buffers(self, m: int) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-        """The row buffers (stored acc, dlogits: one tensor twice by default) on CUDA;
-        the CPU reference returns new tensors instead."""
+        """The row buffers (stored acc, dlogits: one tensor twice by default) on a Hopper
+        GPU; the reference path returns new tensors instead."""
         if not uses_kernels(self.h) or self.spec.main == 0:
             return None
         spec = self.spec
@@ -701,7 +701,7 @@ class _Walk:
 
     def _stored_logits(self, h_c, m: int) -> tuple[torch.Tensor, bool]:
         """(acc, in the row buffer): the plain logits GEMM of the chunk's m rows, into
-        row buffer 0 on CUDA; a new tensor from the CPU reference."""
+        row buffer 0 on a Hopper GPU; a new tensor from the reference path."""
         bufs = self._out(STORED_ACC, 0, m)
         if bufs is None:
             return matmul(h_c, self.W_main, out_dtype=self.spec.acc_dtype), False
@@ -952,7 +952,8 @@ def lce_fused_loss(
     row scale of the softmax: ``linear_cross_entropy``'s recompute path has it).
     ``return_lse``: ``lse`` is each row's log-sum-exp (fp32 (M,)), likewise without a
     gradient here (``linear_cross_entropy`` attaches one, ``coda::lce_lse``).
-    Targets are range-checked on CPU, and on CUDA when ``check`` (a device sync)."""
+    Targets are range-checked on the reference path (the CPU, other GPUs), and on a Hopper
+    GPU when ``check`` (a device sync)."""
     check_operands(h, W, target, bias, rstd)
     V = W.shape[0]
     if check or not uses_kernels(h):

@@ -115,8 +115,9 @@ def lce_stats(
     """(lse, zt, zsum, entropy), each fp32 (M,), of the logits z = softcap(rstd * h @ W.T
     + bias): log-sum-exp over V, z[target] (0 where target == ignore_index), sum over V
     (only with ``with_sum``; zeros otherwise) and the entropy of softmax(z), lse - E_p[z]
-    (only with ``with_entropy``; zeros otherwise). Targets are range-checked on CPU, and
-    on CUDA when ``check`` (a device sync). ``chunk_size`` 0: automatic (``ce_chunks``)."""
+    (only with ``with_entropy``; zeros otherwise). Targets are range-checked on the
+    reference path (the CPU, other GPUs), and on a Hopper GPU when ``check`` (a device
+    sync). ``chunk_size`` 0: automatic (``ce_chunks``)."""
     check_operands(h, W, target, bias, rstd)
     M, V = h.shape[0], W.shape[0]
     if check or not uses_kernels(h):
@@ -528,7 +529,8 @@ def linear_cross_entropy(
     (their gradient, where they are differentiated, is the recompute path's backward of
     lse, run in the backward: 3 more logits-sized GEMMs; logged, they cost nothing).
     ``check``: range-check
-    the targets on CUDA too (a device sync; always done on CPU).
+    the targets on a Hopper GPU too (a device sync; always done on the reference path:
+    the CPU, other GPUs).
 
     Two paths (docs/cross-entropy.md). ``grad_in_forward`` None (default): when autograd
     will want gradients (grad mode on, an input requiring grad) of a scalar loss
