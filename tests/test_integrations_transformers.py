@@ -369,6 +369,27 @@ def test_revert_restores_the_original_model():
     assert torch.equal(mine(ids, labels=labels).loss, want.loss)
 
 
+def test_patched_forwards_report_the_original_signatures():
+    """``inspect.signature(model.forward)`` is the original's at both seams, in a deepcopy
+    too: Hugging Face's ``Trainer`` keeps only the dataset columns that it names
+    (``remove_unused_columns``, on by default), which a ``(*args, **kwargs)`` forward
+    would strip of ``input_ids``."""
+    import inspect
+
+    ref, mine, patch = pair(**CONFIGS["gqa"])
+    clone = copy.deepcopy(mine)
+    for model in (mine, clone):
+        assert inspect.signature(model.forward) == inspect.signature(ref.forward)
+        assert inspect.signature(model.model.forward) == inspect.signature(ref.model.forward)
+        kept = set(inspect.signature(model.forward).parameters)  # Trainer's column filter
+        assert {"input_ids", "attention_mask", "labels"} <= kept
+    ids, labels = batch(mine.config.vocab_size)
+    mine.train(), clone.train()
+    torch.testing.assert_close(clone(ids, labels=labels).loss, mine(ids, labels=labels).loss)
+    patch.revert()
+    clone.__dict__["_coda_patch"].revert()
+
+
 def test_revert_refuses_when_forward_was_replaced_after_apply():
     _, mine, patch = pair(**CONFIGS["mha_tied"])
     mine.forward = lambda *a, **k: None

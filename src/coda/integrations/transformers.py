@@ -413,6 +413,8 @@ class CodaPatch:
     # ---- patching -------------------------------------------------------------------
     def _install(self, module: nn.Module, fn: Callable[..., Any]) -> None:
         previous = module.__dict__.get("forward")  # an instance-level forward, if any
+        original = previous if previous is not None else type(module).forward.__get__(module)
+        fn = _with_signature_of(fn, original)
         module.__dict__["forward"] = types.MethodType(fn, module)
         module.__dict__["_coda_patch"] = self
         self._patched.append((module, previous, fn))
@@ -603,6 +605,26 @@ class CodaPatch:
             stream = functional_call(self._template, params, (embeds, positions), strict=True)
         del params, assembled
         return stream.x.view(B, S, H)
+
+
+def _with_signature_of(fn: Callable[..., Any], original: Callable[..., Any]) -> Callable[..., Any]:
+    """A copy of the patched forward ``fn`` (the same code: what dynamo skips for ``fn`` it
+    skips for the copy) that reports ``original``'s signature to ``inspect.signature``.
+    Callers read a model's arguments from it: Hugging Face's ``Trainer`` keeps only the
+    dataset columns that ``model.forward`` names (``remove_unused_columns``, on by
+    default), and a forward of ``(*args, **kwargs)`` would lose ``input_ids``."""
+    copy = types.FunctionType(
+        fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__
+    )
+    copy.__dict__.update(fn.__dict__)
+    copy.__doc__, copy.__qualname__ = fn.__doc__, fn.__qualname__
+    try:
+        sig = inspect.signature(original)
+    except (TypeError, ValueError):  # no signature to report: the copy's own stands
+        return copy
+    self_param = inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    copy.__signature__ = sig.replace(parameters=[self_param, *sig.parameters.values()])
+    return copy
 
 
 #: The fallback reason of a call whose inputs are on a GPU where coda's kernels do not run.
