@@ -390,6 +390,43 @@ def test_patched_forwards_report_the_original_signatures():
     clone.__dict__["_coda_patch"].revert()
 
 
+def test_hugging_face_trainer_trains_the_patched_model_like_the_original(tmp_path):
+    """Hugging Face's ``Trainer`` with its defaults (``remove_unused_columns`` on, which
+    reads ``model.forward``'s signature; ``num_items_in_batch`` passed to the model under
+    gradient accumulation): two optimizer steps of two micro-batches each, from the same
+    weights and data, leave the patched model's weights equal to the unpatched one's, and
+    every micro-batch ran fused."""
+    pytest.importorskip("accelerate")
+    from transformers import Trainer, TrainingArguments
+
+    _, plain, _ = pair(**CONFIGS["gqa"], patch=False)
+    before = {k: v.detach().clone() for k, v in plain.named_parameters()}
+    mine = copy.deepcopy(plain)
+    patch = apply_coda(mine)
+    g = torch.Generator().manual_seed(3)
+    rows = []
+    for i in range(8):
+        ids = torch.randint(0, plain.config.vocab_size, (9,), generator=g)
+        labels = ids.clone()
+        labels[: 1 + i % 4] = -100  # prompts of different lengths: per-micro-batch counts differ
+        rows.append({"input_ids": ids, "attention_mask": torch.ones(9, dtype=torch.long),
+                     "labels": labels})  # fmt: skip
+    for name, model in (("plain", plain), ("coda", mine)):
+        args = TrainingArguments(
+            output_dir=str(tmp_path / name), per_device_train_batch_size=2,
+            gradient_accumulation_steps=2, max_steps=2, learning_rate=0.1, optim="sgd",
+            lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=0.0,
+            report_to=[], save_strategy="no", logging_strategy="no", use_cpu=True, seed=0,
+            data_seed=0,
+        )  # fmt: skip
+        Trainer(model=model, args=args, train_dataset=rows).train()
+    assert patch.calls == {"fused_stack": 4, "fused_loss": 4}, (patch.calls, patch.fallbacks)
+    theirs = dict(plain.named_parameters())
+    for pname, p in mine.named_parameters():
+        assert not torch.equal(p, before[pname]), pname  # trained
+        assert_close_to_reference(p, theirs[pname], name=pname, tol=TOL)
+
+
 def test_revert_refuses_when_forward_was_replaced_after_apply():
     _, mine, patch = pair(**CONFIGS["mha_tied"])
     mine.forward = lambda *a, **k: None
