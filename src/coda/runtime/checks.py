@@ -128,8 +128,8 @@ def hopper_device(device: torch.device) -> int:
         )
     if not torch.cuda.is_available():
         raise InputError("CUDA is not available in this process")
-    cap = torch.cuda.get_device_capability(device)
-    if cap != (9, 0):
+    if not kernels_run_on(device):
+        cap = torch.cuda.get_device_capability(device)
         raise InputError(
             f"coda kernels need an NVIDIA Hopper GPU (sm_90); {torch.cuda.get_device_name(device)} "
             f"is sm_{cap[0]}{cap[1]}"
