@@ -790,6 +790,54 @@ def test_scaled_total_epilogue_scales_and_rounds_once(partial):
     torch.testing.assert_close(out[TOTAL], (0.7 * want).to(BF16), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("row_scale", [False, True], ids=["", "row_scale"])
+@pytest.mark.parametrize("rank", [False, True], ids=["", "rank1"])
+@pytest.mark.parametrize("partial", [False, True], ids=["", "partial"])
+def test_split_k_finish_is_the_scaled_epilogue(row_scale, rank, partial):
+    """A backward GEMM whose K ``coda.gemm`` would split (``ce_fused._split_config``: dh
+    of a few hundred rows, K = V) sums A @ B.T into fp32 and finishes in torch
+    (``_finish_split``): the same values, rounded once, as ``scaled_total_epilogue`` on
+    the unsplit GEMM, for every combination of its row scale, rank-1 term and fp32
+    partial sum."""
+    from coda.fusions.ce_epilogues import RANK_COL, RANK_ROW, ROW_SCALE
+
+    gen = torch.Generator().manual_seed(5)
+    A = torch.randn(7, 40, generator=gen).to(BF16)  # (rows, V') shifted softmax R
+    B = torch.randn(24, 40, generator=gen).to(BF16)  # W[:V'].t() as (H, V')
+    tensors = {GRAD_SCALE: torch.randn(24, generator=gen)}
+    kw = {}
+    if row_scale:
+        tensors[ROW_SCALE] = kw["row_scale"] = torch.rand(7, generator=gen) + 0.5
+    if rank:
+        tensors[RANK_ROW], tensors[RANK_COL] = kw["rank"] = (
+            torch.randn(7, generator=gen), torch.randn(24, generator=gen)
+        )  # fmt: skip
+    if partial:
+        tensors[PARTIAL_SUM] = kw["partial"] = torch.randn(7, 24, generator=gen)
+    want = scaled_total_epilogue(BF16, partial, row_scale, rank).reference(A, B, **tensors)
+    out = torch.empty(7, 24, dtype=BF16)
+    ce_fused._finish_split(A.float() @ B.float().T, out, tensors[GRAD_SCALE], **kw)
+    torch.testing.assert_close(out, want[TOTAL], rtol=0, atol=0)
+
+
+def test_split_config_only_where_the_output_leaves_the_gpu_idle():
+    """The heuristic's fp32 split-K config for dh of a short last row chunk (K = V), and
+    none for a full one (its tiles keep half the clusters busy or more) or a short K."""
+    from coda.mainloop.config import choose_config
+
+    def split(m, n, k):
+        return ce_fused._split_config_cached(m, n, k, 132, False)
+
+    assert split(256, 2048, 128256) == choose_config(256, 2048, 128256, 132, split_ok=True)
+    assert split(256, 2048, 128256).split_k > 1
+    assert split(512, 2048, 128256).split_k > 1
+    assert split(1024, 2048, 128256) is None  # 64 tiles of 128 x 128 on 66 clusters
+    # 2048-row chunks (the default at these V): their tiles fill half the GPU or more
+    assert split(2048, 2048, 128256) is None
+    assert split(2048, 4096, 128256) is None
+    assert split(256, 2048, 512) is None
+
+
 def test_row_buffers_one_in_place_by_default():
     """dlogits overwrite the stored acc when both have h's dtype (one row buffer); an fp32
     stored acc gets a second buffer; nothing stores dlogits without dh or dW."""

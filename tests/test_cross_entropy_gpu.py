@@ -392,6 +392,43 @@ def test_backward_gemm_with_plain_gemm_tiles_matches_reference(partial):
     )
 
 
+@pytest.mark.parametrize("m", [256, 300])
+def test_backward_gemm_split_k_where_its_tiles_leave_the_gpu_idle(m, monkeypatch):
+    """dh of a short last row chunk (m rows, K = V'): ``_scaled_gemm`` on the plain
+    GEMM's tiles runs it split-K into fp32 (``_split_config``; checked to be the config
+    it launched) and finishes in torch: g * (row_scale * R @ W + rank-1 + fp32 partial),
+    rounded once, against float64 within twice eager bf16's error."""
+    from coda.fusions import _dispatch
+
+    n, k = 2048, 32768
+    g = torch.Generator(device="cuda").manual_seed(13)
+    A = torch.randn(m, k, device="cuda", generator=g).to(BF16)
+    B = (torch.randn(k, n, device="cuda", generator=g) / 16).to(BF16).t()  # W[:V'].t()
+    gvec = torch.full((n,), 0.37, device="cuda")
+    row_scale = torch.rand(m, device="cuda", generator=g) + 0.5
+    rank = (torch.randn(m, device="cuda", generator=g), torch.randn(n, device="cuda", generator=g))
+    partial = torch.randn(m, n, device="cuda", generator=g)
+    split = ce_fused._split_config(m, n, k, A.device)
+    assert split is not None and split.split_k > 1
+    seen = []
+    matmul = _dispatch.matmul
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("config"))
+        return matmul(*args, **kwargs)
+
+    monkeypatch.setattr(ce_fused, "matmul", spy)
+    out = torch.full((m, n), float("nan"), dtype=BF16, device="cuda")
+    ce_fused._scaled_gemm(out, A, B, gvec, partial=partial, row_scale=row_scale, rank=rank)
+    assert seen == [split]
+    outer = rank[0].double()[:, None] * rank[1].double()
+    truth = row_scale.double()[:, None] * (A.double() @ B.double().T) + outer + partial.double()
+    eager = row_scale[:, None] * (A @ B.T).float() + outer.float() + partial
+    assert_close_to_reference(
+        out, 0.37 * truth, baseline=(0.37 * eager).to(BF16), atol=2.0**-8, floor=1.0
+    )
+
+
 def _with_entropy(fn):
     """``fn``'s loss plus the per-row softmax entropy: coda's ``return_entropy``, or, for
     the textbook, the entropy of the materialized logits in the inputs' dtype."""

@@ -80,6 +80,8 @@ bytes written and read per logit.
 
 from __future__ import annotations
 
+import functools
+
 import attrs
 import torch
 from torch.library import custom_op, register_autograd
@@ -110,7 +112,8 @@ from coda.fusions.ce_epilogues import (
     weighted_colsum_epilogue,
 )
 from coda.fusions.ce_operands import check_operands, check_targets, local_targets
-from coda.mainloop.config import GemmConfig, long_running
+from coda.mainloop.config import GemmConfig, choose_config, long_running
+from coda.runtime import checks
 
 __all__ = [
     "ACC_STORE_DTYPE",
@@ -1023,10 +1026,22 @@ def _check_per_row() -> None:
 def _scaled_gemm(out, A, B, gvec, *, partial=None, row_scale=None, config=None, rank=None) -> None:
     """out = g * ([row_scale *] A @ B.T [+ rank[0] x rank[1]] [+ partial]) rounded once
     into out's dtype, by ``scaled_total_epilogue`` on the GEMM (or in torch when there is
-    no A: V < 8); ``config``: the GEMM's (default ``BACKWARD_TILES``)."""
+    no A: V < 8); ``config``: the GEMM's (default ``BACKWARD_TILES``). On the plain
+    GEMM's tiles ("gemm"), where ``coda.gemm``'s heuristic would split K for an fp32
+    output (``_split_config``: few output tiles, a long K, e.g. dh of a few hundred rows
+    with K = V), the product runs split-K into an fp32 buffer and the (small) rest in
+    torch (``_finish_split``), rounded once all the same."""
     if A is None:
         out.copy_(partial * gvec)
         return
+    config = BACKWARD_TILES if config is None else config
+    if config == "gemm" and uses_kernels(A):
+        split = _split_config(A.shape[0], B.shape[0], A.shape[1], A.device)
+        if split is not None:
+            acc = torch.empty(out.shape, dtype=F32, device=out.device)
+            matmul(A, B, out=acc, config=split)
+            _finish_split(acc, out, gvec, partial=partial, row_scale=row_scale, rank=rank)
+            return
     tensors = {GRAD_SCALE: gvec}
     if partial is not None:
         tensors[PARTIAL_SUM] = partial
@@ -1037,10 +1052,44 @@ def _scaled_gemm(out, A, B, gvec, *, partial=None, row_scale=None, config=None, 
     epi = scaled_total_epilogue(
         out.dtype, partial is not None, row_scale is not None, rank is not None
     )
-    config = BACKWARD_TILES if config is None else config
     got = run_epilogue(epi, A, B, {TOTAL: out}, config=config, **tensors)[TOTAL]
     if got.data_ptr() != out.data_ptr():  # the CPU reference's new tensor
         out.copy_(got)
+
+
+@functools.lru_cache(maxsize=1024)
+def _split_config_cached(m: int, n: int, k: int, num_sms: int, short: bool) -> GemmConfig | None:
+    plain = choose_config(m, n, k, num_sms, short_groups=short)
+    rows = -(-m // plain.tile_m)
+    units = -(-rows // plain.cluster_m) * -(-n // plain.tile_n)
+    if 2 * units > num_sms // plain.cluster_m:
+        return None
+    cfg = choose_config(m, n, k, num_sms, split_ok=True, short_groups=short)
+    return cfg if cfg.split_k > 1 else None
+
+
+def _split_config(m: int, n: int, k: int, device: torch.device) -> GemmConfig | None:
+    """The config ``coda.gemm``'s heuristic (``choose_config``) gives an (m, n, k) GEMM
+    with an fp32 output when it splits K, for a GEMM whose plain config keeps fewer than
+    half the clusters busy (None otherwise): its units of work then fill the GPU where the
+    m x n output alone has too few tiles (at m = 256, n = 2048, k = 128256: 11 tiles of
+    128 x 192 on 66 clusters, each 2004 k-tiles long; split 6 ways). Row chunks of the
+    usual 2048 rows keep their unsplit GEMM."""
+    sms = checks.hopper_device(device)
+    return _split_config_cached(m, n, k, sms, checks.short_swizzle_groups(device))
+
+
+def _finish_split(acc, out, gvec, *, partial=None, row_scale=None, rank=None) -> None:
+    """out = gvec * ([row_scale *] acc [+ rank[0] x rank[1]] [+ partial]), rounded once
+    into out's dtype: ``scaled_total_epilogue``'s arithmetic (the same order, fp32) on a
+    product already summed in ``acc`` (fp32, overwritten)."""
+    if row_scale is not None:
+        acc.mul_(row_scale[:, None])
+    if rank is not None:
+        acc.addr_(rank[0], rank[1])
+    if partial is not None:
+        acc.add_(partial)
+    torch.mul(acc, gvec, out=out)
 
 
 #: rows per slice of the shifted path's O(rows x H) torch steps (the shift's gathered
