@@ -77,4 +77,4 @@ def local_targets(target: torch.Tensor, valid: torch.Tensor, start: int, stop: i
     """int32 targets local to the columns [start, stop): target - start inside, -1 elsewhere
     (ignored rows included), as the epilogues' ``tloc`` input."""
     inside = valid & (target >= start) & (target < stop)
-    return torch.where(inside, target - start, -1).to(TARGET_DTYPE)
+    return torch.where(inside, target - start if start else target, -1).to(TARGET_DTYPE)

@@ -437,7 +437,7 @@ def _denominator(
         return torch.full((), num_items_in_batch, dtype=F32, device=valid.device)
     if reduction in ("sum", "none"):
         return torch.ones((), dtype=F32, device=valid.device)
-    return valid.sum().clamp(min=1).to(F32)
+    return valid.sum(dtype=F32).clamp_(min=1)
 
 
 def _checked_weight(weight: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -634,7 +634,7 @@ def linear_cross_entropy(
                 rstd is not None and rstd.requires_grad)  # fmt: skip
         per_row = reduction == "none"
         want_lse = return_lse or return_z_loss
-        out = lce_fused_loss(
+        out = ce_fused.fused_loss(
             h2, W, t, bias, r, denom, ignore_index, cap, eps, float(z_loss), chunk_rows or 0,
             check, *need, per_row, None if per_row else w, detached_entropy, want_lse,
         )  # fmt: skip
