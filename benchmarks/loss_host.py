@@ -1,7 +1,7 @@
 """The LM-head loss's host path: host time, GPU time and step time of a forward + backward.
 
     python benchmarks/loss_host.py [--H 2048] [--V 128256] [--Ms 256,1024,4096]
-        [--steps 6] [--rounds 5] [--profile FILE] [--out FILE]
+        [--steps 6] [--rounds 5] [--profile FILE] [--out FILE] [--replot JSON]
 
 A training step's loss call is a chain of kernel launches; where the GPU work is short
 (small batches, short sequences) the host's Python between the launches sets the pace.
@@ -86,6 +86,36 @@ def profile_text(fn, steps: int, top: int = 45) -> str:
     return out.getvalue()
 
 
+def plot(result: dict, path: str) -> None:
+    """Two panels over M: each contender's step time, and its host time per step beside
+    its GPU time (the step is about the larger of the two)."""
+    plt = common.pyplot()
+    if plt is None:
+        print("matplotlib not installed: no PNG", file=sys.stderr)
+        return
+    rows = result["rows"]
+    Ms = [r["M"] for r in rows]
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
+    for c in CONTENDERS:
+        if rows and rows[0].get(f"{c}_step_ms") is None:
+            continue
+        line = axes[0].plot(Ms, [r[f"{c}_step_ms"] for r in rows], marker="o", label=c)[0]
+        axes[1].plot(Ms, [r[f"{c}_host_ms"] for r in rows], marker="o", color=line.get_color(),
+                     label=f"{c} host")  # fmt: skip
+        axes[1].plot(Ms, [r[f"{c}_gpu_ms"] for r in rows], ls="--", color=line.get_color(),
+                     label=f"{c} GPU")  # fmt: skip
+    for ax, title in zip(axes, ("step (ms, synchronized)", "host vs GPU per step (ms)"),
+                         strict=True):  # fmt: skip
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("M (tokens)")
+        ax.set_title(title)
+        ax.legend(fontsize=7)
+    H, V = (rows[0]["H"], rows[0]["V"]) if rows else ("", "")
+    fig.suptitle(f"LM head + cross-entropy forward + backward, H={H}, V={V}: {result['device']}")
+    common.save_figure(plt, fig, path)
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--H", type=int, default=2048)
@@ -96,7 +126,10 @@ def main(argv=None) -> None:
     parser.add_argument("--only", nargs="*", default=list(CONTENDERS), choices=CONTENDERS)
     parser.add_argument("--profile", default=None)
     parser.add_argument("--out", default="benchmarks/results/loss_host_h200.json")
+    common.add_replot_option(parser)
     args = parser.parse_args(argv)
+    if common.replotted(args, plot):
+        return
     torch.manual_seed(0)
     all_fns = loss_functions()
     rows = []
@@ -134,6 +167,7 @@ def main(argv=None) -> None:
         del h, W, t, steps
     payload = {**common.environment_with_peers(), "rows": rows}
     common.write_json(args.out, payload)
+    plot(payload, common.png_beside(args.out))
     cols = ["M"] + [f"{c}_{k}_ms" for c in ("coda", "compile", "eager") for k in ("host", "step")]
     common.print_table(rows, cols)
 

@@ -601,6 +601,48 @@ def test_weighted_op_opcheck():
         torch.library.opcheck(ce_fused.lce_fused_loss, args)
 
 
+@pytest.mark.parametrize("bias", [False, True], ids=["shifted", "map_pass"])
+def test_eager_calls_skip_the_dispatcher_and_match_the_custom_op(monkeypatch, bias):
+    """Plain eager calls run ``lce_fused_loss``'s implementation and autograd formula
+    through ``_FusedLoss`` (and ``lce_fused_finish``'s directly in the backward), not the
+    custom ops: the same loss and gradients, bitwise, as through the custom ops, which
+    calls under a dispatch mode (as fake tensors, ``make_fx`` and opcheck have) still
+    take."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):  # records the ops the dispatcher sees
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    (h, W, b, r), target = _inputs(grad=(True, True, bias, True))
+    kw = dict(bias=b if bias else None, rstd=r, label_smoothing=0.1, z_loss=1e-3, chunk_rows=8)
+    leaves = (h, W, b, r) if bias else (h, W, r)
+    loss = linear_cross_entropy(h, W, target, **kw)
+    grads = torch.autograd.grad(loss, leaves)
+    with Ops() as ops:
+        loss_op = linear_cross_entropy(h, W, target, **kw)
+        grads_op = torch.autograd.grad(loss_op, leaves)
+    assert "coda.lce_fused_loss.default" in ops.names
+    assert "coda.lce_fused_finish.default" in ops.names
+    torch.testing.assert_close(loss, loss_op, rtol=0, atol=0)
+    for g, g_op in zip(grads, grads_op, strict=True):
+        torch.testing.assert_close(g, g_op, rtol=0, atol=0)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the custom op was called")
+
+    monkeypatch.setattr(ce_fused, "lce_fused_loss", refuse)
+    monkeypatch.setattr(ce_fused, "lce_fused_finish", refuse)
+    again = linear_cross_entropy(h, W, target, **kw)
+    for g, g2 in zip(grads, torch.autograd.grad(again, leaves), strict=True):
+        torch.testing.assert_close(g, g2, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("grad_in_forward", [None, True])
 def test_no_gradient_work_without_autograd(monkeypatch, grad_in_forward):
     """Under torch.no_grad, or with no input requiring grad (evaluation), only the
