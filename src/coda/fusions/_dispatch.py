@@ -185,17 +185,17 @@ def eager_autograd(
     ``impl`` with the formula registered for it (``setup_context(ctx, inputs, output)``,
     ``backward(ctx, *grads)``, as ``torch.library.register_autograd`` takes them): its
     ``apply(*args)``, with every argument positional (defaults included), is the op's
-    eager call without the dispatcher (``plain_eager``)."""
+    eager call without the dispatcher (``plain_eager``). The context is set up inside
+    ``forward`` (the Function has no ``setup_context`` of its own, whose ``apply`` would
+    bind the arguments with ``inspect.signature`` on every call)."""
 
-    def forward(*args: Any) -> Any:
-        return impl(*args)
+    def forward(ctx: Any, *args: Any) -> Any:
+        out = impl(*args)
+        setup_context(ctx, args, out)
+        return out
 
     return type(
         name,
         (torch.autograd.Function,),
-        {
-            "forward": staticmethod(forward),
-            "setup_context": staticmethod(setup_context),
-            "backward": staticmethod(backward),
-        },
+        {"forward": staticmethod(forward), "backward": staticmethod(backward)},
     )
