@@ -1,5 +1,5 @@
-"""CPU checks of the profiling benchmarks' own logic: ``kernel_profile.py`` and
-``map_pass.py`` redraw their PNG from a committed JSON (``--replot``), and
+"""CPU checks of the profiling benchmarks' own logic: ``kernel_profile.py``,
+``map_pass.py`` and ``loss_host.py`` redraw their PNG from a committed JSON (``--replot``), and
 ``kernel_profile.category`` sorts kernel names into the families its table reports."""
 
 from __future__ import annotations
@@ -17,7 +17,11 @@ RESULTS = ROOT / "benchmarks" / "results"
 
 @pytest.mark.parametrize(
     "script, result",
-    [("kernel_profile.py", "kernel_profile_h200.json"), ("map_pass.py", "map_pass_h200.json")],
+    [
+        ("kernel_profile.py", "kernel_profile_h200.json"),
+        ("map_pass.py", "map_pass_h200.json"),
+        ("loss_host.py", "loss_host_h200.json"),
+    ],
 )
 def test_replot_draws_the_png_of_a_written_json(script, result, tmp_path):
     """The script reads its committed JSON back and exits cleanly; with matplotlib

@@ -1434,8 +1434,9 @@ _FusedLoss = eager_autograd("_FusedLoss", _fused_loss, _fused_setup, _fused_back
 def fused_loss(*args) -> tuple[torch.Tensor, ...]:
     """``coda::lce_fused_loss(*args)`` (every argument positional, defaults included) with
     autograd: in plain eager calls (``_dispatch.plain_eager``) its implementation and
-    formula without the dispatcher (``_FusedLoss``; 0.4 ms less host time a call on the
-    H200 machine), else the custom op (compilers, fake tensors, modes)."""
+    formula without the dispatcher (``_FusedLoss``: through the custom op the call cost
+    1.65 ms of host time at M = 256 where its implementation took 1.12, on the H200
+    machine), else the custom op (compilers, fake tensors, subclasses, modes)."""
     if plain_eager(*args):
         return _FusedLoss.apply(*args)
     return lce_fused_loss(*args)
