@@ -125,9 +125,9 @@ from coda.runtime import checks
 __all__ = [
     "ACC_STORE_DTYPE",
     "GRAD_PASS",
-    "fused_loss",
     "SHIFT_MARGIN",
     "STATS_PASS",
+    "fused_loss",
     "lce_fused_finish",
     "lce_fused_loss",
     "merge_entropy",
@@ -1048,10 +1048,11 @@ def _scaled_gemm(out, A, B, gvec, *, partial=None, row_scale=None, config=None, 
     """out = g * ([row_scale *] A @ B.T [+ rank[0] x rank[1]] [+ partial]) rounded once
     into out's dtype, by ``scaled_total_epilogue`` on the GEMM (or in torch when there is
     no A: V < 8); ``config``: the GEMM's (default ``BACKWARD_TILES``). On the plain
-    GEMM's tiles ("gemm"), where ``coda.gemm``'s heuristic would split K for an fp32
-    output (``_split_config``: few output tiles, a long K, e.g. dh of a few hundred rows
-    with K = V), the product runs split-K into an fp32 buffer and the (small) rest in
-    torch (``_finish_split``), rounded once all the same."""
+    GEMM's tiles ("gemm"), where those tiles would keep fewer than half the clusters
+    busy and ``coda.gemm``'s heuristic would split K for an fp32 output
+    (``_split_config``: e.g. dh of a few hundred rows with K = V), the product runs
+    split-K into an fp32 buffer and the (small) rest in torch (``_finish_split``),
+    rounded once all the same."""
     if A is None:
         out.copy_(partial * gvec)
         return
