@@ -636,8 +636,8 @@ def test_eager_calls_skip_the_dispatcher_and_match_the_custom_op(monkeypatch, bi
     def refuse(*args, **kwargs):
         raise AssertionError("the custom op was called")
 
-    monkeypatch.setattr(ce_fused, "lce_fused_loss", refuse)
-    monkeypatch.setattr(ce_fused, "lce_fused_finish", refuse)
+    monkeypatch.setattr(ce_fused.fused_loss, "op", refuse)
+    monkeypatch.setattr(ce_fused._finish, "op", refuse)
     again = linear_cross_entropy(h, W, target, **kw)
     for g, g2 in zip(grads, torch.autograd.grad(again, leaves), strict=True):
         torch.testing.assert_close(g, g2, rtol=0, atol=0)

@@ -2,14 +2,15 @@
 
 Sits above ``coda.runtime`` and below ``coda.nn`` (nothing in coda below imports it).
 Every op is a ``torch.library`` custom op (namespace ``coda``) with a fake implementation
-and an autograd formula, so ``torch.compile(fullgraph=True)`` keeps it whole; on a Hopper
+and an autograd formula, so ``torch.compile(fullgraph=True)`` keeps it whole (plain
+eager calls skip the dispatcher: ``_dispatch.EagerOp``); on a Hopper
 GPU it runs the fused kernels, on any other device (the CPU, other GPUs) the same
 epilogues' ``reference`` there (see ``_dispatch``).
 
 * ``NormedStream`` (x, h, rstd): the residual stream with its deferred RMSNorm caches.
-* ``norm``: ``rms_norm_stats`` (caches of a given stream), ``linear_add_rms_norm`` (a GEMM
-  that adds into the stream and produces the next norm's caches), ``rms_norm_linear``
-  (a normed linear layer).
+* ``norm``: ``rms_norm_stats`` / ``normed_stream`` (caches of a given stream),
+  ``linear_add_rms_norm`` / ``linear_add_normed`` (a GEMM that adds into the stream and
+  produces the next norm's caches), ``rms_norm_linear`` (a normed linear layer).
 * ``swiglu``: ``rms_norm_swiglu_mlp`` / ``swiglu_mlp``: norm + gate/up + SwiGLU + down +
   residual + next norm.
 * ``rope``: ``rms_norm_qkv_rope`` / ``qkv_rope``: norm + QKV + rotary embedding.
@@ -26,7 +27,9 @@ from coda.fusions import epilogues, layouts
 from coda.fusions.cross_entropy import linear_cross_entropy
 from coda.fusions.norm import (
     NormedStream,
+    linear_add_normed,
     linear_add_rms_norm,
+    normed_stream,
     rms_norm_linear,
     rms_norm_stats,
 )
@@ -37,8 +40,10 @@ __all__ = [
     "NormedStream",
     "epilogues",
     "layouts",
+    "linear_add_normed",
     "linear_add_rms_norm",
     "linear_cross_entropy",
+    "normed_stream",
     "qkv_rope",
     "rms_norm_linear",
     "rms_norm_qkv_rope",

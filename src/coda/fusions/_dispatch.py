@@ -25,19 +25,22 @@ architecture) the same calls run the reference path there.
   (``_zero_rows``): no allocation or fill per call.
 * ``matmul(A, B, out=None, accumulate=False)``: ``A @ B.T`` by ``coda.gemm`` on a Hopper
   GPU, by ``A.float() @ B.float().T`` elsewhere.
-* ``plain_eager(*args)`` and ``eager_autograd(...)``: how a fused op skips the
-  dispatcher in plain eager calls. A ``torch.library.custom_op`` with a registered
-  autograd formula costs ~0.1-0.4 ms of host time per call before its implementation
-  runs (the dispatcher, and ``fill_defaults`` reading the op's schema once per argument:
-  0.42 ms for a 20-argument op that does nothing, on the H200 machine's host); in
-  eager mode on plain tensors the same implementation and formula run through a
-  ``torch.autograd.Function`` instead, while anything that must see the op (a compiler
-  tracing, fake or functional tensors, tensor subclasses, a dispatch mode, functorch
-  transforms, ``opcheck``) calls the custom op as before.
+* ``EagerOp(op, impl, setup_context, backward)`` (on ``plain_eager`` and
+  ``eager_autograd``): how a fused op skips the dispatcher in plain eager calls. A
+  ``torch.library.custom_op`` with a registered autograd formula costs ~0.1-0.4 ms of
+  host time per call before its implementation runs (the dispatcher, and
+  ``fill_defaults`` reading the op's schema once per argument: 0.42 ms for a
+  20-argument op that does nothing, on the H200 machine's host); in eager mode on plain
+  tensors the same implementation and formula run through a ``torch.autograd.Function``
+  instead, while anything that must see the op (a compiler tracing, fake or functional
+  tensors, tensor subclasses, a dispatch mode, functorch transforms, ``opcheck``) calls
+  the custom op as before. Each fusion module keeps its custom ops public (``opcheck``,
+  ``torch.ops.coda``) and calls them through their ``EagerOp``.
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -48,6 +51,7 @@ from coda.runtime.checks import kernels_run_on
 
 __all__ = [
     "MAP_K",
+    "EagerOp",
     "eager_autograd",
     "matmul",
     "plain_eager",
@@ -199,3 +203,47 @@ def eager_autograd(
         (torch.autograd.Function,),
         {"forward": staticmethod(forward), "backward": staticmethod(backward)},
     )
+
+
+class EagerOp:
+    """A fused custom op's eager entry point. ``op``: the ``torch.library`` custom op;
+    ``impl``: the function it was made from; ``setup_context`` / ``backward``: the
+    formula registered for it (None for an op without one, e.g. a backward op).
+
+    ``EagerOp(...)(*args)`` calls ``op(*args)`` (missing trailing arguments take
+    ``impl``'s defaults), except where ``plain_eager(*args)``: then ``impl`` runs
+    directly, through ``eager_autograd`` when the op has a formula. An op without one
+    runs directly only where autograd would record nothing (no tensor argument requires
+    grad, or grad mode is off); otherwise the op itself refuses to be differentiated,
+    as it should."""
+
+    def __init__(
+        self,
+        op: Callable[..., Any],
+        impl: Callable[..., Any],
+        setup_context: Callable[..., None] | None = None,
+        backward: Callable[..., Any] | None = None,
+    ) -> None:
+        self.op, self.impl = op, impl
+        params = list(inspect.signature(impl).parameters.values())
+        self.n_args = len(params)
+        self.defaults = tuple(p.default for p in params if p.default is not p.empty)
+        self.function = None
+        if backward is not None:
+            name = "Eager_" + getattr(impl, "__name__", "op").strip("_")
+            self.function = eager_autograd(name, impl, setup_context, backward)
+
+    def __call__(self, *args: Any) -> Any:
+        missing = self.n_args - len(args)
+        if missing > 0:
+            args = args + self.defaults[len(self.defaults) - missing :]
+        if plain_eager(*args):
+            if self.function is not None:
+                return self.function.apply(*args)
+            if not (torch.is_grad_enabled() and _any_requires_grad(args)):
+                return self.impl(*args)
+        return self.op(*args)
+
+
+def _any_requires_grad(args: tuple) -> bool:
+    return any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)

@@ -87,14 +87,7 @@ import torch
 from torch.library import custom_op, register_autograd
 
 from coda.fusions import ce_chunks
-from coda.fusions._dispatch import (
-    eager_autograd,
-    matmul,
-    plain_eager,
-    run_epilogue,
-    run_map,
-    uses_kernels,
-)
+from coda.fusions._dispatch import EagerOp, matmul, run_epilogue, run_map, uses_kernels
 from coda.fusions.ce_epilogues import (
     GRAD_SCALE,
     PARTIAL_SUM,
@@ -1390,7 +1383,7 @@ def _per_row_backward(ctx, g_rows: torch.Tensor, through_g: bool) -> tuple:
     dbias = None
     if need_dbias:
         weight = g if rstd is None else g / rstd.detach().to(F32)
-        dbias = lce_weighted_colsum(dl_last, dl_tail, weight, W.shape[0]).to(ctx.bias_dtype)
+        dbias = _lce_weighted_colsum(dl_last, dl_tail, weight, W.shape[0]).to(ctx.bias_dtype)
     if not need_drstd:
         drstd = None
     elif dl_scale.numel():  # the shifted path's from dh (asked for beside it: ``shifted_ok``)
@@ -1400,8 +1393,7 @@ def _per_row_backward(ctx, g_rows: torch.Tensor, through_g: bool) -> tuple:
     return (dh if need_dh else None), (dW if need_dW else None), None, dbias, drstd
 
 
-@custom_op("coda::lce_weighted_colsum", mutates_args=())
-def lce_weighted_colsum(
+def _lce_weighted_colsum_impl(
     dl_last: torch.Tensor, dl_tail: torch.Tensor, weight: torch.Tensor, V: int
 ) -> torch.Tensor:
     """sum_rows weight * dlogits per vocabulary column, fp32 (V,): the stored dlogits of
@@ -1420,6 +1412,12 @@ def lce_weighted_colsum(
     return out
 
 
+lce_weighted_colsum = custom_op(
+    "coda::lce_weighted_colsum", _lce_weighted_colsum_impl, mutates_args=()
+)
+_lce_weighted_colsum = EagerOp(lce_weighted_colsum, _lce_weighted_colsum_impl)
+
+
 @lce_weighted_colsum.register_fake
 def _(dl_last, dl_tail, weight, V):
     return weight.new_empty((V,), dtype=F32)
@@ -1427,26 +1425,12 @@ def _(dl_last, dl_tail, weight, V):
 
 register_autograd("coda::lce_fused_loss", _fused_backward, setup_context=_fused_setup)
 
-#: ``coda::lce_fused_loss`` with its autograd formula, as a ``torch.autograd.Function``
-#: for plain eager calls (``fused_loss``)
-_FusedLoss = eager_autograd("_FusedLoss", _fused_loss, _fused_setup, _fused_backward)
-
-
-def fused_loss(*args) -> tuple[torch.Tensor, ...]:
-    """``coda::lce_fused_loss(*args)`` (every argument positional, defaults included) with
-    autograd: in plain eager calls (``_dispatch.plain_eager``) its implementation and
-    formula without the dispatcher (``_FusedLoss``: through the custom op the call cost
-    1.65 ms of host time at M = 256 where its implementation took 1.12, on the H200
-    machine), else the custom op (compilers, fake tensors, subclasses, modes)."""
-    if plain_eager(*args):
-        return _FusedLoss.apply(*args)
-    return lce_fused_loss(*args)
-
-
-def _finish(*args) -> tuple[torch.Tensor, torch.Tensor]:
-    """``coda::lce_fused_finish(*args)``: its implementation directly in plain eager calls
-    (``_dispatch.plain_eager``; the op has no autograd formula: it runs inside the loss's
-    backward on detached tensors), the custom op otherwise."""
-    if plain_eager(*args):
-        return _fused_finish(*args)
-    return lce_fused_finish(*args)
+#: ``coda::lce_fused_loss(*args)`` (every argument positional, defaults included) with
+#: autograd: in plain eager calls its implementation and formula without the dispatcher
+#: (``_dispatch.EagerOp``: through the custom op the call cost 1.65 ms of host time at
+#: M = 256 where its implementation took 1.12, on the H200 machine), else the custom op
+#: (compilers, fake tensors, subclasses, modes)
+fused_loss = EagerOp(lce_fused_loss, _fused_loss, _fused_setup, _fused_backward)
+#: ``coda::lce_fused_finish``, likewise (no formula: it runs inside the loss's backward on
+#: detached tensors)
+_finish = EagerOp(lce_fused_finish, _fused_finish)

@@ -59,7 +59,7 @@ import torch.nn.functional as F
 from torch.library import custom_op, register_autograd
 
 from coda.fusions import _checks, ce_chunks, ce_fused
-from coda.fusions._dispatch import matmul, run_epilogue, uses_kernels
+from coda.fusions._dispatch import EagerOp, matmul, run_epilogue, uses_kernels
 from coda.fusions.ce_chunks import TMA_COLS, Chunk
 from coda.fusions.ce_epilogues import grad_epilogue, stats_epilogue
 from coda.fusions.ce_fused import lce_fused_loss, merge_entropy
@@ -98,8 +98,7 @@ def _chunk_operands(
 # ---- the forward op ----------------------------------------------------------------------
 
 
-@custom_op("coda::lce_stats", mutates_args=())
-def lce_stats(
+def _lce_stats_impl(
     h: torch.Tensor,
     W: torch.Tensor,
     target: torch.Tensor,
@@ -152,6 +151,9 @@ def lce_stats(
     return lse, zt, zsum, merge_entropy(parts, lse)
 
 
+lce_stats = custom_op("coda::lce_stats", _lce_stats_impl, mutates_args=())
+
+
 @lce_stats.register_fake
 def _(h, W, target, bias, rstd, ignore_index, softcap, with_sum, chunk_size, check,
       with_entropy=False):  # fmt: skip
@@ -162,8 +164,7 @@ def _(h, W, target, bias, rstd, ignore_index, softcap, with_sum, chunk_size, che
 # ---- the backward op ---------------------------------------------------------------------
 
 
-@custom_op("coda::lce_stats_backward", mutates_args=())
-def lce_stats_backward(
+def _lce_stats_backward_impl(
     g_lse: torch.Tensor,
     g_zt: torch.Tensor,
     g_zsum: torch.Tensor,
@@ -248,6 +249,12 @@ def lce_stats_backward(
     return grads
 
 
+lce_stats_backward = custom_op(
+    "coda::lce_stats_backward", _lce_stats_backward_impl, mutates_args=()
+)
+_lce_stats_backward = EagerOp(lce_stats_backward, _lce_stats_backward_impl)
+
+
 @lce_stats_backward.register_fake
 def _(
     g_lse, g_zt, g_zsum, h, W, target, bias, rstd, lse, ignore_index, softcap, with_sum,
@@ -281,7 +288,7 @@ def _stats_backward(ctx, g_lse, g_zt, g_zsum, g_entropy):
         g_entropy = entropy = None
     else:  # dH/dz = -p (z - E_p[z])
         g_entropy = g_entropy.float().contiguous()
-    grads = lce_stats_backward(
+    grads = _lce_stats_backward(
         g_lse, g_zt, g_zsum, h, W, target, bias, rstd, lse, *ctx.args, *ctx.flags,
         g_entropy, entropy,
     )  # fmt: skip
@@ -297,10 +304,10 @@ def _by_flag(grads: list, flags: tuple[bool, ...]) -> list:
 
 
 register_autograd("coda::lce_stats", _stats_backward, setup_context=_stats_setup)
+_lce_stats = EagerOp(lce_stats, _lce_stats_impl, _stats_setup, _stats_backward)
 
 
-@custom_op("coda::lce_lse", mutates_args=())
-def lce_lse(
+def _lce_lse_impl(
     lse: torch.Tensor,
     h: torch.Tensor,
     W: torch.Tensor,
@@ -317,6 +324,9 @@ def lce_lse(
     upstream gradient (``lce_stats_backward``: the logits GEMM again, then the dh / dW
     GEMMs). Logged values cost nothing."""
     return lse.clone()
+
+
+lce_lse = custom_op("coda::lce_lse", _lce_lse_impl, mutates_args=())
 
 
 @lce_lse.register_fake
@@ -337,7 +347,7 @@ def _lse_backward(ctx, g_lse):
         return (None,) * 8
     h, W, target, bias, rstd, lse = ctx.saved_tensors
     zeros = torch.zeros_like(lse)
-    grads = lce_stats_backward(
+    grads = _lce_stats_backward(
         g_lse.float().contiguous(), zeros, zeros, h, W, target, bias, rstd, lse,
         *ctx.args, False, 0, *ctx.flags,
     )  # fmt: skip
@@ -346,6 +356,7 @@ def _lse_backward(ctx, g_lse):
 
 
 register_autograd("coda::lce_lse", _lse_backward, setup_context=_lse_setup)
+_lce_lse = EagerOp(lce_lse, _lce_lse_impl, _lse_setup, _lse_backward)
 
 
 # ---- the loss ----------------------------------------------------------------------------
@@ -645,11 +656,11 @@ def linear_cross_entropy(
             return loss
         lse = None
         if want_lse:  # differentiable: its gradient in the backward, only where it is used
-            lse = lce_lse(out[10], h2, W, t, bias, r, ignore_index, cap)
+            lse = _lce_lse(out[10], h2, W, t, bias, r, ignore_index, cap)
         entropy = out[9] if detached_entropy else None
         return _with_extras(loss, lse, entropy, valid, w, shape, reduction, num_items_in_batch,
                             return_lse, return_z_loss, float(z_loss))  # fmt: skip
-    lse, zt, zsum, entropy = lce_stats(
+    lse, zt, zsum, entropy = _lce_stats(
         h2, W, t, bias, r, ignore_index, cap, eps > 0, chunk_size or 0, check,
         bool(return_entropy),
     )  # fmt: skip

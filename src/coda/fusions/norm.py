@@ -6,7 +6,10 @@ CUDA, reference on CPU). The residual stream travels between ops as a ``NormedSt
 statistics, produced in the epilogue of the GEMM that writes x. A consumer computes
 ``rmsnorm(x) * gamma @ W.T = rstd * (h @ W.T)`` by scaling its GEMM's rows by rstd.
 
-Ops (namespace ``coda``; all tensors 2-D (tokens, features)):
+Ops (namespace ``coda``; all tensors 2-D (tokens, features)), each called through its
+``_dispatch.EagerOp`` (no dispatcher in plain eager calls), and by the stream-level
+``normed_stream(x, gamma, eps)`` and ``linear_add_normed(a, w, residual, gamma, eps)``
+(both -> ``NormedStream``):
 
 * ``rms_norm_stats(x, gamma, eps) -> (h, rstd)``: the statistics of a given stream (the
   first layer's input); no GEMM (``run_map``).
@@ -33,13 +36,15 @@ import torch
 from torch.library import custom_op, register_autograd
 
 from coda.fusions import _checks, epilogues
-from coda.fusions._dispatch import matmul, run_epilogue, run_map
+from coda.fusions._dispatch import EagerOp, matmul, run_epilogue, run_map
 
 __all__ = [
     "NormedStream",
+    "linear_add_normed",
     "linear_add_rms_norm",
     "linear_backward",
     "norm_dgrad",
+    "normed_stream",
     "rms_norm_linear",
     "rms_norm_stats",
 ]
@@ -83,8 +88,7 @@ def norm_dgrad(
 # ---- rms_norm_stats ---------------------------------------------------------------------
 
 
-@custom_op("coda::rms_norm_stats", mutates_args=())
-def rms_norm_stats(
+def _rms_norm_stats_impl(
     x: torch.Tensor, gamma: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(h = x * gamma, rstd) of the stream x (M, H); both non-differentiable caches."""
@@ -92,6 +96,9 @@ def rms_norm_stats(
     _checks.vector("rms_norm_stats", "gamma", gamma, x.shape[1])
     out = run_map(epilogues.norm_stats(x.dtype, gamma.dtype, eps), *x.shape, x, x=x, gamma=gamma)
     return out["h"], out["rstd"]
+
+
+rms_norm_stats = custom_op("coda::rms_norm_stats", _rms_norm_stats_impl, mutates_args=())
 
 
 @rms_norm_stats.register_fake
@@ -109,13 +116,13 @@ def _stats_backward(ctx, dh, drstd):
 
 
 register_autograd("coda::rms_norm_stats", _stats_backward, setup_context=_stats_setup)
+_rms_norm_stats = EagerOp(rms_norm_stats, _rms_norm_stats_impl, _stats_setup, _stats_backward)
 
 
 # ---- linear_add_rms_norm (the producer) -------------------------------------------------
 
 
-@custom_op("coda::linear_add_rms_norm", mutates_args=())
-def linear_add_rms_norm(
+def _linear_add_rms_norm_impl(
     a: torch.Tensor, w: torch.Tensor, residual: torch.Tensor, gamma: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x = a @ w.T + residual, with the next RMSNorm's caches h = x * gamma and rstd."""
@@ -129,14 +136,18 @@ def linear_add_rms_norm(
     return out["x"], out["h"], out["rstd"]
 
 
+linear_add_rms_norm = custom_op(
+    "coda::linear_add_rms_norm", _linear_add_rms_norm_impl, mutates_args=()
+)
+
+
 @linear_add_rms_norm.register_fake
 def _(a, w, residual, gamma, eps):
     x = a.new_empty((a.shape[0], w.shape[0]))
     return (x, *_empty_stats(x))
 
 
-@custom_op("coda::linear_backward", mutates_args=())
-def linear_backward(
+def _linear_backward_impl(
     dy: torch.Tensor, a: torch.Tensor | None, w: torch.Tensor | None
 ) -> list[torch.Tensor]:
     """The gradients of y = a @ w.T that are asked for: [da = dy @ w] if w is given (da
@@ -147,6 +158,10 @@ def linear_backward(
     if a is not None:
         grads.append(matmul(dy.t(), a.t()))
     return grads
+
+
+linear_backward = custom_op("coda::linear_backward", _linear_backward_impl, mutates_args=())
+_linear_grads = EagerOp(linear_backward, _linear_backward_impl)
 
 
 @linear_backward.register_fake
@@ -174,20 +189,22 @@ def _producer_backward(ctx, dx, dh, drstd):
         return None, None, None, None, None
     a, w = ctx.saved_tensors  # a saved only for dw, w only for da
     dx = dx.contiguous()
-    grads = iter(linear_backward(dx, a, w) if (need_da or need_dw) else ())
+    grads = iter(_linear_grads(dx, a, w) if (need_da or need_dw) else ())
     da = next(grads) if need_da else None
     dw = next(grads) if need_dw else None
     return da, dw, (dx if need_dres else None), None, None
 
 
 register_autograd("coda::linear_add_rms_norm", _producer_backward, setup_context=_producer_setup)
+_linear_add_rms_norm = EagerOp(
+    linear_add_rms_norm, _linear_add_rms_norm_impl, _producer_setup, _producer_backward
+)
 
 
 # ---- rms_norm_linear (a consumer) -------------------------------------------------------
 
 
-@custom_op("coda::rms_norm_linear", mutates_args=())
-def rms_norm_linear(
+def _rms_norm_linear_impl(
     x: torch.Tensor, h: torch.Tensor, rstd: torch.Tensor, gamma: torch.Tensor, w: torch.Tensor
 ) -> torch.Tensor:
     """z = rmsnorm(x) * gamma @ w.T, computed as rstd * (h @ w.T) from the caches."""
@@ -200,13 +217,15 @@ def rms_norm_linear(
     return run_epilogue(epilogues.row_scale(h.dtype), h, w, rstd=rstd)["z"]
 
 
+rms_norm_linear = custom_op("coda::rms_norm_linear", _rms_norm_linear_impl, mutates_args=())
+
+
 @rms_norm_linear.register_fake
 def _(x, h, rstd, gamma, w):
     return h.new_empty((h.shape[0], w.shape[0]))
 
 
-@custom_op("coda::rms_norm_linear_backward", mutates_args=())
-def rms_norm_linear_backward(
+def _rms_norm_linear_backward_impl(
     dz: torch.Tensor,
     z: torch.Tensor,
     x: torch.Tensor,
@@ -225,6 +244,12 @@ def rms_norm_linear_backward(
     if need_dw:
         grads.append(matmul(s["dzs"].t(), h.t(), out_dtype=w.dtype))
     return grads
+
+
+rms_norm_linear_backward = custom_op(
+    "coda::rms_norm_linear_backward", _rms_norm_linear_backward_impl, mutates_args=()
+)
+_rms_norm_linear_backward = EagerOp(rms_norm_linear_backward, _rms_norm_linear_backward_impl)
 
 
 @rms_norm_linear_backward.register_fake
@@ -247,7 +272,7 @@ def _linear_backward(ctx, dz):
     if not (need_norm or need_dw):
         return None, None, None, None, None
     grads = iter(
-        rms_norm_linear_backward(dz.contiguous(), z, x, h, rstd, gamma, w, need_norm, need_dw)
+        _rms_norm_linear_backward(dz.contiguous(), z, x, h, rstd, gamma, w, need_norm, need_dw)
     )
     dx, dgamma = (next(grads), next(grads)) if need_norm else (None, None)
     dw = next(grads) if need_dw else None
@@ -255,3 +280,19 @@ def _linear_backward(ctx, dz):
 
 
 register_autograd("coda::rms_norm_linear", _linear_backward, setup_context=_linear_setup)
+
+
+# ---- stream-level calls -------------------------------------------------------------------
+
+
+def normed_stream(x: torch.Tensor, gamma: torch.Tensor, eps: float) -> NormedStream:
+    """The stream x (M, H) with its RMSNorm caches (``rms_norm_stats``)."""
+    return NormedStream(x, *_rms_norm_stats(x, gamma, eps))
+
+
+def linear_add_normed(
+    a: torch.Tensor, w: torch.Tensor, residual: torch.Tensor, gamma: torch.Tensor, eps: float
+) -> NormedStream:
+    """The stream x = a @ w.T + residual with the next RMSNorm's caches
+    (``linear_add_rms_norm``)."""
+    return NormedStream(*_linear_add_rms_norm(a, w, residual, gamma, eps))

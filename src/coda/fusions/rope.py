@@ -32,7 +32,7 @@ import torch
 from torch.library import custom_op, register_autograd
 
 from coda.fusions import _checks, epilogues
-from coda.fusions._dispatch import matmul, run_epilogue, run_map
+from coda.fusions._dispatch import EagerOp, matmul, run_epilogue, run_map
 from coda.fusions.norm import NormedStream, norm_dgrad
 
 __all__ = ["qkv_rope", "rms_norm_qkv_rope", "rms_norm_qkv_rope_backward"]
@@ -40,8 +40,7 @@ __all__ = ["qkv_rope", "rms_norm_qkv_rope", "rms_norm_qkv_rope_backward"]
 F32 = torch.float32
 
 
-@custom_op("coda::rms_norm_qkv_rope", mutates_args=())
-def rms_norm_qkv_rope(
+def _rms_norm_qkv_rope_impl(
     x: torch.Tensor,
     h: torch.Tensor,
     rstd: torch.Tensor,
@@ -66,13 +65,15 @@ def rms_norm_qkv_rope(
     return run_epilogue(epi, h, w_qkv, rstd=rstd, pos=positions, freq=freq)["y"]
 
 
+rms_norm_qkv_rope = custom_op("coda::rms_norm_qkv_rope", _rms_norm_qkv_rope_impl, mutates_args=())
+
+
 @rms_norm_qkv_rope.register_fake
 def _(x, h, rstd, gamma, w_qkv, positions, freq):
     return x.new_empty((x.shape[0], w_qkv.shape[0]))
 
 
-@custom_op("coda::rms_norm_qkv_rope_backward", mutates_args=())
-def rms_norm_qkv_rope_backward(
+def _rms_norm_qkv_rope_backward_impl(
     dqkv: torch.Tensor,
     qkv: torch.Tensor,
     x: torch.Tensor,
@@ -96,6 +97,12 @@ def rms_norm_qkv_rope_backward(
     return grads
 
 
+rms_norm_qkv_rope_backward = custom_op(
+    "coda::rms_norm_qkv_rope_backward", _rms_norm_qkv_rope_backward_impl, mutates_args=()
+)
+_rms_norm_qkv_rope_backward = EagerOp(rms_norm_qkv_rope_backward, _rms_norm_qkv_rope_backward_impl)
+
+
 @rms_norm_qkv_rope_backward.register_fake
 def _(dqkv, qkv, x, h, rstd, gamma, w_qkv, positions, freq, need_norm, need_dw):
     grads = [torch.empty_like(x), torch.empty_like(gamma)] if need_norm else []
@@ -115,7 +122,7 @@ def _backward(ctx, dqkv):
     if not (need_norm or need_dw):
         return (None,) * 7
     saved = ctx.saved_tensors
-    grads = iter(rms_norm_qkv_rope_backward(dqkv.contiguous(), *saved, need_norm, need_dw))
+    grads = iter(_rms_norm_qkv_rope_backward(dqkv.contiguous(), *saved, need_norm, need_dw))
     dx, dgamma = (next(grads), next(grads)) if need_norm else (None, None)
     dw = next(grads) if need_dw else None
     dx = dx if need_dx else None
@@ -124,6 +131,7 @@ def _backward(ctx, dqkv):
 
 
 register_autograd("coda::rms_norm_qkv_rope", _backward, setup_context=_setup)
+_rms_norm_qkv_rope = EagerOp(rms_norm_qkv_rope, _rms_norm_qkv_rope_impl, _setup, _backward)
 
 
 def qkv_rope(
@@ -139,7 +147,7 @@ def qkv_rope(
     """(q, k, v) of shapes (M, heads, head_dim), views of the fused op's output: q and k
     rotated, in the interleaved head-dim order (``layouts.to_rotate_half`` gives HF's).
     ``positions``: (M,) position ids (any integer or float dtype; converted to fp32)."""
-    qkv = rms_norm_qkv_rope(stream.x, stream.h, stream.rstd, gamma, w_qkv, positions.to(F32), freq)
+    qkv = _rms_norm_qkv_rope(stream.x, stream.h, stream.rstd, gamma, w_qkv, positions.to(F32), freq)
     nq, nkv = num_heads * head_dim, num_kv_heads * head_dim
     q, k, v = qkv.split((nq, nkv, nkv), dim=1)
     M = qkv.shape[0]

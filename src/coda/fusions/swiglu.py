@@ -34,7 +34,7 @@ import torch
 from torch.library import custom_op, register_autograd
 
 from coda.fusions import _checks, epilogues
-from coda.fusions._dispatch import matmul, run_epilogue
+from coda.fusions._dispatch import EagerOp, matmul, run_epilogue
 from coda.fusions.norm import NormedStream, norm_dgrad
 
 __all__ = ["rms_norm_swiglu_mlp", "rms_norm_swiglu_mlp_backward", "swiglu_mlp"]
@@ -42,8 +42,7 @@ __all__ = ["rms_norm_swiglu_mlp", "rms_norm_swiglu_mlp_backward", "swiglu_mlp"]
 F32 = torch.float32
 
 
-@custom_op("coda::rms_norm_swiglu_mlp", mutates_args=())
-def rms_norm_swiglu_mlp(
+def _rms_norm_swiglu_mlp_impl(
     x: torch.Tensor,
     h: torch.Tensor,
     rstd: torch.Tensor,
@@ -75,14 +74,18 @@ def rms_norm_swiglu_mlp(
     return down["x"], down["h"], down["rstd"], up["gu"]
 
 
+rms_norm_swiglu_mlp = custom_op(
+    "coda::rms_norm_swiglu_mlp", _rms_norm_swiglu_mlp_impl, mutates_args=()
+)
+
+
 @rms_norm_swiglu_mlp.register_fake
 def _(x, h, rstd, gamma, w_gate_up, w_down, gamma_next, eps_next):
     gu = x.new_empty((x.shape[0], w_gate_up.shape[0]))
     return torch.empty_like(x), torch.empty_like(x), torch.empty_like(rstd), gu
 
 
-@custom_op("coda::rms_norm_swiglu_mlp_backward", mutates_args=())
-def rms_norm_swiglu_mlp_backward(
+def _rms_norm_swiglu_mlp_backward_impl(
     dx_out: torch.Tensor,
     x: torch.Tensor,
     h: torch.Tensor,
@@ -106,6 +109,14 @@ def rms_norm_swiglu_mlp_backward(
     if need_dw_down:
         grads.append(matmul(dx_out.t(), b["y"].t()))
     return grads
+
+
+rms_norm_swiglu_mlp_backward = custom_op(
+    "coda::rms_norm_swiglu_mlp_backward", _rms_norm_swiglu_mlp_backward_impl, mutates_args=()
+)
+_rms_norm_swiglu_mlp_backward = EagerOp(
+    rms_norm_swiglu_mlp_backward, _rms_norm_swiglu_mlp_backward_impl
+)
 
 
 @rms_norm_swiglu_mlp_backward.register_fake
@@ -133,7 +144,7 @@ def _backward(ctx, dx_out, dh_out, drstd_out, dgu):
         return (None,) * 8
     saved = ctx.saved_tensors
     grads = iter(
-        rms_norm_swiglu_mlp_backward(
+        _rms_norm_swiglu_mlp_backward(
             dx_out.contiguous(), *saved, need_norm, need_dw_gate_up, need_dw_down
         )
     )
@@ -146,6 +157,7 @@ def _backward(ctx, dx_out, dh_out, drstd_out, dgu):
 
 
 register_autograd("coda::rms_norm_swiglu_mlp", _backward, setup_context=_setup)
+_rms_norm_swiglu_mlp = EagerOp(rms_norm_swiglu_mlp, _rms_norm_swiglu_mlp_impl, _setup, _backward)
 
 
 def swiglu_mlp(
@@ -159,7 +171,7 @@ def swiglu_mlp(
     """The fused MLP half of a Llama block: ``x + down(silu(n @ Wg.T) * (n @ Wu.T))`` with
     n = rmsnorm(x) * gamma, from and to a ``NormedStream`` (the next norm's caches use
     ``gamma_next``/``eps_next``). ``w_gate_up`` is interleaved (``layouts``)."""
-    x, h, rstd, _ = rms_norm_swiglu_mlp(
+    x, h, rstd, _ = _rms_norm_swiglu_mlp(
         stream.x, stream.h, stream.rstd, gamma, w_gate_up, w_down, gamma_next, eps_next
     )
     return NormedStream(x, h, rstd)

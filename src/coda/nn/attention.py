@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from coda.fusions import NormedStream, layouts, linear_add_rms_norm, qkv_rope
+from coda.fusions import NormedStream, layouts, linear_add_normed, qkv_rope
 from coda.nn import _hf
 
 __all__ = ["FusedLlamaAttention"]
@@ -101,8 +101,7 @@ class FusedLlamaAttention(nn.Module):
         gqa = self.num_heads != self.num_kv_heads
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
         o = o.transpose(1, 2).reshape(B * S, self.num_heads * self.head_dim)
-        x, h, rstd = linear_add_rms_norm(o, self.o_weight, stream.x, next_norm_weight, next_eps)
-        return NormedStream(x, h, rstd)
+        return linear_add_normed(o, self.o_weight, stream.x, next_norm_weight, next_eps)
 
     @classmethod
     def from_hf(

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from coda.fusions import NormedStream, rms_norm_stats
+from coda.fusions import NormedStream, normed_stream
 from coda.nn import _hf
 from coda.nn.attention import FusedLlamaAttention
 from coda.nn.mlp import FusedLlamaMLP
@@ -79,7 +79,7 @@ class FusedLlamaStack(nn.Module):
     def forward(self, hidden_states: torch.Tensor, position_ids: torch.Tensor) -> NormedStream:
         x = hidden_states.reshape(-1, hidden_states.shape[-1])
         first = self.layers[0]
-        stream = NormedStream(x, *rms_norm_stats(x, first.norm_weight, first.eps))
+        stream = normed_stream(x, first.norm_weight, first.eps)
         for i, layer in enumerate(self.layers):
             last = i + 1 == len(self.layers)
             nxt = self.norm_weight if last else self.layers[i + 1].norm_weight
