@@ -49,12 +49,12 @@ class Ops(TorchDispatchMode):
 def _leaves(seed=0):
     g = torch.Generator().manual_seed(seed)
 
-    def p(*shape, scale=1.0, offset=0.0):
-        return (offset + scale * torch.randn(*shape, generator=g)).requires_grad_()
+    def p(*shape, scale=1.0, offset=0.0):  # module weights: parameters
+        return torch.nn.Parameter(offset + scale * torch.randn(*shape, generator=g))
 
     M = 12
     return dict(
-        x=p(M, H),
+        x=(torch.randn(M, H, generator=g)).requires_grad_(),
         gamma_attn=p(H, scale=0.1, offset=1.0),
         w_qkv=p((HEADS + 2 * KV_HEADS) * D, H, scale=H**-0.5),
         w_o=p(H, HEADS * D, scale=0.3),
@@ -85,10 +85,11 @@ def _forward_backward(w):
 
 
 def test_block_ops_skip_the_dispatcher_and_match_the_custom_ops(monkeypatch):
-    """A forward + backward of a block: in plain eager mode no coda custom op reaches the
-    dispatcher (each EagerOp's op refuses to be called) and the outputs and every
-    gradient equal, bitwise, those of the same block under a dispatch mode, where every
-    op of the block (forward and backward ones) goes through the dispatcher."""
+    """A forward + backward of a block (its weights ``nn.Parameter``s, as in a module): in
+    plain eager mode no coda custom op reaches the dispatcher (each EagerOp's op refuses
+    to be called) and the outputs and every gradient equal, bitwise, those of the same
+    block under a dispatch mode, where every op of the block (forward and backward ones)
+    goes through the dispatcher."""
     w = _leaves()
     with Ops() as ops:
         out_op, grads_op = _forward_backward(w)
@@ -108,7 +109,7 @@ def test_block_ops_skip_the_dispatcher_and_match_the_custom_ops(monkeypatch):
 
 def test_plain_eager_only_for_plain_tensors_outside_modes_and_compilers():
     x = torch.randn(3)
-    assert _dispatch.plain_eager(x, 1.0, None)
+    assert _dispatch.plain_eager(x, torch.nn.Parameter(torch.ones(2)), 1.0, None)
     with Ops():
         assert not _dispatch.plain_eager(x)
     from torch._subclasses.fake_tensor import FakeTensorMode

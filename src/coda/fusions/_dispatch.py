@@ -169,14 +169,19 @@ def plain_eager(*args: Any) -> bool:
     (``eager_autograd``) rather than through the dispatcher: no compiler is tracing, no
     ``TorchDispatchMode`` (fake tensors, ``make_fx``, flop counters, ``opcheck``'s
     checks) or functorch transform is active, and every tensor argument is a plain
-    ``torch.Tensor`` (no subclass: DTensor, fake, functional). Then the custom op would
-    run the same implementation with the same autograd formula; only its per-call
-    dispatch cost differs."""
+    ``torch.Tensor`` or an ``nn.Parameter`` (no other subclass: DTensor, fake,
+    functional). Then the custom op would run the same implementation with the same
+    autograd formula; only its per-call dispatch cost differs."""
     if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack():
         return False
     if torch._C._functorch.peek_interpreter_stack() is not None:
         return False
-    return all(type(a) is torch.Tensor for a in args if isinstance(a, torch.Tensor))
+    return all(type(a) in _PLAIN for a in args if isinstance(a, torch.Tensor))
+
+
+#: tensor types ``plain_eager`` lets through: a module's weights are ``nn.Parameter``s,
+#: which dispatch as plain tensors (no ``__torch_dispatch__``, torch functions disabled)
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 def eager_autograd(
