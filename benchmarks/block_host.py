@@ -20,13 +20,10 @@ import argparse
 import os
 import sys
 
-import torch
-
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
 import train_step as ts  # noqa: E402
-from launch_overhead import host_us  # noqa: E402
-from loss_host import gpu_ms, step_ms  # noqa: E402
+from loss_host import timed_fields  # noqa: E402
 
 CONTENDERS = ("coda", "compile")
 
@@ -73,20 +70,8 @@ def main(argv=None) -> None:
     for M in (int(m) for m in args.Ms.split(",")):
         block = ts.Block(size, M)
         steps = {c: getattr(block, "coda" if c == "coda" else "hf")(True) for c in args.only}
-        for fn in steps.values():  # compile, load, warm the allocator
-            for _ in range(3):
-                fn()
-        torch.cuda.synchronize()
-        times = {c: {"host": [], "gpu": [], "step": []} for c in steps}
-        for _ in range(args.rounds):
-            for c, fn in steps.items():
-                times[c]["host"].append(host_us(fn, args.steps) / 1e3)
-                times[c]["gpu"].append(gpu_ms(fn, args.steps))
-                times[c]["step"].append(step_ms(fn, args.steps))
-        row: dict = {"config": args.config, "H": size.hidden, "M": M}
-        for c in CONTENDERS:
-            for kind in ("host", "gpu", "step"):
-                row[f"{c}_{kind}_ms"] = common.median(times[c][kind]) if c in times else None
+        row = {"config": args.config, "H": size.hidden, "M": M}
+        row.update(timed_fields(steps, CONTENDERS, args.rounds, args.steps))
         print({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}, flush=True)
         rows.append(row)
         del block, steps

@@ -68,6 +68,30 @@ def step_ms(fn, steps: int) -> float:
     return (time.perf_counter() - t0) / steps * 1e3
 
 
+def timed_fields(
+    steps: dict, contenders: tuple[str, ...], rounds: int, n_steps: int
+) -> dict[str, float | None]:
+    """``{"<contender>_host_ms", "<contender>_gpu_ms", "<contender>_step_ms"}`` for every
+    name of ``contenders`` (None where ``steps`` has no callable for it): each callable
+    warmed up (compiles, loads, the allocator), then timed in ``rounds`` interleaved
+    rounds of ``n_steps`` steps (``host_us``, ``gpu_ms``, ``step_ms``), medians."""
+    for fn in steps.values():
+        for _ in range(3):
+            fn()
+    torch.cuda.synchronize()
+    times = {c: {"host": [], "gpu": [], "step": []} for c in steps}
+    for _ in range(rounds):
+        for c, fn in steps.items():
+            times[c]["host"].append(host_us(fn, n_steps) / 1e3)
+            times[c]["gpu"].append(gpu_ms(fn, n_steps))
+            times[c]["step"].append(step_ms(fn, n_steps))
+    return {
+        f"{c}_{kind}_ms": common.median(times[c][kind]) if c in times else None
+        for c in contenders
+        for kind in ("host", "gpu", "step")
+    }
+
+
 def profile_text(fn, steps: int, top: int = 45) -> str:
     """cProfile of ``steps`` steps of ``fn`` (GPU busy behind a sleep kernel): the top
     functions by own time, then by cumulative time."""
@@ -143,22 +167,8 @@ def main(argv=None) -> None:
             for c in args.only
             if all_fns.get(c) is not None
         }
-        for fn in steps.values():  # compile, load, warm the allocator
-            for _ in range(3):
-                fn()
-        torch.cuda.synchronize()
-        times: dict[str, dict[str, list[float]]] = {
-            c: {"host": [], "gpu": [], "step": []} for c in steps
-        }
-        for _ in range(args.rounds):
-            for c, fn in steps.items():
-                times[c]["host"].append(host_us(fn, args.steps) / 1e3)
-                times[c]["gpu"].append(gpu_ms(fn, args.steps))
-                times[c]["step"].append(step_ms(fn, args.steps))
-        row: dict = {"H": args.H, "M": M, "V": args.V}
-        for c in CONTENDERS:
-            for kind in ("host", "gpu", "step"):
-                row[f"{c}_{kind}_ms"] = common.median(times[c][kind]) if c in times else None
+        row = {"H": args.H, "M": M, "V": args.V}
+        row.update(timed_fields(steps, CONTENDERS, args.rounds, args.steps))
         print({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}, flush=True)
         rows.append(row)
         if args.profile and i == 0 and "coda" in steps:

@@ -1,5 +1,6 @@
 """CPU checks of the profiling benchmarks' own logic: ``kernel_profile.py``,
-``map_pass.py`` and ``loss_host.py`` redraw their PNG from a committed JSON (``--replot``), and
+``map_pass.py``, ``loss_host.py`` and ``block_host.py`` redraw their PNG from a committed
+JSON (``--replot``), and
 ``kernel_profile.category`` sorts kernel names into the families its table reports."""
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ RESULTS = ROOT / "benchmarks" / "results"
         ("kernel_profile.py", "kernel_profile_h200.json"),
         ("map_pass.py", "map_pass_h200.json"),
         ("loss_host.py", "loss_host_h200.json"),
+        ("block_host.py", "block_host_h200.json"),
     ],
 )
 def test_replot_draws_the_png_of_a_written_json(script, result, tmp_path):
