@@ -6,11 +6,12 @@
 The decoder-layer twin of ``loss_host.py``, on ``train_step.Block`` (one HF
 ``LlamaDecoderLayer`` and its fused twin ``coda.nn.FusedLlamaDecoderLayer``, the same
 weights): per contender (``coda``: the fused layer, eager; ``compile``: the HF layer
-under ``torch.compile``), for a forward + backward to the layer's input and weights,
-``host_ms`` (the steps issued behind a GPU sleep kernel), ``gpu_ms`` (CUDA events around
-steps queued behind one) and ``step_ms`` (a synchronized loop from an idle GPU), as
-``loss_host.py`` defines them. Contenders alternate within each round; medians. Rows
-``{"config", "H", "M", "<contender>_host_ms", "<contender>_gpu_ms",
+under ``torch.compile``; ``coda_graph``, ``compile_graph``: their steps captured in a
+CUDA graph and replayed, ``common.graphed``), for a forward + backward to the layer's
+input and weights, ``host_ms`` (the steps issued behind a GPU sleep kernel), ``gpu_ms``
+(CUDA events around steps queued behind one) and ``step_ms`` (a synchronized loop from
+an idle GPU), as ``loss_host.py`` defines them. Contenders alternate within each round;
+medians. Rows ``{"config", "H", "M", "<contender>_host_ms", "<contender>_gpu_ms",
 "<contender>_step_ms"}``.
 """
 
@@ -25,7 +26,7 @@ import common  # noqa: E402
 import train_step as ts  # noqa: E402
 from loss_host import timed_fields  # noqa: E402
 
-CONTENDERS = ("coda", "compile")
+CONTENDERS = ("coda", "compile", "coda_graph", "compile_graph")
 
 
 def plot(result: dict, path: str) -> None:
@@ -69,7 +70,10 @@ def main(argv=None) -> None:
     rows = []
     for M in (int(m) for m in args.Ms.split(",")):
         block = ts.Block(size, M)
-        steps = {c: getattr(block, "coda" if c == "coda" else "hf")(True) for c in args.only}
+        steps = {}
+        for c in args.only:
+            run = getattr(block, "coda" if c.startswith("coda") else "hf")(True)
+            steps[c] = common.graphed(run) if c.endswith("_graph") else run
         row = {"config": args.config, "H": size.hidden, "M": M}
         row.update(timed_fields(steps, CONTENDERS, args.rounds, args.steps))
         print({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}, flush=True)

@@ -101,6 +101,22 @@ def cuda_inputs(epi, m: int, n: int, k: int, seed: int = 0) -> tuple:
     return A.cuda(), B.cuda(), moved
 
 
+def graphed(step: Callable[[], object], warmup: int = 2) -> Callable[[], None]:
+    """``step`` captured in a CUDA graph (warmed up first on a side stream: compiles,
+    caches, the allocator): a callable replaying it, the host cost of a whole step one
+    ``cudaGraphLaunch``. The graph's outputs stay in its private memory pool."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return graph.replay
+
+
 def median(xs: list[float]) -> float:
     return float(statistics.median(xs))
 

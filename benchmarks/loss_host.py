@@ -7,7 +7,9 @@ A training step's loss call is a chain of kernel launches; where the GPU work is
 (small batches, short sequences) the host's Python between the launches sets the pace.
 Per contender (coda's default ``linear_cross_entropy``, eager PyTorch, torch.compile,
 Liger-Kernel, Cut Cross-Entropy: ``cross_entropy.loss_functions``), for
-``torch.autograd.grad(loss(h, W, t), (h, W))``:
+``torch.autograd.grad(loss(h, W, t), (h, W))``, and the same step of coda and of
+torch.compile captured in a CUDA graph and replayed (``coda_graph``, ``compile_graph``:
+``common.graphed``, the host cost of a step one graph launch):
 
 * ``host_ms``: host milliseconds per step, ``--steps`` steps issued back to back behind
   a GPU sleep kernel (``launch_overhead.host_us``: the loop's wall time while the GPU
@@ -41,7 +43,7 @@ import common  # noqa: E402
 from cross_entropy import eager_loss, loss_functions, make_pass  # noqa: E402
 from launch_overhead import SLEEP_CYCLES, host_us  # noqa: E402
 
-CONTENDERS = ("coda", "eager", "compile", "liger", "cce")
+CONTENDERS = ("coda", "eager", "compile", "liger", "cce", "coda_graph", "compile_graph")
 
 
 def gpu_ms(fn, steps: int) -> float:
@@ -162,11 +164,12 @@ def main(argv=None) -> None:
         _, _, h, W, t, _ = next(common.lm_head_problems(shape, args.V))
         torch._dynamo.reset()  # a static compile per shape, as cross_entropy.py
         all_fns["compile"] = torch.compile(eager_loss)
-        steps = {
-            c: make_pass(all_fns[c], "fwd+bwd", h, W, t)
-            for c in args.only
-            if all_fns.get(c) is not None
-        }
+        steps = {}
+        for c in args.only:
+            fn = all_fns.get(c.removesuffix("_graph"))
+            if fn is not None:
+                run = make_pass(fn, "fwd+bwd", h, W, t)
+                steps[c] = common.graphed(run) if c.endswith("_graph") else run
         row = {"H": args.H, "M": M, "V": args.V}
         row.update(timed_fields(steps, CONTENDERS, args.rounds, args.steps))
         print({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}, flush=True)

@@ -189,6 +189,27 @@ def test_matches_float64_no_worse_than_eager_bf16(name, shape, path, monkeypatch
     _assert_like_float64(ours, truth, eager, bias, rstd)
 
 
+@pytest.mark.parametrize("path", ["fused", "recompute"])
+@pytest.mark.parametrize("name", ["all_none", "rstd_zloss_none", "weighted_none"])
+def test_per_row_losses_under_an_expanded_upstream_gradient(name, path):
+    """``loss.sum().backward()`` of per-row losses: the upstream gradient is one value
+    expanded over the rows (stride 0), which the backward GEMMs' row factors take only as
+    contiguous vectors (the gradient-in-forward path raised "'row_scale' must be a
+    contiguous vector" until its per-row g was made contiguous)."""
+    opts = dict(OPTIONS[name])
+    bias, rstd = opts.pop("bias", False), opts.pop("rstd", False)
+    M, H, V = 300, 264, 50257
+    *tensors, target = inputs(M, H, V, seed=3, bias=bias, rstd=rstd)
+    if opts.get("row_weight"):
+        weight = torch.randn(M, device="cuda", generator=torch.Generator("cuda").manual_seed(4))
+        opts["row_weight"] = weight * (target != -100)
+    upstream = torch.full((), 0.75, device="cuda").expand(M)
+    ours = grads_of(_coda, tensors, target, BF16, upstream, **PATHS[path], **opts)
+    truth = grads_of(textbook, tensors, target, F64, upstream, **opts)
+    eager = grads_of(textbook, tensors, target, BF16, upstream, **opts)
+    _assert_like_float64(ours, truth, eager, bias, rstd)
+
+
 def _assert_like_float64(ours, truth, eager, bias: bool, rstd: bool) -> None:
     """(loss, dh, dW[, dbias][, drstd]) finite and against float64 by the 2 x eager-bf16
     rule (atol 1e-3)."""

@@ -1376,7 +1376,9 @@ def _per_row_backward(ctx, g_rows: torch.Tensor, through_g: bool) -> tuple:
         ctx.saved_tensors
     )
     need_dh, need_dW, need_dbias, need_drstd = ctx.need
-    g = g_rows.detach().to(F32)
+    # contiguous: the GEMMs' row factors are vectors the kernels load, and the upstream
+    # gradient of ``loss.sum()`` is one value expanded over the rows (stride 0)
+    g = g_rows.detach().to(F32).contiguous()
     dh, dW = _finish(
         g, h, W, dh_saved, dW_saved, dl_last, dl_tail, dl_scale, dl_smooth, need_dh, need_dW
     )
