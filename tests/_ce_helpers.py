@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from hypothesis import strategies as st
 
-F32, F64, BF16 = torch.float32, torch.float64, torch.bfloat16
+F32, F64, BF16, F16 = torch.float32, torch.float64, torch.bfloat16, torch.float16
 TOL = 2e-5  # normwise relative, fp32 computation against float64
 NAMES = ("loss", "dh", "dW", "dbias", "drstd")
 

@@ -20,6 +20,7 @@ from hypothesis import given, settings
 
 from _ce_helpers import (
     BF16,
+    F16,
     F32,
     F64,
     TOL,
@@ -64,23 +65,68 @@ def test_loss_and_gradients_match_textbook(p, path):
         assert_close_to_reference(a, t, name=name, tol=TOL, floor=0.1)
 
 
+@pytest.mark.parametrize("dtype", [BF16, F16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("path", list(PATHS))
 @settings(max_examples=examples(60))
 @given(p=problems())
-def test_bf16_no_worse_than_eager_bf16(p, path):
-    """bf16 h and W: err(coda) <= 2 err(eager bf16) + atol against float64 (the GPU rule;
-    the dlogits chunks, and on the gradient-in-forward path the stored logits, are
-    rounded to bf16 here as on the GPU)."""
+def test_16bit_no_worse_than_eager_16bit(p, path, dtype):
+    """bf16 / fp16 h and W: err(coda) <= 2 err(eager in that dtype) + atol against
+    float64 (the GPU rule; the dlogits chunks, and on the gradient-in-forward path the
+    stored logits, are rounded to the dtype here as on the GPU). fp16 takes the recompute
+    path whatever ``path`` asks (``cross_entropy.FP16_WHY``): before that rule its
+    default gradient-in-forward path returned dh = 0 and a NaN dW."""
     p = {**p, "bias": False, "rstd": False, "M": max(p["M"], 8), "H": max(p["H"], 8)}
-    coda, truth = run_both(p, BF16, **PATHS[path])
-    h, W, _, _, target = make(p, BF16)
-    hb, Wb = leaves((h, W), BF16)
+    coda, truth = run_both(p, dtype, **PATHS[path])
+    h, W, _, _, target = make(p, dtype)
+    hb, Wb = leaves((h, W), dtype)
     eager = textbook(hb, Wb, target, **options(p))
     up = upstream(p)
-    up = torch.ones_like(eager) if up is None else up.to(BF16)
+    up = torch.ones_like(eager) if up is None else up.to(dtype)
     base = (eager, *torch.autograd.grad(eager, (hb, Wb), up))
     for name, a, t, b in zip(("loss", "dh", "dW"), coda, truth, base, strict=True):
         assert_close_to_reference(a, t, name=name, baseline=b, atol=2e-3, floor=1e-2)
+
+
+def test_fp16_under_a_loss_scale_no_worse_than_eager_fp16():
+    """fp16 training scales the loss (``torch.amp.GradScaler``) so that the dlogits,
+    softmax / tokens, stay inside fp16's range: here 1 / (16000 x 2048) ~ 3e-8, under
+    fp16's smallest subnormal, unscaled. With the loss times 2^16 and the gradients
+    divided back, coda's gradients (the recompute path, which forms the dlogits in the
+    backward with the scale in them) stay within 2 x eager fp16's error against float64."""
+    g = torch.Generator().manual_seed(11)
+    M, H, V, scale = 2048, 64, 16000, 2.0**16
+    h = torch.randn(M, H, generator=g).to(F16)
+    W = (torch.randn(V, H, generator=g) / H**0.25).to(F16)
+    target = torch.randint(0, V, (M,), generator=g)
+    target[::9] = -100
+    results = {}
+    for key, fn, dtype in (
+        ("coda", linear_cross_entropy, F16),
+        # eager fp16 as autocast runs it: fp16 logits, the loss in fp32
+        ("eager", lambda a, b, t: F.cross_entropy((a @ b.T).float(), t), F16),
+        ("truth", lambda a, b, t: textbook(a, b, t), F64),
+    ):
+        a, b = leaves((h, W), dtype)
+        loss = fn(a, b, target)
+        grads = torch.autograd.grad(loss.float() * scale, (a, b))  # as GradScaler.scale
+        results[key] = (loss, *(x.double() / scale for x in grads))
+    for i, name in enumerate(("loss", "dh", "dW")):
+        coda, eager, truth = (results[k][i] for k in ("coda", "eager", "truth"))
+        assert torch.isfinite(coda).all() and coda.abs().sum() > 0, name
+        assert_close_to_reference(coda, truth, name=name, baseline=eager, atol=1e-4, floor=1e-3)
+
+
+def test_fp16_refuses_the_gradient_in_forward_path():
+    """fp16 asks the recompute path: grad_in_forward=True is a ValueError that says why,
+    and the shifted softmax (exp(z - c) over e^-47..e^64) is never chosen for fp16."""
+    from coda.fusions import ce_fused
+
+    h = torch.randn(8, 16, dtype=F16, requires_grad=True)
+    W = torch.randn(40, 16, dtype=F16, requires_grad=True)
+    with pytest.raises(ValueError, match="fp16 input"):
+        linear_cross_entropy(h, W, torch.arange(8), grad_in_forward=True)
+    assert not ce_fused.shifted_ok(F16, False, None, 0.0, True, True, False)
+    assert ce_fused.shifted_ok(BF16, False, None, 0.0, True, True, False)
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])

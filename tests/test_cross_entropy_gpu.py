@@ -27,7 +27,7 @@ from coda.fusions.ce_epilogues import row_scaled_epilogue, weighted_colsum_epilo
 from coda.fusions.cross_entropy import linear_cross_entropy  # noqa: E402
 from coda.testing.tolerance import assert_close_to_reference  # noqa: E402
 
-BF16, F64 = torch.bfloat16, torch.float64
+BF16, F16, F32, F64 = torch.bfloat16, torch.float16, torch.float32, torch.float64
 GiB = 2**30
 
 
@@ -45,8 +45,13 @@ def textbook_logits(h, W, bias=None, rstd=None, softcap=None, temperature=1.0):
 
 def textbook(h, W, target, bias=None, rstd=None, softcap=None, label_smoothing=0.0,
              z_loss=0.0, reduction="mean", num_items_in_batch=None, temperature=1.0,
-             row_weight=None):  # fmt: skip
+             row_weight=None, loss_dtype=None):  # fmt: skip
+    """The loss over materialized logits; ``loss_dtype``: the logits cast to it first
+    (fp32: eager fp16 as autocast runs it, whose fp16 label-smoothing sum over a 50k
+    vocabulary overflows)."""
     logits = textbook_logits(h, W, bias, rstd, softcap, temperature)
+    if loss_dtype is not None:
+        logits = logits.to(loss_dtype)
     rows = F.cross_entropy(logits, target, reduction="none", label_smoothing=label_smoothing)
     valid = target != -100
     if z_loss:
@@ -208,6 +213,44 @@ def test_per_row_losses_under_an_expanded_upstream_gradient(name, path):
     truth = grads_of(textbook, tensors, target, F64, upstream, **opts)
     eager = grads_of(textbook, tensors, target, BF16, upstream, **opts)
     _assert_like_float64(ours, truth, eager, bias, rstd)
+
+
+@pytest.mark.parametrize("name", ["plain", "smoothing_zloss", "softcap", "bias_rstd", "all_none"])
+def test_fp16_matches_float64_no_worse_than_eager_fp16(name):
+    """fp16 h and W (the recompute path, ``cross_entropy.FP16_WHY``) on a ragged
+    vocabulary, against float64 by the 2 x eager-fp16 rule (eager as autocast runs it:
+    fp16 logits, the loss in fp32)."""
+    opts = dict(OPTIONS[name])
+    bias, rstd = opts.pop("bias", False), opts.pop("rstd", False)
+    M, H, V = 1000, 256, 50257
+    *tensors, target = inputs(M, H, V, seed=5, bias=bias, rstd=rstd)
+    upstream = torch.randn(M, device="cuda") if opts.get("reduction") == "none" else None
+    ours = grads_of(_coda, tensors, target, F16, upstream, **opts)
+    truth = grads_of(textbook, tensors, target, F64, upstream, **opts)
+    eager = grads_of(textbook, tensors, target, F16, upstream, loss_dtype=F32, **opts)
+    _assert_like_float64(ours, truth, eager, bias, rstd)
+
+
+def test_fp16_under_a_loss_scale_no_worse_than_eager_amp():
+    """fp16 training scales the loss (``GradScaler``): at 3700 tokens and V = 128256 the
+    unscaled dlogits, softmax / tokens ~ 2e-9, are under fp16's smallest subnormal.
+    With the loss times 2^16 and the gradients divided back, coda's stay within 2 x the
+    error of eager fp16 as autocast runs it (fp16 logits, the loss in fp32)."""
+    M, H, V, scale = 4096, 256, 128256, 2.0**16
+    *tensors, target = inputs(M, H, V, seed=6)
+    h, W = tensors[0].to(F16), tensors[1].to(F16)
+    runs = {}
+    for key, fn, dtype in (
+        ("coda", linear_cross_entropy, F16),
+        ("eager", lambda a, b, t: F.cross_entropy((a @ b.T).float(), t), F16),
+        ("truth", lambda a, b, t: F.cross_entropy(a @ b.T, t), F64),
+    ):
+        a, b = (x.detach().to(dtype).requires_grad_() for x in (h, W))
+        loss = fn(a, b, target)
+        grads = torch.autograd.grad(loss.float() * scale, (a, b))
+        runs[key] = (loss.detach(), *(x.double() / scale for x in grads))
+        del a, b, loss, grads
+    _assert_like_float64(runs["coda"], runs["truth"], runs["eager"], False, False)
 
 
 def _assert_like_float64(ours, truth, eager, bias: bool, rstd: bool) -> None:

@@ -34,7 +34,7 @@ from coda.testing.fuzz import check_example  # noqa: E402
 from coda.testing.strategies import make_inputs  # noqa: E402
 from coda.testing.tolerance import assert_close_to_reference  # noqa: E402
 
-BF16, F32, F64 = torch.bfloat16, torch.float32, torch.float64
+BF16, F16, F32, F64 = torch.bfloat16, torch.float16, torch.float32, torch.float64
 ATOL = 2e-3
 EPS = 1e-5
 
@@ -71,11 +71,12 @@ def _rand(g, *shape, scale=1.0, offset=0.0):
     return offset + scale * torch.randn(*shape, generator=g, dtype=F64)
 
 
-def _versions(*tensors):
-    """(coda bf16 leaves, eager bf16 leaves, float64 leaves) of the same values on cuda."""
+def _versions(*tensors, dtype=BF16):
+    """(coda leaves, eager leaves, both in ``dtype``; float64 leaves) of the same values
+    on cuda."""
     out = []
-    for dtype in (BF16, BF16, F64):
-        out.append([t.to("cuda", dtype).requires_grad_() for t in tensors])
+    for d in (dtype, dtype, F64):
+        out.append([t.to("cuda", d).requires_grad_() for t in tensors])
     return out
 
 
@@ -88,10 +89,13 @@ def _grads_check(names, mine, eager, truth):
         _check(f"d{n}", a.grad, b.grad, c.grad)
 
 
+# fp16 once per op, at its ragged shape (the ops' kernels in fp16 too)
 @pytest.mark.parametrize(
-    "M,K,H,N", [(300, 264, 520, 136), (1000, 136, 776, 264), (4096, 512, 1024, 512)]
-)
-def test_producer_and_normed_linear(M, K, H, N):
+    "M,K,H,N,dtype",
+    [(300, 264, 520, 136, BF16), (1000, 136, 776, 264, BF16), (4096, 512, 1024, 512, BF16),
+     (300, 264, 520, 136, F16)],
+)  # fmt: skip
+def test_producer_and_normed_linear(M, K, H, N, dtype):
     g = torch.Generator().manual_seed(M)
     vals = (
         _rand(g, M, K),
@@ -101,7 +105,7 @@ def test_producer_and_normed_linear(M, K, H, N):
         _rand(g, N, H, scale=H**-0.5),
     )
     rz, rx = _rand(g, M, N).cuda(), _rand(g, M, H).cuda()
-    mine, eager, truth = _versions(*vals)
+    mine, eager, truth = _versions(*vals, dtype=dtype)
 
     def textbook(a, w_o, res, gamma, w):
         x = a @ w_o.T + res
@@ -119,8 +123,12 @@ def test_producer_and_normed_linear(M, K, H, N):
     _grads_check(("a", "w_o", "residual", "gamma", "w"), mine[:5], eager[:5], truth[:5])
 
 
-@pytest.mark.parametrize("M,H,Fd", [(300, 264, 344), (1000, 520, 1392), (4096, 1024, 2816)])
-def test_swiglu_mlp(M, H, Fd):
+@pytest.mark.parametrize(
+    "M,H,Fd,dtype",
+    [(300, 264, 344, BF16), (1000, 520, 1392, BF16), (4096, 1024, 2816, BF16),
+     (300, 264, 344, F16)],
+)  # fmt: skip
+def test_swiglu_mlp(M, H, Fd, dtype):
     g = torch.Generator().manual_seed(M + 1)
     vals = (
         _rand(g, M, H),
@@ -129,9 +137,9 @@ def test_swiglu_mlp(M, H, Fd):
         _rand(g, Fd, H, scale=H**-0.5),
         _rand(g, H, Fd, scale=Fd**-0.5),
     )
-    gamma_next = _rand(g, H, scale=0.2, offset=1.0).to("cuda", BF16)
+    gamma_next = _rand(g, H, scale=0.2, offset=1.0).to("cuda", dtype)
     r = _rand(g, M, H).cuda()
-    mine, eager, truth = _versions(*vals)
+    mine, eager, truth = _versions(*vals, dtype=dtype)
     outs = {}
     for x, gamma, wg, wu, wd in (eager, truth):
         n = F.rms_norm(x, (H,), gamma, EPS)
@@ -143,16 +151,18 @@ def test_swiglu_mlp(M, H, Fd):
     h, rstd = rms_norm_stats(x, gamma, EPS)
     s = swiglu_mlp(NormedStream(x, h, rstd), gamma, w_gu, wd, gamma_next, EPS)
     (s.x.float() * r).sum().backward()
-    _check("x_out", s.x, outs[BF16], outs[F64])
+    _check("x_out", s.x, outs[dtype], outs[F64])
     dgate, dup = layouts.deinterleave_gate_up(w_gu.grad).chunk(2)
     wg.grad, wu.grad = dgate, dup
     _grads_check(("x", "gamma", "w_gate", "w_up", "w_down"), mine, eager, truth)
 
 
 @pytest.mark.parametrize(
-    "M,H,heads,kv_heads,D", [(300, 264, 4, 2, 64), (1000, 520, 8, 8, 64), (2048, 1024, 8, 2, 128)]
-)
-def test_qkv_rope(M, H, heads, kv_heads, D):
+    "M,H,heads,kv_heads,D,dtype",
+    [(300, 264, 4, 2, 64, BF16), (1000, 520, 8, 8, 64, BF16), (2048, 1024, 8, 2, 128, BF16),
+     (300, 264, 4, 2, 64, F16)],
+)  # fmt: skip
+def test_qkv_rope(M, H, heads, kv_heads, D, dtype):
     g = torch.Generator().manual_seed(M + 2)
     vals = (
         _rand(g, M, H),
@@ -164,7 +174,7 @@ def test_qkv_rope(M, H, heads, kv_heads, D):
     positions = torch.randint(0, 32768, (M,), generator=g).cuda()
     inv_freq = layouts.rope_inv_freq(D, 500000.0).cuda()
     rs = [_rand(g, M, n, D).cuda() for n in (heads, kv_heads, kv_heads)]
-    mine, eager, truth = _versions(*vals)
+    mine, eager, truth = _versions(*vals, dtype=dtype)
     angle = (positions.float()[:, None] * inv_freq[None, :]).double()
     emb = torch.cat((angle, angle), dim=-1)
     cos, sin = emb.cos()[:, None, :], emb.sin()[:, None, :]
@@ -191,6 +201,6 @@ def test_qkv_rope(M, H, heads, kv_heads, D):
     q, k = layouts.to_rotate_half(q, D), layouts.to_rotate_half(k, D)
     sum((t.float() * r).sum() for t, r in zip((q, k, v), rs, strict=True)).backward()
     for i, name in enumerate("qkv"):
-        _check(name, (q, k, v)[i], outs[BF16][i], outs[F64][i])
+        _check(name, (q, k, v)[i], outs[dtype][i], outs[F64][i])
     wq.grad, wk.grad, wv.grad = layouts.split_qkv_weight(w_qkv.grad, heads, kv_heads, D)
     _grads_check(("x", "gamma", "w_q", "w_k", "w_v"), mine, eager, truth)

@@ -291,8 +291,9 @@ def shifted_ok(
     that factor alone rides in R), an rstd
     gradient only beside dh (it is taken from the dh rows: drstd = h . dh / rstd; the
     row sums of R * acc beside the statistics would spill the 128 x 128 tile's registers,
-    3 STL at sm_90a), and the acc stored in h's dtype (``ACC_STORE_DTYPE`` None or
-    equal)."""
+    3 STL at sm_90a), the acc stored in h's dtype (``ACC_STORE_DTYPE`` None or
+    equal), and that dtype not fp16 (R = exp(z - c) spans e^-47..e^64 of fp32's and
+    bf16's 8-bit exponent: in fp16 it would underflow to 0 and overflow to inf)."""
     if GRAD_PASS not in ("auto", "shifted", "map"):
         raise ValueError(
             f"ce_fused.GRAD_PASS must be 'auto', 'shifted' or 'map'; got {GRAD_PASS!r}"
@@ -304,6 +305,7 @@ def shifted_ok(
         and (not label_smoothing or softcap is None)
         and (need_dh or not need_drstd)
         and ACC_STORE_DTYPE in (None, out_dtype)
+        and out_dtype != torch.float16
     )
 
 

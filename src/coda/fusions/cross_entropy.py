@@ -7,7 +7,8 @@ and ``_dispatch`` (fused kernel on CUDA, the epilogues' reference on CPU).
 ``linear_cross_entropy`` runs one of two paths (``_grad_in_forward`` picks):
 
 **Gradient-in-forward** (default when autograd will want gradients of a scalar loss:
-grad mode on, an input requiring grad, reduction "mean"/"sum", no differentiable entropy):
+grad mode on, an input requiring grad, reduction "mean"/"sum", no differentiable entropy;
+never for fp16 inputs, ``FP16_WHY``):
 ``coda::lce_fused_loss`` (``ce_fused``) computes the loss and all gradients in the
 forward over row chunks, 3 logits-sized GEMMs in all; its backward scales the saved
 gradients by the loss's upstream gradient. Workspace: two row buffers and, with more than
@@ -22,7 +23,7 @@ from the same statistics' epilogue (``SoftmaxEntropy`` in place of ``LogSumExp``
 they are differentiated.
 
 **Recompute** (otherwise, or ``grad_in_forward=False``: any upstream gradient, per-row
-losses of more rows, a differentiable entropy; the low-memory choice),
+losses of more rows, a differentiable entropy, fp16; the low-memory choice),
 two custom ops:
 
 * ``coda::lce_stats(h, W, target, bias, rstd, ...) -> (lse, zt, zsum, entropy)``: per
@@ -388,6 +389,19 @@ def _reduce(
     return total / valid.sum().clamp(min=1)  # all rows ignored: 0, not NaN
 
 
+#: Why fp16 inputs take the recompute path: the gradient-in-forward path rounds the
+#: dlogits to h's dtype in the forward, before the upstream gradient is known, so a
+#: GradScaler's loss scale cannot lift them out of fp16's range (softmax / tokens is
+#: ~2e-9 at 16k tokens and a 128k vocabulary, under fp16's smallest subnormal, 6e-8),
+#: and its shifted softmax exp(z - c) spans e^-47..e^64, beyond fp16's e^-17..e^11. The
+#: recompute path forms the dlogits in the backward with the upstream gradient in them,
+#: as eager fp16 PyTorch does.
+FP16_WHY = (
+    "an fp16 input (the forward would round the dlogits to fp16 before the upstream "
+    "gradient, e.g. a GradScaler's loss scale, is known)"
+)
+
+
 def _grad_in_forward(
     request: bool | None,
     reduction: str,
@@ -406,12 +420,14 @@ def _grad_in_forward(
     deferred GEMMs' rows (``ce_fused.per_row_problem`` says when it cannot): with
     ``request`` None where that M x V row buffer fits ``ce_chunks.GRAD_ROWS_BYTES``.
     ``weight_grad``: a scalar loss's ``row_weight`` requires grad (the weights are
-    data on this path). ``request`` None: automatic; False: never; True: required
-    (ValueError when the options forbid it; with nothing to differentiate it runs no
-    gradient work either)."""
+    data on this path). fp16 inputs never take it (``FP16_WHY``). ``request`` None:
+    automatic; False: never; True: required (ValueError when the options forbid it; with
+    nothing to differentiate it runs no gradient work either)."""
     forbidden = None
     M, V, elem_bytes, chunk_rows = rows
-    if entropy_grad:
+    if inputs[0].dtype == torch.float16:
+        forbidden = FP16_WHY
+    elif entropy_grad:
         forbidden = "return_entropy=True (a differentiable entropy; 'detached' keeps the path)"
     elif weight_grad:
         forbidden = "a row_weight that requires grad (its gradient: the row losses)"
@@ -552,9 +568,12 @@ def linear_cross_entropy(
     ``ce_chunks.GRAD_ROWS_BYTES`` (the backward's per-row gradient scales the deferred
     dh and dW GEMMs' rows); otherwise the statistics op runs and the backward
     recomputes the logits chunk by chunk over the vocabulary (4 GEMMs with a backward).
-    False: always the recompute path (the low-memory choice: its workspace does not
-    grow with V x H). True: require gradient-in-forward (per-row losses at any size, an
-    M x V buffer in h's dtype; ValueError when the options forbid it). ``chunk_size``:
+    fp16 inputs always take the recompute path (the gradient-in-forward path would
+    round the dlogits to fp16 before a GradScaler's loss scale reaches them: they
+    underflow). False: always the recompute path (the low-memory choice: its workspace
+    does not grow with V x H). True: require gradient-in-forward (per-row losses at any
+    size, an M x V buffer in h's dtype; ValueError when the options forbid it, fp16
+    included). ``chunk_size``:
     vocabulary columns per chunk of the recompute path (a multiple of 8; default: from
     ``ce_chunks.WORKSPACE_BYTES``).
     ``chunk_rows``: rows per chunk of the gradient-in-forward path (default:
