@@ -129,6 +129,59 @@ def test_fp16_refuses_the_gradient_in_forward_path():
     assert ce_fused.shifted_ok(BF16, False, None, 0.0, True, True, False)
 
 
+@pytest.mark.parametrize("dtype", [BF16, F16], ids=["bf16", "fp16"])
+def test_autocast_casts_the_operands_as_linear_does(dtype):
+    """Under ``torch.autocast`` (the CPU's here; the same rule on CUDA) fp32 h and an fp32
+    weight (AMP's master weights) are cast to autocast's dtype, as F.linear's operands
+    are: the loss and gradients equal those of the call on explicitly cast operands, the
+    gradients arrive in fp32, and torch.compile(fullgraph=True) under autocast gives the
+    same values."""
+    g = torch.Generator().manual_seed(4)
+    h = torch.randn(64, 32, generator=g, requires_grad=True)
+    W = torch.nn.Parameter(torch.randn(300, 32, generator=g) / 6)
+    bias = torch.nn.Parameter(torch.randn(300, generator=g) / 4)
+    target = torch.randint(0, 300, (64,), generator=g)
+    target[::5] = -100
+
+    def loss_fn(h, W, bias):
+        return linear_cross_entropy(h, W, target, bias=bias, z_loss=1e-3, label_smoothing=0.1)
+
+    def run(fn, *leaves, autocast):
+        with torch.autocast("cpu", dtype=dtype, enabled=autocast):
+            loss = fn(*leaves)
+        return (loss, *torch.autograd.grad(loss, leaves))
+
+    ours = run(loss_fn, h, W, bias, autocast=True)
+    cast = [t.detach().to(dtype).requires_grad_() for t in (h, W, bias)]
+    explicit = run(loss_fn, *cast, autocast=False)
+    compiled = run(torch.compile(loss_fn, fullgraph=True), h, W, bias, autocast=True)
+    assert all(t.dtype == F32 for t in ours)
+    for a, b, c in zip(ours, explicit, compiled, strict=True):
+        assert torch.equal(a, b.float()) and torch.equal(a, c)
+
+
+@pytest.mark.parametrize("path", list(PATHS))
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_empty_batch_gives_zero_loss_and_zero_gradients(path, reduction):
+    """No rows at all (a rank with no tokens): the loss is 0 ("none": shape (0,)), every
+    gradient zeros of its input's shape, lse and z-loss empty / 0; before this rule the
+    gradient-in-forward backward returned a (0,) dW and the recompute path ran an empty
+    GEMM."""
+    h = torch.zeros(0, 16, dtype=BF16, requires_grad=True)
+    W = torch.randn(40, 16, dtype=BF16, requires_grad=True)
+    bias = torch.randn(40, dtype=BF16, requires_grad=True)
+    rstd = torch.ones(0, requires_grad=True)
+    loss, lse, zl = linear_cross_entropy(
+        h, W, torch.zeros(0, dtype=torch.long), bias=bias, rstd=rstd, reduction=reduction,
+        label_smoothing=0.1, z_loss=1e-3, return_lse=True, return_z_loss=True, **PATHS[path],
+    )  # fmt: skip
+    assert lse.shape == (0,) and torch.equal(loss, torch.zeros_like(loss))
+    assert loss.shape == ((0,) if reduction == "none" else ())
+    grads = torch.autograd.grad(loss.sum() + zl.sum(), (h, W, bias, rstd), allow_unused=True)
+    for x, dx in zip((h, W, bias, rstd), grads, strict=True):
+        assert dx is None or (dx.shape == x.shape and not dx.any())
+
+
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 @pytest.mark.parametrize("smoothing,zl", [(0.0, 0.0), (0.1, 1e-3)])
 def test_all_ignored_batch_is_zero_without_nan(reduction, smoothing, zl):

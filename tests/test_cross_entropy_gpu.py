@@ -253,6 +253,61 @@ def test_fp16_under_a_loss_scale_no_worse_than_eager_amp():
     _assert_like_float64(runs["coda"], runs["truth"], runs["eager"], False, False)
 
 
+def _loss_and_grads(h, W, target, bias=None, rstd=None, **opts):
+    """(loss, grads of h, W[, bias][, rstd]) of ``linear_cross_entropy`` on these very
+    tensors (leaves as given: their strides and dtypes kept)."""
+    leaves = [t for t in (h, W, bias, rstd) if t is not None]
+    loss = linear_cross_entropy(h, W, target, bias=bias, rstd=rstd, **opts)
+    return (loss.detach(), *torch.autograd.grad(loss, leaves))
+
+
+def _leaf(t, dtype=None):
+    return t.detach().to(dtype or t.dtype).requires_grad_()
+
+
+@pytest.mark.parametrize("case", ["W_transposed_view", "expanded_bias_rstd", "autocast"])
+def test_operands_as_users_hold_them(case):
+    """A transposed view of W (an N-major (V, H) tensor), an expanded bias and rstd, and
+    fp32 h and W (AMP's master weights) under CUDA autocast each give the loss and
+    gradients of the plain call on contiguous, explicitly cast operands. (Before, the first
+    two raised InputErrors naming internal tensors, and fp32 operands an engine TypeError.)"""
+    M, H, V = 512, 256, 32000
+    h, W, _, _, target = inputs(M, H, V, seed=9)
+    if case == "W_transposed_view":
+        Wt = W.t().contiguous().t()
+        assert Wt.stride() == (1, V)
+        got = _loss_and_grads(_leaf(h), _leaf(Wt), target)
+        want = _loss_and_grads(_leaf(h), _leaf(W), target)
+    elif case == "expanded_bias_rstd":
+        b, r = torch.full((), 0.25, device="cuda", dtype=BF16), torch.full((), 1.5, device="cuda")
+        got = _loss_and_grads(_leaf(h), _leaf(W), target, _leaf(b.expand(V)), _leaf(r.expand(M)))
+        want = _loss_and_grads(
+            _leaf(h), _leaf(W), target, _leaf(b.expand(V).contiguous()),
+            _leaf(r.expand(M).contiguous()),
+        )  # fmt: skip
+    else:
+        h32, W32 = _leaf(h, torch.float32), _leaf(W, torch.float32)
+        with torch.autocast("cuda", dtype=BF16):
+            got = _loss_and_grads(h32, W32, target, z_loss=1e-4)
+        assert all(g.dtype == torch.float32 for g in got)
+        want = _loss_and_grads(_leaf(h), _leaf(W), target, z_loss=1e-4)
+    for a, b in zip(got, want, strict=True):  # the split-K dh sums its splits in any order
+        torch.testing.assert_close(a, b.to(a.dtype), rtol=1e-3, atol=1e-5, msg=case)
+
+
+def test_fp32_operands_and_empty_batches_on_the_gpu():
+    """fp32 h and W outside autocast: a TypeError naming the op before any launch; an
+    empty batch: zero loss and zero gradients of the inputs' shapes, both paths."""
+    h, W, _, _, target = inputs(64, 128, 1000, seed=10)
+    with pytest.raises(TypeError, match="linear_cross_entropy: on a Hopper GPU"):
+        linear_cross_entropy(h.float(), W.float(), target)
+    for path in PATHS.values():
+        opts = {k: v for k, v in path.items() if k == "grad_in_forward"}
+        loss, dh, dW = _loss_and_grads(_leaf(h[:0]), _leaf(W), target[:0], **opts)
+        assert loss.item() == 0 and dh.shape == (0, 128) and dW.shape == W.shape
+        assert not dW.any()
+
+
 def _assert_like_float64(ours, truth, eager, bias: bool, rstd: bool) -> None:
     """(loss, dh, dW[, dbias][, drstd]) finite and against float64 by the 2 x eager-bf16
     rule (atol 1e-3)."""

@@ -235,6 +235,36 @@ def test_fallbacks_are_counted_correct_and_strict_raises():
         mine(ids, labels=labels, attention_mask=mask)
 
 
+def test_autocast_over_fp32_weights_falls_back_and_keeps_the_fused_loss():
+    """AMP (fp32 master weights under ``torch.autocast``): the fused stack does not cast
+    weights per step, so the decoder stack runs Hugging Face's forward (reason counted)
+    and the loss stays fused, its operands cast as autocast casts F.linear's. Loss and
+    every gradient: within 2 x the error of the unpatched model under the same autocast,
+    against float64."""
+    ref, plain, _ = pair(**CONFIGS["gqa"], patch=False)
+    mine = copy.deepcopy(plain)
+    patch = apply_coda(mine)
+    ids, labels = batch(ref.config.vocab_size)
+    losses = {}
+    for key, model in (("truth", ref), ("eager", plain), ("coda", mine)):
+        model.train()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=key != "truth"):
+            out = model(ids, labels=labels)
+        out.loss.backward()
+        losses[key] = out.loss.detach()
+    assert patch.fallbacks == {"autocast to bfloat16 over float32 weights": 1}
+    assert patch.calls == {"original": 1, "fused_loss": 1}
+    assert_close_to_reference(
+        losses["coda"], losses["truth"], name="loss", baseline=losses["eager"], atol=1e-3
+    )
+    theirs, truth = dict(plain.named_parameters()), dict(ref.named_parameters())
+    for name, p in mine.named_parameters():
+        assert p.grad is not None and p.grad.dtype == torch.float32, name
+        assert_close_to_reference(
+            p.grad, truth[name].grad, name=f"d{name}", baseline=theirs[name].grad, atol=1e-3
+        )
+
+
 def test_gradient_checkpointing_keeps_the_fused_loss():
     """With gradient checkpointing the decoder stack runs Hugging Face's checkpointed
     forward (its reason counted); the loss over its output stays fused (no logits), with

@@ -70,6 +70,15 @@ def uses_kernels(t: torch.Tensor) -> bool:
     return kernels_run_on(t.device)
 
 
+def autocast_dtype(t: torch.Tensor) -> torch.dtype | None:
+    """The lower-precision dtype of an enabled ``torch.autocast`` on ``t``'s device type
+    (the dtype it casts F.linear's operands to), else None."""
+    device = t.device.type
+    if device not in ("cuda", "cpu") or not torch.is_autocast_enabled(device):
+        return None
+    return torch.get_autocast_dtype(device)
+
+
 def run_epilogue(
     epi: Epilogue,
     A: torch.Tensor,

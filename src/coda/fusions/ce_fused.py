@@ -1337,6 +1337,12 @@ def _fused_backward(ctx, g_loss, *unused):
     need_dh, need_dW, need_dbias, need_drstd = ctx.need
     dbias, drstd = (dbias if need_dbias else None), (drstd if need_drstd else None)
     through_g = g_loss.requires_grad and torch.is_grad_enabled()
+    if h.shape[0] == 0:  # no rows: the forward ran no GEMM, the gradients are zeros
+        zeros = [torch.zeros_like(h), torch.zeros_like(W),
+                 torch.zeros((W.shape[0],), dtype=ctx.bias_dtype or F32, device=W.device),
+                 torch.zeros((0,), dtype=F32, device=h.device)]  # fmt: skip
+        dh, dW, dbias, drstd = (z if n else None for z, n in zip(zeros, ctx.need, strict=True))
+        return (dh, dW, None, dbias, drstd) + rest
     if ctx.per_row:
         return _per_row_backward(ctx, g_loss, through_g) + rest
     if dl_last.dim() != 2 and dl_tail.dim() != 2:  # nothing deferred: the gradients are whole

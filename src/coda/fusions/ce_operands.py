@@ -45,6 +45,12 @@ def check_operands(
             f"{OP}: h and W must share one dtype among bfloat16, float16, float32; got "
             f"{dtype_name(h.dtype)} and {dtype_name(W.dtype)}"
         )
+    if h.dtype == torch.float32 and uses_kernels(h):
+        raise TypeError(
+            f"{OP}: on a Hopper GPU the fused kernels take bfloat16 or float16 h and W; got "
+            f"float32 (cast them, or call under torch.autocast, which casts them as it casts "
+            f"F.linear's operands)"
+        )
     if target.dim() != 1 or target.shape[0] != h.shape[0] or target.dtype not in INDEX_DTYPES:
         raise ValueError(
             f"{OP}: target must be an int64/int32 vector of {h.shape[0]} entries; got "

@@ -60,7 +60,7 @@ import torch.nn.functional as F
 from torch.library import custom_op, register_autograd
 
 from coda.fusions import _checks, ce_chunks, ce_fused
-from coda.fusions._dispatch import EagerOp, matmul, run_epilogue, uses_kernels
+from coda.fusions._dispatch import EagerOp, autocast_dtype, matmul, run_epilogue, uses_kernels
 from coda.fusions.ce_chunks import TMA_COLS, Chunk
 from coda.fusions.ce_epilogues import grad_epilogue, stats_epilogue
 from coda.fusions.ce_fused import lce_fused_loss, merge_entropy
@@ -122,6 +122,9 @@ def _lce_stats_impl(
     M, V = h.shape[0], W.shape[0]
     if check or not uses_kernels(h):
         check_targets(target, V, ignore_index)
+    if M == 0:  # no rows: no GEMM to run
+        empty = h.new_zeros((0,), dtype=F32)
+        return empty, empty.clone(), empty.clone(), empty.clone()
     valid = target != ignore_index
     n_partials = (4 if with_sum else 3) + (3 if with_entropy else 0)
     size = chunk_size or ce_chunks.stats_chunk_size(M, V, n_partials)
@@ -191,6 +194,12 @@ def _lce_stats_backward_impl(
     with ``g_entropy``, of the entropy under it (``entropy``: the forward's, per row)."""
     M, H = h.shape
     V = W.shape[0]
+    if M == 0:  # no rows: zero gradients, no GEMM to run
+        grads = [torch.zeros_like(h)] if need_dh else []
+        grads += [torch.zeros_like(W)] if need_dW else []
+        grads += [torch.zeros_like(bias)] if need_dbias else []
+        grads += [torch.zeros_like(rstd)] if need_drstd else []
+        return grads
     valid = target != ignore_index
     size = chunk_size or ce_chunks.grad_chunk_size(M, V, h.element_size())
     plan = ce_chunks.chunks(V, size)
@@ -587,6 +596,61 @@ def linear_cross_entropy(
     join the per-row gradient coefficients: 3 GEMMs, row chunks, the usual workspace)
     unless the weights require grad (then the recompute path, which differentiates them).
     """
+    opts = dict(
+        ignore_index=ignore_index,
+        reduction=reduction,
+        label_smoothing=label_smoothing,
+        z_loss=z_loss,
+        softcap=softcap,
+        num_items_in_batch=num_items_in_batch,
+        rstd=rstd,
+        temperature=temperature,
+        shift=shift,
+        return_lse=return_lse,
+        return_z_loss=return_z_loss,
+        return_entropy=return_entropy,
+        check=check,
+        chunk_size=chunk_size,
+        grad_in_forward=grad_in_forward,
+        chunk_rows=chunk_rows,
+        row_weight=row_weight,
+    )
+    dtype = autocast_dtype(h)
+    if dtype is None:
+        return _linear_cross_entropy(h, W, target, bias=bias, **opts)
+    # under torch.autocast: h, W and the bias in autocast's dtype, as F.linear takes its
+    # operands (fp32 master weights get fp32 gradients through the cast); the op runs
+    # with autocast off, so its own fp32 math stays fp32
+    bias = None if bias is None else bias.to(dtype)
+    with torch.autocast(h.device.type, enabled=False):
+        return _linear_cross_entropy(h.to(dtype), W.to(dtype), target, bias=bias, **opts)
+
+
+def _linear_cross_entropy(
+    h: torch.Tensor,
+    W: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    ignore_index: int = -100,
+    reduction: Reduction = "mean",
+    label_smoothing: float = 0.0,
+    z_loss: float = 0.0,
+    softcap: float | None = None,
+    bias: torch.Tensor | None = None,
+    num_items_in_batch: torch.Tensor | int | None = None,
+    rstd: torch.Tensor | None = None,
+    temperature: float = 1.0,
+    shift: bool = False,
+    return_lse: bool = False,
+    return_z_loss: bool = False,
+    return_entropy: bool | Literal["detached"] = False,
+    check: bool = False,
+    chunk_size: int | None = None,
+    grad_in_forward: bool | None = None,
+    chunk_rows: int | None = None,
+    row_weight: torch.Tensor | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, ...]:
+    """``linear_cross_entropy`` with autocast already applied (or off)."""
     _checks.whole_tensors(
         "linear_cross_entropy",
         "pass the LM head module instead, as coda.nn.LinearCrossEntropyLoss()(hidden, "
@@ -642,6 +706,12 @@ def linear_cross_entropy(
     h2 = h.reshape(-1, H)
     if h2.stride(-1) != 1:
         h2 = h2.contiguous()
+    # the kernels take W, the bias and every per-row vector with unit inner stride (a
+    # transposed W view, an expanded bias or rstd: one copy here, the gradient through it)
+    if W.stride(-1) != 1:
+        W = W.contiguous()
+    if bias is not None and not bias.is_contiguous():
+        bias = bias.contiguous()
     t = target.reshape(-1)
     r = None
     if rstd is not None:
@@ -649,7 +719,7 @@ def linear_cross_entropy(
             raise ValueError(
                 f"rstd must be shaped like target {tuple(shape)}; got {tuple(rstd.shape)}"
             )
-        r = rstd.reshape(-1).float()
+        r = rstd.reshape(-1).float().contiguous()
     eps = float(label_smoothing)
     cap = None if softcap is None else float(softcap)
     if temperature != 1.0:

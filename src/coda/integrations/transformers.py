@@ -78,6 +78,7 @@ from coda.nn import (
 )
 from coda.nn._sharding import shard_kind, unit, unwrapped_type
 from coda.runtime.checks import kernels_run_on
+from coda.specs import dtype_name
 
 __all__ = [
     "SUPPORTED_FAMILIES",
@@ -485,6 +486,8 @@ class CodaPatch:
             return "input_ids/inputs_embeds"  # the original raises its own error
         if (why := _device_problem(args)) is not None:
             return why
+        if (why := _autocast_problem(stack, ids if embeds is None else embeds)) is not None:
+            return why
         seq = (ids if embeds is None else embeds).shape[1]
         window = getattr(config, "sliding_window", None)
         if window is not None and seq > int(window):
@@ -641,6 +644,22 @@ def _device_problem(args: Mapping[str, Any]) -> str | None:
     if isinstance(x, torch.Tensor) and x.device.type == "cuda" and not kernels_run_on(x.device):
         return NOT_HOPPER
     return None
+
+
+def _autocast_problem(stack: nn.Module, x: torch.Tensor) -> str | None:
+    """Why the fused stack cannot run under an enabled ``torch.autocast``, or None: with
+    weights in another dtype than autocast's (AMP's fp32 master weights) its GEMMs would
+    need every weight cast per step, which it does not do yet; Hugging Face's forward runs
+    the layers (autocast casting their operands), and the loss stays fused
+    (``linear_cross_entropy`` casts its operands as autocast does)."""
+    device = x.device.type
+    if device not in ("cuda", "cpu") or not torch.is_autocast_enabled(device):
+        return None
+    dtype = torch.get_autocast_dtype(device)
+    weight = stack.layers[0].self_attn.q_proj.weight.dtype
+    if weight == dtype:
+        return None
+    return f"autocast to {dtype_name(dtype)} over {dtype_name(weight)} weights"
 
 
 def _loss_problem(causal_lm: nn.Module) -> str | None:
