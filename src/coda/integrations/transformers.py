@@ -67,6 +67,7 @@ from torch import nn
 from torch.func import functional_call
 
 from coda.fusions import layouts
+from coda.fusions._dispatch import autocast_dtype
 from coda.integrations._rebuild import rebuilt_when_saved
 from coda.nn import (
     FusedLlamaAttention,
@@ -652,12 +653,9 @@ def _autocast_problem(stack: nn.Module, x: torch.Tensor) -> str | None:
     need every weight cast per step, which it does not do yet; Hugging Face's forward runs
     the layers (autocast casting their operands), and the loss stays fused
     (``linear_cross_entropy`` casts its operands as autocast does)."""
-    device = x.device.type
-    if device not in ("cuda", "cpu") or not torch.is_autocast_enabled(device):
-        return None
-    dtype = torch.get_autocast_dtype(device)
+    dtype = autocast_dtype(x)
     weight = stack.layers[0].self_attn.q_proj.weight.dtype
-    if weight == dtype:
+    if dtype is None or weight == dtype:
         return None
     return f"autocast to {dtype_name(dtype)} over {dtype_name(weight)} weights"
 
