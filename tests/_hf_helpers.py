@@ -8,6 +8,17 @@ import socket
 
 import torch
 
+#: A small Llama config for the GPU tests (GQA 2:1, head_dim 64, an odd vocabulary):
+#: ``LlamaConfig(**SMALL_LLAMA, ...)``.
+SMALL_LLAMA = dict(
+    vocab_size=1531,
+    hidden_size=256,
+    intermediate_size=704,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+)
+
 
 def randomize(model: torch.nn.Module, seed: int) -> None:
     """Weights of order one (HF's init, std 0.02, makes every logit nearly equal): norm

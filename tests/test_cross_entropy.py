@@ -158,13 +158,19 @@ def test_autocast_casts_the_operands_as_linear_does(dtype):
             loss = fn(*leaves)
         return (loss, *torch.autograd.grad(loss, leaves))
 
+    def by_keyword(h, W, bias):
+        return linear_cross_entropy(
+            h=h, W=W, target=target, bias=bias, z_loss=1e-3, label_smoothing=0.1
+        )
+
     ours = run(loss_fn, h, W, bias, autocast=True)
     cast = [t.detach().to(dtype).requires_grad_() for t in (h, W, bias)]
     explicit = run(loss_fn, *cast, autocast=False)
     compiled = run(torch.compile(loss_fn, fullgraph=True), h, W, bias, autocast=True)
+    keywords = run(by_keyword, h, W, bias, autocast=True)
     assert all(t.dtype == F32 for t in ours)
-    for a, b, c in zip(ours, explicit, compiled, strict=True):
-        assert torch.equal(a, b.float()) and torch.equal(a, c)
+    for a, b, c, d in zip(ours, explicit, compiled, keywords, strict=True):
+        assert torch.equal(a, b.float()) and torch.equal(a, c) and torch.equal(a, d)
 
 
 @pytest.mark.parametrize("path", list(PATHS))

@@ -130,16 +130,11 @@ def test_patched_llama_training_step_replays_in_a_cuda_graph():
     gradient of a captured step, replayed on new token ids and labels (a prompt and
     padding ignored), equal the uncaptured fused step's; the captured step ran fused."""
     transformers = pytest.importorskip("transformers")
-    from _hf_helpers import randomize
+    from _hf_helpers import SMALL_LLAMA, randomize
     from coda.integrations.transformers import apply_coda, rope_config
 
     config = transformers.LlamaConfig(
-        vocab_size=1531,
-        hidden_size=256,
-        intermediate_size=704,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        **SMALL_LLAMA,
         attn_implementation="sdpa",
         use_cache=False,
         **rope_config("default", 10000.0),

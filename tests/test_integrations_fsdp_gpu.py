@@ -20,7 +20,7 @@ import copy
 import pytest
 import torch
 
-from _hf_helpers import SHARDINGS, free_port, randomize, shard, whole
+from _hf_helpers import SHARDINGS, SMALL_LLAMA, free_port, randomize, shard, whole
 
 pytestmark = pytest.mark.gpu
 
@@ -35,14 +35,7 @@ if not dist.is_available() or not dist.is_nccl_available():
 ATOL = 2e-3
 ROWS = 2  # sequences per rank
 SEQ = 200  # tokens per sequence (ragged against every tile)
-CONFIG = dict(
-    vocab_size=1531,
-    hidden_size=256,
-    intermediate_size=704,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-)
+CONFIG = SMALL_LLAMA
 
 
 def _model():

@@ -25,6 +25,9 @@ architecture) the same calls run the reference path there.
   (``_zero_rows``): no allocation or fill per call.
 * ``matmul(A, B, out=None, accumulate=False)``: ``A @ B.T`` by ``coda.gemm`` on a Hopper
   GPU, by ``A.float() @ B.float().T`` elsewhere.
+* ``autocast_operands(*names)``: a fusion entry point under ``torch.autocast`` (its
+  floating operands cast as autocast casts F.linear's, the body run with autocast off);
+  ``autocast_dtype(t)``: autocast's dtype on ``t``'s device, or None.
 * ``EagerOp(op, impl, setup_context, backward)`` (on ``plain_eager`` and
   ``eager_autograd``): how a fused op skips the dispatcher in plain eager calls. A
   ``torch.library.custom_op`` with a registered autograd formula costs ~0.1-0.4 ms of
@@ -40,6 +43,7 @@ architecture) the same calls run the reference path there.
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Callable
 from typing import Any
@@ -52,6 +56,8 @@ from coda.runtime.checks import kernels_run_on
 __all__ = [
     "MAP_K",
     "EagerOp",
+    "autocast_dtype",
+    "autocast_operands",
     "eager_autograd",
     "matmul",
     "plain_eager",
@@ -77,6 +83,42 @@ def autocast_dtype(t: torch.Tensor) -> torch.dtype | None:
     if device not in ("cuda", "cpu") or not torch.is_autocast_enabled(device):
         return None
     return torch.get_autocast_dtype(device)
+
+
+def autocast_operands(*names: str) -> Callable[[Callable], Callable]:
+    """Decorator: under an enabled ``torch.autocast`` on the first argument's device, the
+    floating tensors among the parameters ``names`` are cast to autocast's dtype (as
+    autocast casts F.linear's operands; gradients reach the originals through the casts)
+    and the function runs with autocast off (its own fp32 math stays fp32); otherwise
+    the call passes through. Positions come from the signature once, at decoration."""
+
+    def decorate(fn: Callable) -> Callable:
+        params = list(inspect.signature(fn).parameters)
+        where = {name: params.index(name) for name in names}
+
+        @functools.wraps(fn)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            first = args[0] if args else kwargs[params[0]]
+            dtype = autocast_dtype(first)
+            if dtype is None:
+                return fn(*args, **kwargs)
+            args = list(args)
+            for name, i in where.items():
+                if name in kwargs:
+                    box, key = kwargs, name
+                elif i < len(args):
+                    box, key = args, i
+                else:
+                    continue  # not passed: its default
+                t = box[key]
+                if isinstance(t, torch.Tensor) and t.is_floating_point():
+                    box[key] = t.to(dtype)
+            with torch.autocast(first.device.type, enabled=False):
+                return fn(*args, **kwargs)
+
+        return call
+
+    return decorate
 
 
 def run_epilogue(

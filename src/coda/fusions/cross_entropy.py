@@ -60,7 +60,7 @@ import torch.nn.functional as F
 from torch.library import custom_op, register_autograd
 
 from coda.fusions import _checks, ce_chunks, ce_fused
-from coda.fusions._dispatch import EagerOp, autocast_dtype, matmul, run_epilogue, uses_kernels
+from coda.fusions._dispatch import EagerOp, autocast_operands, matmul, run_epilogue, uses_kernels
 from coda.fusions.ce_chunks import TMA_COLS, Chunk
 from coda.fusions.ce_epilogues import grad_epilogue, stats_epilogue
 from coda.fusions.ce_fused import lce_fused_loss, merge_entropy
@@ -508,6 +508,7 @@ def _tempered(
     return r, bias, None if cap is None else cap * inv_t
 
 
+@autocast_operands("h", "W", "bias")
 def linear_cross_entropy(
     h: torch.Tensor,
     W: torch.Tensor,
@@ -596,61 +597,6 @@ def linear_cross_entropy(
     join the per-row gradient coefficients: 3 GEMMs, row chunks, the usual workspace)
     unless the weights require grad (then the recompute path, which differentiates them).
     """
-    opts = dict(
-        ignore_index=ignore_index,
-        reduction=reduction,
-        label_smoothing=label_smoothing,
-        z_loss=z_loss,
-        softcap=softcap,
-        num_items_in_batch=num_items_in_batch,
-        rstd=rstd,
-        temperature=temperature,
-        shift=shift,
-        return_lse=return_lse,
-        return_z_loss=return_z_loss,
-        return_entropy=return_entropy,
-        check=check,
-        chunk_size=chunk_size,
-        grad_in_forward=grad_in_forward,
-        chunk_rows=chunk_rows,
-        row_weight=row_weight,
-    )
-    dtype = autocast_dtype(h)
-    if dtype is None:
-        return _linear_cross_entropy(h, W, target, bias=bias, **opts)
-    # under torch.autocast: h, W and the bias in autocast's dtype, as F.linear takes its
-    # operands (fp32 master weights get fp32 gradients through the cast); the op runs
-    # with autocast off, so its own fp32 math stays fp32
-    bias = None if bias is None else bias.to(dtype)
-    with torch.autocast(h.device.type, enabled=False):
-        return _linear_cross_entropy(h.to(dtype), W.to(dtype), target, bias=bias, **opts)
-
-
-def _linear_cross_entropy(
-    h: torch.Tensor,
-    W: torch.Tensor,
-    target: torch.Tensor,
-    *,
-    ignore_index: int = -100,
-    reduction: Reduction = "mean",
-    label_smoothing: float = 0.0,
-    z_loss: float = 0.0,
-    softcap: float | None = None,
-    bias: torch.Tensor | None = None,
-    num_items_in_batch: torch.Tensor | int | None = None,
-    rstd: torch.Tensor | None = None,
-    temperature: float = 1.0,
-    shift: bool = False,
-    return_lse: bool = False,
-    return_z_loss: bool = False,
-    return_entropy: bool | Literal["detached"] = False,
-    check: bool = False,
-    chunk_size: int | None = None,
-    grad_in_forward: bool | None = None,
-    chunk_rows: int | None = None,
-    row_weight: torch.Tensor | None = None,
-) -> torch.Tensor | tuple[torch.Tensor, ...]:
-    """``linear_cross_entropy`` with autocast already applied (or off)."""
     _checks.whole_tensors(
         "linear_cross_entropy",
         "pass the LM head module instead, as coda.nn.LinearCrossEntropyLoss()(hidden, "
