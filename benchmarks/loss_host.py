@@ -9,7 +9,8 @@ Per contender (coda's default ``linear_cross_entropy``, eager PyTorch, torch.com
 Liger-Kernel, Cut Cross-Entropy: ``cross_entropy.loss_functions``), for
 ``torch.autograd.grad(loss(h, W, t), (h, W))``, and the same step of coda and of
 torch.compile captured in a CUDA graph and replayed (``coda_graph``, ``compile_graph``:
-``common.graphed``, the host cost of a step one graph launch):
+``common.graphed``, the host cost of a step one graph launch), and coda's step under
+``torch.use_deterministic_algorithms(True)`` (``coda_deterministic``: no split-K):
 
 * ``host_ms``: host milliseconds per step, ``--steps`` steps issued back to back behind
   a GPU sleep kernel (``launch_overhead.host_us``: the loop's wall time while the GPU
@@ -43,7 +44,25 @@ import common  # noqa: E402
 from cross_entropy import eager_loss, loss_functions, make_pass  # noqa: E402
 from launch_overhead import SLEEP_CYCLES, host_us  # noqa: E402
 
-CONTENDERS = ("coda", "eager", "compile", "liger", "cce", "coda_graph", "compile_graph")
+CONTENDERS = (
+    "coda", "eager", "compile", "liger", "cce", "coda_graph", "compile_graph",
+    "coda_deterministic",
+)  # fmt: skip
+
+
+def deterministic(run):
+    """``run`` under ``torch.use_deterministic_algorithms(True)`` (the caller's setting
+    restored after each step): coda's small batches then skip split-K."""
+
+    def step():
+        before = torch.are_deterministic_algorithms_enabled()
+        torch.use_deterministic_algorithms(True)
+        try:
+            return run()
+        finally:
+            torch.use_deterministic_algorithms(before)
+
+    return step
 
 
 def gpu_ms(fn, steps: int) -> float:
@@ -166,9 +185,11 @@ def main(argv=None) -> None:
         all_fns["compile"] = torch.compile(eager_loss)
         steps = {}
         for c in args.only:
-            fn = all_fns.get(c.removesuffix("_graph"))
+            fn = all_fns.get(c.removesuffix("_graph").removesuffix("_deterministic"))
             if fn is not None:
                 run = make_pass(fn, "fwd+bwd", h, W, t)
+                if c.endswith("_deterministic"):
+                    run = deterministic(run)
                 steps[c] = common.graphed(run) if c.endswith("_graph") else run
         row = {"H": args.H, "M": M, "V": args.V}
         row.update(timed_fields(steps, CONTENDERS, args.rounds, args.steps))

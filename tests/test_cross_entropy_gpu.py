@@ -548,6 +548,32 @@ def test_backward_gemm_split_k_where_its_tiles_leave_the_gpu_idle(m, monkeypatch
     )
 
 
+@pytest.mark.parametrize("rows", [256, 300])
+def test_small_batches_are_bitwise_reproducible_when_deterministic(rows, deterministic_algorithms):
+    """A small batch's last-chunk dh splits K by default (``_split_config``, finishing
+    order); under torch.use_deterministic_algorithms(True) it runs unsplit: two forward +
+    backward passes give bitwise equal loss, dh and dW, within rounding of the split run."""
+    H, V = 2048, 32768
+    g = torch.Generator(device="cuda").manual_seed(rows)
+    h = (torch.randn(rows, H, device="cuda", generator=g) / 2).to(BF16)
+    W = (torch.randn(V, H, device="cuda", generator=g) / 32).to(BF16)
+    target = torch.randint(0, V, (rows,), device="cuda", generator=g)
+    assert ce_fused._split_config(rows, H, V, h.device) is not None  # the default splits
+
+    def step():
+        hh, WW = h.clone().requires_grad_(), W.clone().requires_grad_()
+        loss = linear_cross_entropy(hh, WW, target)
+        loss.backward()
+        return loss.detach(), hh.grad, WW.grad
+
+    split = step()
+    deterministic_algorithms()
+    first, again = step(), step()
+    for a, b, c in zip(first, again, split, strict=True):
+        assert torch.equal(a, b)
+        torch.testing.assert_close(a, c, rtol=2e-2, atol=1e-5)
+
+
 def _with_entropy(fn):
     """``fn``'s loss plus the per-row softmax entropy: coda's ``return_entropy``, or, for
     the textbook, the entropy of the materialized logits in the inputs' dtype."""

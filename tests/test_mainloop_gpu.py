@@ -290,6 +290,26 @@ def test_split_k_matches_the_unsplit_kernel(shape, layout, accumulate, splits):
     assert errs[splits] <= 2 * errs[1] + 1e-6, errs
 
 
+def test_explicit_split_k_under_deterministic_algorithms(deterministic_algorithms):
+    """Split sums land in finishing order: under torch.use_deterministic_algorithms(True)
+    an explicit split config raises before launching (``out`` untouched), with
+    ``warn_only=True`` it warns and runs; the unsplit GEMM is bitwise repeatable."""
+    g = torch.Generator(device="cuda").manual_seed(7)
+    a = torch.randn(256, 8192, device="cuda", generator=g).to(torch.bfloat16)
+    b = torch.randn(512, 8192, device="cuda", generator=g).to(torch.bfloat16)
+    out = torch.full((256, 512), float("nan"), device="cuda")
+    deterministic_algorithms()
+    with pytest.raises(RuntimeError, match="split_k=4"):
+        gemm(a, b, out=out, config=GemmConfig(split_k=4))
+    assert out.isnan().all()
+    first = gemm(a, b, out_dtype=torch.float32)
+    assert torch.equal(first, gemm(a, b, out_dtype=torch.float32))
+    deterministic_algorithms(warn_only=True)
+    with pytest.warns(UserWarning, match="split_k=4"):
+        gemm(a, b, out=out, config=GemmConfig(split_k=4))
+    torch.testing.assert_close(out, first, rtol=1e-4, atol=1e-2)  # |C| ~ 90
+
+
 @pytest.mark.parametrize("splits", [2, 3, 5])
 def test_explicit_split_k_config(splits):
     """A split_k config runs any K (fewer k-tiles than splits included) into fp32 and bf16

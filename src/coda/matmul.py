@@ -99,9 +99,12 @@ def gemm(
     of a shape. A config with ``split_k`` > 1 runs several units of work per output tile
     over K ranges, adding through TMA reduce-add (the output is zeroed first unless
     ``accumulate``); with ``AUTO_SPLIT_K`` the heuristic picks it for fp32 outputs whose
-    M x N has too few tiles to fill the GPU. The contiguous dimension of every tensor is
-    padded to 16 bytes (its other stride a multiple of 8 elements for 16-bit data); M, N,
-    K need not be multiples of the tile. Errors are raised before anything is launched.
+    M x N has too few tiles to fill the GPU. Split sums are not bitwise reproducible: under
+    ``torch.use_deterministic_algorithms(True)`` the heuristic never splits and an explicit
+    split config raises (warns with ``warn_only=True``); every other call is. The
+    contiguous dimension of every tensor is padded to 16 bytes (its other stride a
+    multiple of 8 elements for 16-bit data); M, N, K need not be multiples of the tile.
+    Errors are raised before anything is launched.
     """
     sig = None
     if config is None and out_dtype is None:
@@ -109,6 +112,8 @@ def gemm(
         hit = _validated.get(sig)
         if hit is not None and not (A.data_ptr() | B.data_ptr()) & 15:
             launcher, zero = hit
+            if zero and torch.are_deterministic_algorithms_enabled():
+                launcher = None  # a split kernel: the heuristic again, unsplit
             if out is None:
                 out = torch.empty((A.shape[0], B.shape[0]), dtype=A.dtype, device=A.device)
             elif out.data_ptr() & 15:
@@ -139,8 +144,13 @@ def gemm(
         device = checks.same_device([("A", A), ("B", B), ("out", out)])
         num_sms = checks.hopper_device(device)
     if config is None:
-        # split-K sums fp32 partials in the output: only for fp32 outputs
-        split_ok = AUTO_SPLIT_K and out.dtype == torch.float32
+        # split-K sums fp32 partials in the output: only for fp32 outputs, and never under
+        # torch.use_deterministic_algorithms(True) (the splits add in finishing order)
+        split_ok = (
+            AUTO_SPLIT_K
+            and out.dtype == torch.float32
+            and not torch.are_deterministic_algorithms_enabled()
+        )
         cfg = _heuristic(m, n, k, num_sms, split_ok, checks.short_swizzle_groups(device))
     elif isinstance(config, GemmConfig):
         cfg = config
@@ -152,6 +162,11 @@ def gemm(
         raise TypeError(f"config must be a GemmConfig, None or 'autotune', got {config!r}")
     # split-K units add into the output: zero it first unless accumulating anyway
     zero = cfg.split_k > 1 and not accumulate
+    if cfg.split_k > 1:
+        checks.alert_not_deterministic(
+            f"coda.gemm with GemmConfig(split_k={cfg.split_k}) (its splits add into the "
+            f"output in whatever order they finish)"
+        )
     key = gemm_kernels.kernel_key(
         cfg, A.dtype, AccStore(out.dtype, accumulate or zero), num_sms, a_major, b_major
     )

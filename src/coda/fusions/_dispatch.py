@@ -132,8 +132,16 @@ def run_epilogue(
 ) -> dict:
     """``epi`` after acc = A @ B.T: fused on a Hopper GPU (into ``outputs`` where given;
     with ``config``, e.g. ``"gemm"``: the plain GEMM's tile), ``epi.reference`` elsewhere
-    (``outputs`` and ``config`` ignored: the reference returns new tensors)."""
+    (``outputs`` and ``config`` ignored: the reference returns new tensors).
+
+    The kernels load every row / column vector with unit stride; a vector as users and
+    autograd hand them over may be a strided or expanded view (the upstream gradient of
+    ``loss.sum()`` is one value expanded over the rows, an expanded bias, a column of a
+    table), so such a vector is copied here once, for every fusion alike."""
     if uses_kernels(A):  # (an empty or None ``outputs`` and a None ``config`` are the defaults)
+        for name, t in tensors.items():
+            if type(t) is torch.Tensor and t.dim() == 1 and not t.is_contiguous():
+                tensors[name] = t.contiguous()
         return epi(A, B, outputs=outputs, config=config, **tensors)
     return epi.reference(A, B, **tensors)
 

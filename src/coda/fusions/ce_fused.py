@@ -1091,7 +1091,11 @@ def _split_config(m: int, n: int, k: int, device: torch.device) -> GemmConfig | 
     half the clusters busy (None otherwise): its units of work then fill the GPU where the
     m x n output alone has too few tiles (at m = 256, n = 2048, k = 128256: 11 tiles of
     128 x 192 on 66 clusters, each 2004 k-tiles long; split 6 ways). Row chunks of the
-    usual 2048 rows keep their unsplit GEMM."""
+    usual 2048 rows keep their unsplit GEMM. None under
+    ``torch.use_deterministic_algorithms(True)``: the splits add in finishing order, so
+    the unsplit GEMM (slower at such shapes, bitwise reproducible) runs instead."""
+    if torch.are_deterministic_algorithms_enabled():
+        return None
     sms = checks.hopper_device(device)
     return _split_config_cached(m, n, k, sms, checks.short_swizzle_groups(device))
 
@@ -1384,9 +1388,9 @@ def _per_row_backward(ctx, g_rows: torch.Tensor, through_g: bool) -> tuple:
         ctx.saved_tensors
     )
     need_dh, need_dW, need_dbias, need_drstd = ctx.need
-    # contiguous: the GEMMs' row factors are vectors the kernels load, and the upstream
-    # gradient of ``loss.sum()`` is one value expanded over the rows (stride 0)
-    g = g_rows.detach().to(F32).contiguous()
+    # (the upstream gradient of ``loss.sum()`` is one value expanded over the rows, stride
+    # 0: ``run_epilogue`` copies it before a kernel loads it)
+    g = g_rows.detach().to(F32)
     dh, dW = _finish(
         g, h, W, dh_saved, dW_saved, dl_last, dl_tail, dl_scale, dl_smooth, need_dh, need_dW
     )

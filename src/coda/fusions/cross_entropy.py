@@ -652,12 +652,10 @@ def linear_cross_entropy(
     h2 = h.reshape(-1, H)
     if h2.stride(-1) != 1:
         h2 = h2.contiguous()
-    # the kernels take W, the bias and every per-row vector with unit inner stride (a
-    # transposed W view, an expanded bias or rstd: one copy here, the gradient through it)
+    # the kernels take W with unit inner stride (a transposed view: one copy here, the
+    # gradient through it); strided vectors (bias, rstd) are copied by ``run_epilogue``
     if W.stride(-1) != 1:
         W = W.contiguous()
-    if bias is not None and not bias.is_contiguous():
-        bias = bias.contiguous()
     t = target.reshape(-1)
     r = None
     if rstd is not None:
@@ -665,7 +663,7 @@ def linear_cross_entropy(
             raise ValueError(
                 f"rstd must be shaped like target {tuple(shape)}; got {tuple(rstd.shape)}"
             )
-        r = rstd.reshape(-1).float().contiguous()
+        r = rstd.reshape(-1).float()
     eps = float(label_smoothing)
     cap = None if softcap is None else float(softcap)
     if temperature != 1.0:

@@ -7,6 +7,7 @@ layout/alignment, then device and GPU architecture.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 
 import torch
@@ -156,3 +157,21 @@ def short_swizzle_groups(device: torch.device) -> bool:
             torch.cuda.get_device_properties(device).total_memory < HBM3E_MIN_BYTES
         )
     return got
+
+
+def alert_not_deterministic(what: str) -> None:
+    """PyTorch's rule for an op without a bitwise-reproducible implementation: under
+    ``torch.use_deterministic_algorithms(True)`` raise a ``RuntimeError`` (a warning with
+    ``warn_only=True``) before anything is launched; otherwise nothing."""
+    if not torch.are_deterministic_algorithms_enabled():
+        return
+    msg = (
+        f"{what} does not have a deterministic implementation, but you set "
+        f"'torch.use_deterministic_algorithms(True)'. You can turn off determinism just "
+        f"for this operation, or you can use the 'warn_only=True' option, if that's "
+        f"acceptable for your application."
+    )
+    if torch.is_deterministic_algorithms_warn_only_enabled():
+        warnings.warn(msg, UserWarning, stacklevel=3)
+    else:
+        raise RuntimeError(msg)
