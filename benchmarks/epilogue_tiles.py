@@ -39,6 +39,7 @@ CONFIGS = {
     # the same PingPong tiles in a 1 x 2 cluster (A multicast instead of B)
     "pp128x128c1x2": GemmConfig(tile_n=128, cluster_m=1, cluster_n=2),
     "pp128x192c1x2": GemmConfig(tile_n=192, cluster_m=1, cluster_n=2),
+    "pp128x128c2x2": GemmConfig(tile_n=128, cluster_m=2, cluster_n=2),
     "coop256x128": GemmConfig(tile_m=256, tile_n=128),
     "coop256x192": GemmConfig(tile_m=256, tile_n=192),
 }

@@ -290,6 +290,20 @@ def test_split_k_matches_the_unsplit_kernel(shape, layout, accumulate, splits):
     assert errs[splits] <= 2 * errs[1] + 1e-6, errs
 
 
+def test_grid_holds_only_the_clusters_that_fit():
+    """The persistent grid's SMs per cluster size, as the driver answers: every SM for
+    one-CTA clusters, otherwise a multiple of the cluster size never above the SM count
+    (an H200: 132, 132 and 120 for clusters of 1, 2 and 4 CTAs)."""
+    from coda.runtime import occupancy
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    assert occupancy.grid_sms(dev, 1) == sms
+    for size in (2, 4):
+        got = occupancy.grid_sms(dev, size)
+        assert 0 < got <= sms and got % size == 0, (size, got)
+
+
 def test_explicit_split_k_under_deterministic_algorithms(deterministic_algorithms):
     """Split sums land in finishing order: under torch.use_deterministic_algorithms(True)
     an explicit split config raises before launching (``out`` untouched), with

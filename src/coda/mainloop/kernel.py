@@ -379,6 +379,8 @@ class PingPongGemm(Producers, EpilogueIO):
         tiles_n = cute.ceil_div(N, cfg.tile_n)
         clusters_m = cute.ceil_div(tiles_m, cfg.cluster_m)
         clusters_n = cute.ceil_div(tiles_n, cfg.cluster_n)
+        # num_sms: the SMs the grid may occupy (coda.runtime.occupancy.grid_sms: a multiple
+        # of the cluster size that fits the device at once)
         max_clusters = self.num_sms // self.cluster_size
         num_clusters = cutlass.min(
             clusters_m * clusters_n * Int32(cfg.split_k), Int32(max_clusters)

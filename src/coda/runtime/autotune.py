@@ -15,7 +15,7 @@ import torch
 
 from ..mainloop.config import GemmConfig, choose_config
 from ..mainloop.visitor import AccStore
-from . import checks, gemm_kernels
+from . import checks, gemm_kernels, occupancy
 
 CANDIDATES: tuple[GemmConfig, ...] = (
     GemmConfig(tile_n=192, cluster_m=2),
@@ -76,6 +76,12 @@ def _operand(rows: int, k: int, major_is_k: bool, dtype, device, g) -> torch.Ten
     return torch.randn(k, padded, device=device, generator=g).to(dtype)[:, :rows].t()
 
 
+def _key(cfg, ab_dtype, out_dtype, device, layout) -> gemm_kernels.GemmKernelKey:
+    """The kernel key of ``cfg`` on ``device`` (its grid sized by ``occupancy.grid_sms``)."""
+    sms = occupancy.grid_sms(device, cfg.cluster_m * cfg.cluster_n)
+    return gemm_kernels.kernel_key(cfg, ab_dtype, AccStore(out_dtype), sms, *layout)
+
+
 def best_config(
     m: int,
     n: int,
@@ -98,9 +104,7 @@ def best_config(
         b = _operand(n, k, layout[1] == "k", ab_dtype, device, g)
         out = torch.empty(m, n, device=device, dtype=out_dtype)
         times = {
-            cfg: time_config(
-                gemm_kernels.kernel_key(cfg, ab_dtype, AccStore(out_dtype), sms, *layout), a, b, out
-            )
+            cfg: time_config(_key(cfg, ab_dtype, out_dtype, device, layout), a, b, out)
             for cfg in configs
         }
         _best[key] = min(times, key=times.get)

@@ -51,7 +51,7 @@ from ..mainloop.config import (
     choose_epilogue_config,
     epilogue_size_class,
 )
-from . import bound_call, checks, finalize, gemm_kernels
+from . import bound_call, checks, finalize, gemm_kernels, occupancy
 from .fused import FusedVisitor, counter_slots, n_multiple, not_rollable, unsupported
 from .operands import cached_problem
 
@@ -120,7 +120,9 @@ class EpiloguePlan:
         self.config = config
         self.tile = config.partials_tile
         self.visitor = FusedVisitor(epi, finalize_in_kernel)
-        self.key = gemm_kernels.kernel_key(config, ab_dtype, self.visitor, num_sms, *majors)
+        # the grid's SMs: num_sms, less those no whole cluster can take
+        sms = occupancy.grid_sms(device, config.cluster_m * config.cluster_n)
+        self.key = gemm_kernels.kernel_key(config, ab_dtype, self.visitor, sms, *majors)
         self.kernel = gemm_kernels.launcher(self.key)
         self.need_n = n_multiple(epi)
         # (name, role, dtype, width numerator, denominator) of each input, binding order
