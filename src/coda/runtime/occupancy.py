@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import torch
 
+from ..mainloop.kernel import NUM_CONSUMER_WGS, THREADS_PER_WG
 from . import checks
 
 #: an empty kernel, JIT-compiled by the driver in milliseconds (no CuTeDSL compile)
@@ -33,7 +34,7 @@ _PROBE_PTX = b"""
 """
 
 #: threads of a GEMM CTA (a producer and two consumer warpgroups)
-BLOCK_THREADS = 384
+BLOCK_THREADS = THREADS_PER_WG * (NUM_CONSUMER_WGS + 1)
 
 _grid_sms: dict[tuple[torch.device, int], int] = {}
 
