@@ -204,3 +204,46 @@ def test_qkv_rope(M, H, heads, kv_heads, D, dtype):
         _check(name, (q, k, v)[i], outs[dtype][i], outs[F64][i])
     wq.grad, wk.grad, wv.grad = layouts.split_qkv_weight(w_qkv.grad, heads, kv_heads, D)
     _grads_check(("x", "gamma", "w_q", "w_k", "w_v"), mine, eager, truth)
+
+
+def test_block_forward_backward_is_bitwise_reproducible(deterministic_algorithms):
+    """A Llama-style block (normed stream, q|k|v + RoPE, o-projection + residual + norm,
+    SwiGLU MLP, the normed head) forward and backward twice: every output and gradient
+    bitwise equal (the reductions combine per-tile partials in a fixed order; no split-K
+    here), with torch.use_deterministic_algorithms(True) on, which no op refuses."""
+    from coda.fusions import linear_add_normed, normed_stream
+
+    deterministic_algorithms()
+    M, H, Fd, heads, kv_heads, D, V = 1000, 520, 1392, 4, 2, 64, 776
+    g = torch.Generator().manual_seed(5)
+
+    def leaf(*shape, scale=1.0, offset=0.0):
+        t = torch.randn(*shape, generator=g) * scale + offset
+        return t.to("cuda", BF16).requires_grad_()
+
+    x = leaf(M, H)
+    g_attn, g_mlp, g_final = (leaf(H, scale=0.2, offset=1.0) for _ in range(3))
+    w_qkv = leaf((heads + 2 * kv_heads) * D, H, scale=H**-0.5)
+    w_o = leaf(H, heads * D, scale=(heads * D) ** -0.5)
+    w_gu = leaf(2 * Fd, H, scale=H**-0.5)
+    w_down = leaf(H, Fd, scale=Fd**-0.5)
+    w_head = leaf(V, H, scale=H**-0.5)
+    leaves = (x, g_attn, g_mlp, g_final, w_qkv, w_o, w_gu, w_down, w_head)
+    positions = torch.arange(M, device="cuda")
+    freq = layouts.rope_frequencies(layouts.rope_inv_freq(D, 500000.0), heads, kv_heads, D)
+    r = torch.randn(M, V, generator=g).cuda()
+
+    def step():
+        stream = normed_stream(x, g_attn, EPS)
+        q, k, v = qkv_rope(stream, g_attn, w_qkv, positions, freq.cuda(), heads, kv_heads, D)
+        k = k.reshape(M, kv_heads, D).repeat_interleave(heads // kv_heads, 1)
+        o = (q.reshape(M, heads, D) * k).reshape(M, -1)  # stand-in attention
+        stream = linear_add_normed(o, w_o, stream.x, g_mlp, EPS)
+        stream = swiglu_mlp(stream, g_mlp, w_gu, w_down, g_final, EPS)
+        z = rms_norm_linear(stream.x, stream.h, stream.rstd, g_final, w_head)
+        grads = torch.autograd.grad((z.float() * r).sum(), leaves)
+        return (z, v, *grads)
+
+    first, again = step(), step()
+    for a, b in zip(first, again, strict=True):
+        assert torch.equal(a, b)
