@@ -48,7 +48,11 @@ def grid_sms(device: torch.device, cluster_size: int) -> int:
     if got is None:
         sms = checks.hopper_device(device)
         if cluster_size > 1 and device.type == "cuda":  # (else a test's stand-in device)
-            sms = min(sms, cluster_size * _clusters_that_fit(device, cluster_size))
+            try:
+                fit = _clusters_that_fit(device, cluster_size)
+            except RuntimeError:  # (e.g. a driver that refuses the probe during a capture)
+                return sms - sms % cluster_size  # as before the probe; asked again next time
+            sms = min(sms, cluster_size * fit)
         got = _grid_sms[key] = sms
     return got
 
