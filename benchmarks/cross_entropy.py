@@ -2,7 +2,7 @@
 
     python benchmarks/cross_entropy.py [--H 2048 4096 8192] [--M 8192 16384] [--V 128256]
         [--rounds 5] [--sweep CHUNK_SIZE ...] [--rows-sweep CHUNK_ROWS ...]
-        [--out benchmarks/results/cross_entropy_h200.json]
+        [--dtype bf16|fp16] [--out benchmarks/results/cross_entropy_h200.json]
     python benchmarks/cross_entropy.py --H 2048 --M 8192 --rounds 3          # a short run
 
 For each shape (H, M, V) and pass ("fwd": the loss of inputs that require grad, as in
@@ -210,11 +210,18 @@ def sweep_row(key: dict, contender: str, knob: str, value: int, fn, h, W, t, rou
 
 
 def bench_shape(
-    H: int, M: int, V: int, rounds: int, fns: dict, sweep: list[int], rows_sweep: list[int]
+    H: int,
+    M: int,
+    V: int,
+    rounds: int,
+    fns: dict,
+    sweep: list[int],
+    rows_sweep: list[int],
+    dtype: torch.dtype = torch.bfloat16,
 ) -> dict:
     g = torch.Generator(device="cuda").manual_seed(0)
-    h = (torch.randn(M, H, device="cuda", generator=g) / 2).to(torch.bfloat16).requires_grad_()
-    W = (torch.randn(V, H, device="cuda", generator=g) / H**0.5).to(torch.bfloat16)
+    h = (torch.randn(M, H, device="cuda", generator=g) / 2).to(dtype).requires_grad_()
+    W = (torch.randn(V, H, device="cuda", generator=g) / H**0.5).to(dtype)
     W.requires_grad_()
     t = torch.randint(0, V, (M,), device="cuda", generator=g)
     out = {"rows": [], "workspace": [], "floor": [], "sweep": []}
@@ -320,19 +327,23 @@ def main(argv=None) -> None:
         choices=[c for c in CONTENDERS if c not in ("coda", "compile")],
         help="leave these contenders out (A/B runs of coda against torch.compile)",
     )
+    p.add_argument(
+        "--dtype", default="bf16", choices=("bf16", "fp16"), help="h and W (the issue's: bf16)"
+    )
     p.add_argument("--out", default="benchmarks/results/cross_entropy_h200.json")
     args = p.parse_args(argv)
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     fns = loss_functions()
     for name in (set(EXTRA) - set(args.extras)) | set(args.skip):
         fns[name] = None
     result: dict = {"rows": [], "workspace": [], "floor": [], "sweep": []}
-    env = common.environment_with_peers()
+    env = {**common.environment_with_peers(), "dtype": args.dtype}
     for H in args.H:
         for M in args.M:
             # a static torch.compile per shape (one shared cache would turn dynamic)
             torch._dynamo.reset()
             fns["compile"] = torch.compile(eager_loss)
-            part = bench_shape(H, M, args.V, args.rounds, fns, args.sweep, args.rows_sweep)
+            part = bench_shape(H, M, args.V, args.rounds, fns, args.sweep, args.rows_sweep, dtype)
             for k in result:
                 result[k] += part[k]
             # after every shape: a run cut short keeps the shapes it finished

@@ -72,9 +72,9 @@ def test_loss_and_gradients_match_textbook(p, path):
 def test_16bit_no_worse_than_eager_16bit(p, path, dtype):
     """bf16 / fp16 h and W: err(coda) <= 2 err(eager in that dtype) + atol against
     float64 (the GPU rule; the dlogits chunks, and on the gradient-in-forward path the
-    stored logits, are rounded to the dtype here as on the GPU). fp16 takes the recompute
-    path whatever ``path`` asks (``cross_entropy.FP16_WHY``): before that rule its
-    default gradient-in-forward path returned dh = 0 and a NaN dW."""
+    stored logits, are rounded to the dtype here as on the GPU). fp16's gradient-in-forward
+    path forms its gradients without the 1 / denom (``ce_fused.UNSCALED_DTYPES``) on the
+    map pass (an earlier version on the shifted softmax returned dh = 0 and a NaN dW)."""
     p = {**p, "bias": False, "rstd": False, "M": max(p["M"], 8), "H": max(p["H"], 8)}
     coda, truth = run_both(p, dtype, **PATHS[path])
     h, W, _, _, target = make(p, dtype)
@@ -94,12 +94,20 @@ def test_16bit_no_worse_than_eager_16bit(p, path, dtype):
         assert_close_to_reference(a, t, name=name, baseline=b, atol=ulp, floor=1e-2)
 
 
-def test_fp16_under_a_loss_scale_no_worse_than_eager_fp16():
+@pytest.mark.parametrize(
+    "opts",
+    [{}, {"chunk_rows": 512}, {"grad_in_forward": False}],
+    ids=["one_chunk", "four_chunks", "recompute"],
+)
+def test_fp16_under_a_loss_scale_no_worse_than_eager_fp16(opts):
     """fp16 training scales the loss (``torch.amp.GradScaler``) so that the dlogits,
     softmax / tokens, stay inside fp16's range: here 1 / (16000 x 2048) ~ 3e-8, under
     fp16's smallest subnormal, unscaled. With the loss times 2^16 and the gradients
-    divided back, coda's gradients (the recompute path, which forms the dlogits in the
-    backward with the scale in them) stay within 2 x eager fp16's error against float64."""
+    divided back, coda's gradients stay within 2 x eager fp16's error against float64:
+    on the gradient-in-forward path (one row chunk, deferred; four, the first three's dh
+    rows and fp32 dW sum formed in the forward), which forms them without the 1 / denom
+    and multiplies it in with the scale in the backward, and on the recompute path,
+    which forms the dlogits in the backward with the scale in them."""
     g = torch.Generator().manual_seed(11)
     M, H, V, scale = 2048, 64, 16000, 2.0**16
     h = torch.randn(M, H, generator=g).to(F16)
@@ -108,7 +116,7 @@ def test_fp16_under_a_loss_scale_no_worse_than_eager_fp16():
     target[::9] = -100
     results = {}
     for key, fn, dtype in (
-        ("coda", linear_cross_entropy, F16),
+        ("coda", lambda a, b, t: linear_cross_entropy(a, b, t, **opts), F16),
         # eager fp16 as autocast runs it: fp16 logits, the loss in fp32
         ("eager", lambda a, b, t: F.cross_entropy((a @ b.T).float(), t), F16),
         ("truth", lambda a, b, t: textbook(a, b, t), F64),
@@ -123,17 +131,40 @@ def test_fp16_under_a_loss_scale_no_worse_than_eager_fp16():
         assert_close_to_reference(coda, truth, name=name, baseline=eager, atol=1e-4, floor=1e-3)
 
 
-def test_fp16_refuses_the_gradient_in_forward_path():
-    """fp16 asks the recompute path: grad_in_forward=True is a ValueError that says why,
-    and the shifted softmax (exp(z - c) over e^-47..e^64) is never chosen for fp16."""
+def test_fp16_gradient_in_forward_without_the_denominator(monkeypatch):
+    """fp16 takes the gradient-in-forward path on the map pass (the shifted softmax,
+    exp(z - c) over e^-47..e^64, is never chosen for fp16), the op's gradients formed
+    without the 1 / denom (dh rows of earlier chunks: rows of W's size) and the backward
+    multiplying it in, as the recompute path computes them; a bias that requires grad or
+    ``DEFER_ONE_CHUNK`` off sends it to the recompute path (grad_in_forward=True: a
+    ValueError that says why)."""
     from coda.fusions import ce_fused
 
-    h = torch.randn(8, 16, dtype=F16, requires_grad=True)
-    W = torch.randn(40, 16, dtype=F16, requires_grad=True)
-    with pytest.raises(ValueError, match="fp16 input"):
-        linear_cross_entropy(h, W, torch.arange(8), grad_in_forward=True)
+    g = torch.Generator().manual_seed(3)
+    h = torch.randn(8, 16, generator=g, dtype=F16, requires_grad=True)
+    W = torch.randn(40, 16, generator=g, dtype=F16, requires_grad=True)
+    bias = torch.randn(40, generator=g, dtype=F16)
+    target = torch.tensor([0, 3, -100, 7, 39, 1, -100, 2])
+    got = {}
+    for path in (True, False):
+        loss = linear_cross_entropy(h, W, target, bias=bias, grad_in_forward=path, chunk_rows=3)
+        got[path] = (loss, *torch.autograd.grad(loss, (h, W)))
+    for a, b in zip(got[True], got[False], strict=True):
+        assert a.dtype == b.dtype
+        torch.testing.assert_close(a.float(), b.float(), rtol=2e-3, atol=1e-4)
+    out = ce_fused.lce_fused_loss(
+        h.detach(), W.detach(), target, bias, None, torch.tensor(6.0), -100, None,
+        0.0, 0.0, 3, False, True, True, False, False,
+    )  # fmt: skip
+    # dh of the rows before the last chunk (3 of 3, 3 of 2): without the 1 / 6
+    torch.testing.assert_close(out[1].float(), got[True][1][:6].float() * 6, rtol=4e-3, atol=1e-3)
     assert not ce_fused.shifted_ok(F16, False, None, 0.0, True, True, False)
     assert ce_fused.shifted_ok(BF16, False, None, 0.0, True, True, False)
+    with pytest.raises(ValueError, match="fp16 input with a bias that requires grad"):
+        linear_cross_entropy(h, W, target, bias=bias.requires_grad_(), grad_in_forward=True)
+    monkeypatch.setattr(ce_fused, "DEFER_ONE_CHUNK", False)
+    with pytest.raises(ValueError, match="fp16 input"):
+        linear_cross_entropy(h, W, target, grad_in_forward=True)
 
 
 @pytest.mark.parametrize("dtype", [BF16, F16], ids=["bf16", "fp16"])

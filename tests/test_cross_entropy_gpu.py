@@ -217,9 +217,10 @@ def test_per_row_losses_under_an_expanded_upstream_gradient(name, path):
 
 @pytest.mark.parametrize("name", ["plain", "smoothing_zloss", "softcap", "bias_rstd", "all_none"])
 def test_fp16_matches_float64_no_worse_than_eager_fp16(name):
-    """fp16 h and W (the recompute path, ``cross_entropy.FP16_WHY``) on a ragged
-    vocabulary, against float64 by the 2 x eager-fp16 rule (eager as autocast runs it:
-    fp16 logits, the loss in fp32)."""
+    """fp16 h and W on a ragged vocabulary (the gradient-in-forward path without the
+    1 / denom, ``ce_fused.UNSCALED_DTYPES``; with a bias gradient the recompute path,
+    ``cross_entropy.FP16_WHY``), against float64 by the 2 x eager-fp16 rule (eager as
+    autocast runs it: fp16 logits, the loss in fp32)."""
     opts = dict(OPTIONS[name])
     bias, rstd = opts.pop("bias", False), opts.pop("rstd", False)
     M, H, V = 1000, 256, 50257
@@ -231,17 +232,22 @@ def test_fp16_matches_float64_no_worse_than_eager_fp16(name):
     _assert_like_float64(ours, truth, eager, bias, rstd)
 
 
-def test_fp16_under_a_loss_scale_no_worse_than_eager_amp():
+@pytest.mark.parametrize(
+    "opts", [{}, {"grad_in_forward": False}], ids=["grad_in_forward", "recompute"]
+)
+def test_fp16_under_a_loss_scale_no_worse_than_eager_amp(opts):
     """fp16 training scales the loss (``GradScaler``): at 3700 tokens and V = 128256 the
     unscaled dlogits, softmax / tokens ~ 2e-9, are under fp16's smallest subnormal.
     With the loss times 2^16 and the gradients divided back, coda's stay within 2 x the
-    error of eager fp16 as autocast runs it (fp16 logits, the loss in fp32)."""
+    error of eager fp16 as autocast runs it (fp16 logits, the loss in fp32): on the
+    default path (two row chunks of 2048 here, the gradients formed without the 1 / denom
+    and scaled in the backward) and on the recompute path."""
     M, H, V, scale = 4096, 256, 128256, 2.0**16
     *tensors, target = inputs(M, H, V, seed=6)
     h, W = tensors[0].to(F16), tensors[1].to(F16)
     runs = {}
     for key, fn, dtype in (
-        ("coda", linear_cross_entropy, F16),
+        ("coda", lambda a, b, t: linear_cross_entropy(a, b, t, **opts), F16),
         ("eager", lambda a, b, t: F.cross_entropy((a @ b.T).float(), t), F16),
         ("truth", lambda a, b, t: F.cross_entropy(a @ b.T, t), F64),
     ):

@@ -193,6 +193,19 @@ def stats_by_map(rows: int, V: int, H: int) -> bool:
 #: time, by the op and its fake alike.
 DEFER_ONE_CHUNK: bool = True
 
+#: Input dtypes whose gradients the forward forms without the loss's 1 / denom (the
+#: backward multiplies it in with the upstream gradient, in fp32, before rounding): fp16,
+#: where softmax / tokens (~1e-9 at 16k tokens and V = 128256) would underflow fp16's
+#: smallest subnormal (6e-8) in the stored dlogits before a ``GradScaler``'s scale is
+#: known. Without the 1 / denom the dlogits are at most about 1 in magnitude and the
+#: earlier chunks' dh rows the size of a row of W: inside fp16's range (the dW sum is
+#: fp32). They take the "map" gradient pass (the shifted softmax exp(z - c) spans
+#: e^-47..e^64, outside fp16's range); ``linear_cross_entropy`` sends them to the
+#: recompute path with ``DEFER_ONE_CHUNK`` off (one chunk's dW formed in the forward, a
+#: sum over rows without the 1 / denom, in fp16) or a bias that requires grad (dbias, a
+#: sum over rows, likewise).
+UNSCALED_DTYPES: tuple[torch.dtype, ...] = (torch.float16,)
+
 #: dtype of the stored acc (row buffer 1): None stores it in h's dtype (the default: loss
 #: and gradient from logits rounded once, as a materialized-logits loss has them; dlogits
 #: then overwrite it in place, one row buffer); torch.float32 keeps the recompute path's
@@ -436,6 +449,8 @@ class _Walk:
         M, H = h.shape
         self.h, self.W, self.target, self.rstd, self.spec = h, W, target, rstd, spec
         self.denom, self.inv = denom, torch.reciprocal(denom)
+        # the gradients' 1 / denom: fp16's are formed without it (``UNSCALED_DTYPES``)
+        self.ginv = torch.ones_like(self.inv) if h.dtype in UNSCALED_DTYPES else self.inv
         self.weight = None if weight is None else weight.to(device=h.device, dtype=F32)
         self.plan = ce_chunks.row_chunks(M, rows)
         main = spec.main
@@ -538,7 +553,8 @@ class _Walk:
         if self.lse is not None:
             self.lse[r0:r1] = lse
         self.row_loss[r0:r1] = _row_losses(spec, lse, zt, zsum, valid_c)
-        ga, gt, gs = _coefficients(spec, lse, valid_c, self.inv, self._row_weights(valid_c, r0, r1))
+        w = self._row_weights(valid_c, r0, r1)
+        ga, gt, gs = _coefficients(spec, lse, valid_c, self.ginv, w)
         dl = None
         if spec.main:
             dl = self._main_grads(acc, tloc, lse, ga, gt, gs, r_c, r0, r1)
@@ -570,8 +586,9 @@ class _Walk:
         self.ent[r0:r1] = merge_entropy(parts, lse)
 
     def _row_weights(self, valid: torch.Tensor, r0: int, r1: int) -> torch.Tensor:
-        """Each row's weight in the loss, valid / denom (times ``row_weight``), rows r0:r1."""
-        w = torch.mul(valid, self.inv)  # bool x fp32: one kernel
+        """Each row's weight in the loss's gradients, valid / denom (times ``row_weight``;
+        fp16: valid without the 1 / denom, ``UNSCALED_DTYPES``), rows r0:r1."""
+        w = torch.mul(valid, self.ginv)  # bool x fp32: one kernel
         return w if self.weight is None else w * self.weight[r0:r1]
 
     # ---- the shifted-softmax chunk (GRAD_PASS) ---------------------------------------------
@@ -1230,7 +1247,9 @@ def _fused_finish(
             dW[main:] = part * gvec
     dh = torch.empty_like(h) if need_dh else h.new_empty((0,))
     if need_dh:
-        if row0:
+        if row0 and h.dtype in UNSCALED_DTYPES:  # g holds the 1 / denom: the product in fp32
+            dh[:row0] = dh_part[:row0].float().mul_(g)
+        elif row0:
             torch.mul(dh_part[:row0], g.to(h.dtype), out=dh[:row0])
         partial = tail @ W[main:].float() if tail is not None else None
         rank = (smooth[row0:], W[:main].sum(0, dtype=F32)) if smooth is not None else None
@@ -1264,7 +1283,7 @@ def _fused_setup(ctx, inputs, output) -> None:
             "coda::lce_fused_loss: row_weight is data here (it must not require grad); "
             "linear_cross_entropy takes a row_weight that requires grad on the recompute path"
         )
-    ctx.save_for_backward(inputs[0], inputs[1], *output[1:9], inputs[4])
+    ctx.save_for_backward(inputs[0], inputs[1], *output[1:9], inputs[4], inputs[5])
     ctx.mark_non_differentiable(*output[1:])
     # the forward's other outputs are never differentiated: no zero-filled (V x H for
     # the dW sum!) gradients materialized for them in the backward
@@ -1337,7 +1356,7 @@ def _fused_backward(ctx, g_loss, *unused):
     if g_loss is None:
         return (None,) * 5 + rest
     saved = ctx.saved_tensors
-    h, W, dh_saved, dW_saved, dbias, drstd, dl_last, dl_tail, dl_scale, dl_smooth, rstd = saved
+    h, W, dh_saved, dW_saved, dbias, drstd, dl_last, dl_tail, dl_scale, dl_smooth, rstd, _ = saved
     need_dh, need_dW, need_dbias, need_drstd = ctx.need
     dbias, drstd = (dbias if need_dbias else None), (drstd if need_drstd else None)
     through_g = g_loss.requires_grad and torch.is_grad_enabled()
@@ -1349,6 +1368,7 @@ def _fused_backward(ctx, g_loss, *unused):
         return (dh, dW, None, dbias, drstd) + rest
     if ctx.per_row:
         return _per_row_backward(ctx, g_loss, through_g) + rest
+    g_loss = _with_denominator(g_loss, h, saved[-1])
     if dl_last.dim() != 2 and dl_tail.dim() != 2:  # nothing deferred: the gradients are whole
         saved = [dh_saved if need_dh else None, dW_saved if need_dW else None, dbias, drstd]
         dh, dW, dbias, drstd = _scaled(saved, g_loss, in_place=_scale_in_place(g_loss, saved))
@@ -1372,6 +1392,14 @@ def _fused_backward(ctx, g_loss, *unused):
     return (dh, dW, None, dbias, drstd) + rest
 
 
+def _with_denominator(g: torch.Tensor, h: torch.Tensor, denom: torch.Tensor) -> torch.Tensor:
+    """The upstream gradient ``g`` times the loss's 1 / ``denom`` where the forward formed
+    the gradients without it (``UNSCALED_DTYPES``: fp16), else ``g`` itself."""
+    if h.dtype not in UNSCALED_DTYPES:
+        return g
+    return g / denom.to(device=g.device, dtype=F32)
+
+
 def _per_row_backward(ctx, g_rows: torch.Tensor, through_g: bool) -> tuple:
     """(dh, dW, None, dbias, drstd) of per-row losses under the (M,) upstream gradient
     ``g_rows``: ``lce_fused_finish`` with g in the GEMMs' row factors; dbias the stored
@@ -1384,13 +1412,13 @@ def _per_row_backward(ctx, g_rows: torch.Tensor, through_g: bool) -> tuple:
             "with respect to their upstream gradient (backward with create_graph=True and a "
             "gradient that requires grad)"
         )
-    h, W, dh_saved, dW_saved, _, drstd, dl_last, dl_tail, dl_scale, dl_smooth, rstd = (
+    h, W, dh_saved, dW_saved, _, drstd, dl_last, dl_tail, dl_scale, dl_smooth, rstd, denom = (
         ctx.saved_tensors
     )
     need_dh, need_dW, need_dbias, need_drstd = ctx.need
     # (the upstream gradient of ``loss.sum()`` is one value expanded over the rows, stride
     # 0: ``run_epilogue`` copies it before a kernel loads it)
-    g = g_rows.detach().to(F32)
+    g = _with_denominator(g_rows.detach().to(F32), h, denom)
     dh, dW = _finish(
         g, h, W, dh_saved, dW_saved, dl_last, dl_tail, dl_scale, dl_smooth, need_dh, need_dW
     )

@@ -8,7 +8,8 @@ and ``_dispatch`` (fused kernel on CUDA, the epilogues' reference on CPU).
 
 **Gradient-in-forward** (default when autograd will want gradients of a scalar loss:
 grad mode on, an input requiring grad, reduction "mean"/"sum", no differentiable entropy;
-never for fp16 inputs, ``FP16_WHY``):
+fp16 inputs with their gradients formed without the loss's 1 / denom,
+``ce_fused.UNSCALED_DTYPES``):
 ``coda::lce_fused_loss`` (``ce_fused``) computes the loss and all gradients in the
 forward over row chunks, 3 logits-sized GEMMs in all; its backward scales the saved
 gradients by the loss's upstream gradient. Workspace: two row buffers and, with more than
@@ -398,16 +399,15 @@ def _reduce(
     return total / valid.sum().clamp(min=1)  # all rows ignored: 0, not NaN
 
 
-#: Why fp16 inputs take the recompute path: the gradient-in-forward path rounds the
-#: dlogits to h's dtype in the forward, before the upstream gradient is known, so a
-#: GradScaler's loss scale cannot lift them out of fp16's range (softmax / tokens is
-#: ~2e-9 at 16k tokens and a 128k vocabulary, under fp16's smallest subnormal, 6e-8),
-#: and its shifted softmax exp(z - c) spans e^-47..e^64, beyond fp16's e^-17..e^11. The
-#: recompute path forms the dlogits in the backward with the upstream gradient in them,
-#: as eager fp16 PyTorch does.
+#: Why fp16 inputs take the recompute path with a bias that requires grad or with
+#: ``ce_fused.DEFER_ONE_CHUNK`` off: the gradient-in-forward path forms fp16's gradients
+#: without the loss's 1 / denom (``ce_fused.UNSCALED_DTYPES``: softmax / tokens, ~2e-9 at
+#: 16k tokens and a 128k vocabulary, is under fp16's smallest subnormal, 6e-8, before a
+#: GradScaler's scale arrives), and a sum over every row formed in fp16 there (dbias; dW
+#: of one chunk not deferred) could overflow it.
 FP16_WHY = (
-    "an fp16 input (the forward would round the dlogits to fp16 before the upstream "
-    "gradient, e.g. a GradScaler's loss scale, is known)"
+    "an fp16 input with a bias that requires grad or ce_fused.DEFER_ONE_CHUNK off (dbias, "
+    "or one chunk's dW, would be a sum over rows in fp16 without the 1 / denom)"
 )
 
 
@@ -429,12 +429,16 @@ def _grad_in_forward(
     deferred GEMMs' rows (``ce_fused.per_row_problem`` says when it cannot): with
     ``request`` None where that M x V row buffer fits ``ce_chunks.GRAD_ROWS_BYTES``.
     ``weight_grad``: a scalar loss's ``row_weight`` requires grad (the weights are
-    data on this path). fp16 inputs never take it (``FP16_WHY``). ``request`` None:
+    data on this path). fp16 inputs take it but with a bias that requires grad or
+    ``ce_fused.DEFER_ONE_CHUNK`` off (``FP16_WHY``). ``request`` None:
     automatic; False: never; True: required (ValueError when the options forbid it; with
     nothing to differentiate it runs no gradient work either)."""
     forbidden = None
     M, V, elem_bytes, chunk_rows = rows
-    if inputs[0].dtype == torch.float16:
+    bias = inputs[2]
+    if inputs[0].dtype in ce_fused.UNSCALED_DTYPES and (
+        not ce_fused.DEFER_ONE_CHUNK or (bias is not None and bias.requires_grad)
+    ):
         forbidden = FP16_WHY
     elif entropy_grad:
         forbidden = "return_entropy=True (a differentiable entropy; 'detached' keeps the path)"
