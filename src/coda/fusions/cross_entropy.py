@@ -582,12 +582,12 @@ def linear_cross_entropy(
     ``ce_chunks.GRAD_ROWS_BYTES`` (the backward's per-row gradient scales the deferred
     dh and dW GEMMs' rows); otherwise the statistics op runs and the backward
     recomputes the logits chunk by chunk over the vocabulary (4 GEMMs with a backward).
-    fp16 inputs always take the recompute path (the gradient-in-forward path would
-    round the dlogits to fp16 before a GradScaler's loss scale reaches them: they
-    underflow). False: always the recompute path (the low-memory choice: its workspace
-    does not grow with V x H). True: require gradient-in-forward (per-row losses at any
-    size, an M x V buffer in h's dtype; ValueError when the options forbid it, fp16
-    included). ``chunk_size``:
+    fp16 inputs form their gradients without the loss's 1 / denom there (a GradScaler's
+    scale reaches them in the backward before they are rounded) and take the recompute
+    path with a bias that requires grad (``FP16_WHY``). False: always the recompute
+    path (the low-memory choice: its workspace does not grow with V x H). True: require
+    gradient-in-forward (per-row losses at any size, an M x V buffer in h's dtype;
+    ValueError when the options forbid it). ``chunk_size``:
     vocabulary columns per chunk of the recompute path (a multiple of 8; default: from
     ``ce_chunks.WORKSPACE_BYTES``).
     ``chunk_rows``: rows per chunk of the gradient-in-forward path (default:
