@@ -215,18 +215,27 @@ def test_per_row_losses_under_an_expanded_upstream_gradient(name, path):
     _assert_like_float64(ours, truth, eager, bias, rstd)
 
 
-@pytest.mark.parametrize("name", ["plain", "smoothing_zloss", "softcap", "bias_rstd", "all_none"])
-def test_fp16_matches_float64_no_worse_than_eager_fp16(name):
+@pytest.mark.parametrize(
+    "name",
+    ["plain", "smoothing_zloss", "softcap", "bias_rstd", "all_none", "rstd_zloss",
+     "num_items", "rstd_zloss_none", "softcap_smoothing_none", "weighted_mean"],
+)  # fmt: skip
+def test_fp16_matches_float64_no_worse_than_eager_fp16(name, monkeypatch):
     """fp16 h and W on a ragged vocabulary (the gradient-in-forward path without the
-    1 / denom, ``ce_fused.UNSCALED_DTYPES``; with a bias gradient the recompute path,
-    ``cross_entropy.FP16_WHY``), against float64 by the 2 x eager-fp16 rule (eager as
-    autocast runs it: fp16 logits, the loss in fp32)."""
+    1 / denom, ``ce_fused.UNSCALED_DTYPES``, one map pass; with a bias gradient the
+    recompute path, ``cross_entropy.FP16_WHY``: none), against float64 by the 2 x
+    eager-fp16 rule (eager as autocast runs it: fp16 logits, the loss in fp32)."""
     opts = dict(OPTIONS[name])
     bias, rstd = opts.pop("bias", False), opts.pop("rstd", False)
     M, H, V = 1000, 256, 50257
     *tensors, target = inputs(M, H, V, seed=5, bias=bias, rstd=rstd)
+    if opts.get("row_weight"):  # positive, 0 on ignored rows (as the bf16 test's mean)
+        g = torch.Generator(device="cuda").manual_seed(M)
+        opts["row_weight"] = (0.5 + torch.rand(M, device="cuda", generator=g)) * (target != -100)
     upstream = torch.randn(M, device="cuda") if opts.get("reduction") == "none" else None
+    passes = MapPasses(monkeypatch)
     ours = grads_of(_coda, tensors, target, F16, upstream, **opts)
+    assert passes.n == (0 if bias else 1), passes.n  # the path meant is the one that ran
     truth = grads_of(textbook, tensors, target, F64, upstream, **opts)
     eager = grads_of(textbook, tensors, target, F16, upstream, loss_dtype=F32, **opts)
     _assert_like_float64(ours, truth, eager, bias, rstd)
