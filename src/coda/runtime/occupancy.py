@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import torch
 
-from ..mainloop.kernel import NUM_CONSUMER_WGS, THREADS_PER_WG
 from . import checks
 
 #: an empty kernel, JIT-compiled by the driver in milliseconds (no CuTeDSL compile)
@@ -32,9 +31,6 @@ _PROBE_PTX = b"""
     ret;
 }
 """
-
-#: threads of a GEMM CTA (a producer and two consumer warpgroups)
-BLOCK_THREADS = THREADS_PER_WG * (NUM_CONSUMER_WGS + 1)
 
 _grid_sms: dict[tuple[torch.device, int], int] = {}
 
@@ -60,6 +56,9 @@ def grid_sms(device: torch.device, cluster_size: int) -> int:
 def _clusters_that_fit(device: torch.device, cluster_size: int) -> int:
     from cuda.bindings import driver
 
+    # (imported here: ``import coda`` does not load CuTeDSL)
+    from ..mainloop.kernel import NUM_CONSUMER_WGS, THREADS_PER_WG
+
     def ok(result):
         err, *rest = result
         if err != driver.CUresult.CUDA_SUCCESS:
@@ -84,7 +83,9 @@ def _clusters_that_fit(device: torch.device, cluster_size: int) -> int:
         ok(driver.cuFuncSetAttribute(fn, allow, 1))
         config = driver.CUlaunchConfig()
         config.gridDimX, config.gridDimY, config.gridDimZ = cluster_size, 1, 1
-        config.blockDimX, config.blockDimY, config.blockDimZ = BLOCK_THREADS, 1, 1
+        # the threads of a GEMM CTA: a producer and two consumer warpgroups
+        threads = THREADS_PER_WG * (NUM_CONSUMER_WGS + 1)
+        config.blockDimX, config.blockDimY, config.blockDimZ = threads, 1, 1
         config.sharedMemBytes = smem
         dims = driver.CUlaunchAttributeValue()
         dims.clusterDim.x, dims.clusterDim.y, dims.clusterDim.z = cluster_size, 1, 1
