@@ -20,7 +20,7 @@ from .errors import InputError
 from .mainloop.config import GemmConfig, choose_config
 from .mainloop.dtypes import OUTPUT_DTYPES
 from .mainloop.visitor import AccStore
-from .runtime import checks, gemm_kernels, occupancy
+from .runtime import checks, gemm_kernels
 from .runtime.operands import check_gemm_operands, check_output, gemm_problem, operand_majors
 
 __all__ = [
@@ -167,9 +167,8 @@ def gemm(
             f"coda.gemm with GemmConfig(split_k={cfg.split_k}) (its splits add into the "
             f"output in whatever order they finish)"
         )
-    sms = occupancy.grid_sms(device, cfg.cluster_m * cfg.cluster_n)
-    key = gemm_kernels.kernel_key(
-        cfg, A.dtype, AccStore(out.dtype, accumulate or zero), sms, a_major, b_major
+    key = gemm_kernels.device_key(
+        cfg, A.dtype, AccStore(out.dtype, accumulate or zero), device, a_major, b_major
     )
     if zero:
         out.zero_()

@@ -1356,7 +1356,9 @@ def _fused_backward(ctx, g_loss, *unused):
     if g_loss is None:
         return (None,) * 5 + rest
     saved = ctx.saved_tensors
-    h, W, dh_saved, dW_saved, dbias, drstd, dl_last, dl_tail, dl_scale, dl_smooth, rstd, _ = saved
+    h, W, dh_saved, dW_saved, dbias, drstd, dl_last, dl_tail, dl_scale, dl_smooth, rstd, denom = (
+        saved
+    )
     need_dh, need_dW, need_dbias, need_drstd = ctx.need
     dbias, drstd = (dbias if need_dbias else None), (drstd if need_drstd else None)
     through_g = g_loss.requires_grad and torch.is_grad_enabled()
@@ -1368,7 +1370,7 @@ def _fused_backward(ctx, g_loss, *unused):
         return (dh, dW, None, dbias, drstd) + rest
     if ctx.per_row:
         return _per_row_backward(ctx, g_loss, through_g) + rest
-    g_loss = _with_denominator(g_loss, h, saved[-1])
+    g_loss = _with_denominator(g_loss, h, denom)
     if dl_last.dim() != 2 and dl_tail.dim() != 2:  # nothing deferred: the gradients are whole
         saved = [dh_saved if need_dh else None, dW_saved if need_dW else None, dbias, drstd]
         dh, dW, dbias, drstd = _scaled(saved, g_loss, in_place=_scale_in_place(g_loss, saved))

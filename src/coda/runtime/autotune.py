@@ -15,7 +15,7 @@ import torch
 
 from ..mainloop.config import GemmConfig, choose_config
 from ..mainloop.visitor import AccStore
-from . import checks, gemm_kernels, occupancy
+from . import checks, gemm_kernels
 
 CANDIDATES: tuple[GemmConfig, ...] = (
     GemmConfig(tile_n=192, cluster_m=2),
@@ -76,12 +76,6 @@ def _operand(rows: int, k: int, major_is_k: bool, dtype, device, g) -> torch.Ten
     return torch.randn(k, padded, device=device, generator=g).to(dtype)[:, :rows].t()
 
 
-def _key(cfg, ab_dtype, out_dtype, device, layout) -> gemm_kernels.GemmKernelKey:
-    """The kernel key of ``cfg`` on ``device`` (its grid sized by ``occupancy.grid_sms``)."""
-    sms = occupancy.grid_sms(device, cfg.cluster_m * cfg.cluster_n)
-    return gemm_kernels.kernel_key(cfg, ab_dtype, AccStore(out_dtype), sms, *layout)
-
-
 def best_config(
     m: int,
     n: int,
@@ -103,9 +97,10 @@ def best_config(
         a = _operand(m, k, layout[0] == "k", ab_dtype, device, g)
         b = _operand(n, k, layout[1] == "k", ab_dtype, device, g)
         out = torch.empty(m, n, device=device, dtype=out_dtype)
-        times = {
-            cfg: time_config(_key(cfg, ab_dtype, out_dtype, device, layout), a, b, out)
-            for cfg in configs
+        store = AccStore(out_dtype)
+        kernels = {
+            cfg: gemm_kernels.device_key(cfg, ab_dtype, store, device, *layout) for cfg in configs
         }
+        times = {cfg: time_config(kernel, a, b, out) for cfg, kernel in kernels.items()}
         _best[key] = min(times, key=times.get)
     return _best[key]

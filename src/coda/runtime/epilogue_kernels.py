@@ -51,7 +51,7 @@ from ..mainloop.config import (
     choose_epilogue_config,
     epilogue_size_class,
 )
-from . import bound_call, checks, finalize, gemm_kernels, occupancy
+from . import bound_call, checks, finalize, gemm_kernels
 from .fused import FusedVisitor, counter_slots, n_multiple, not_rollable, unsupported
 from .operands import cached_problem
 
@@ -110,7 +110,6 @@ class EpiloguePlan:
         ab_dtype: torch.dtype,
         majors: tuple[str, str],
         device: torch.device,
-        num_sms: int,
         config: GemmConfig,
         finalize_in_kernel: bool = False,
         finalize_lanes: tuple[int, int] = finalize.DEFAULT_LANES,
@@ -120,9 +119,7 @@ class EpiloguePlan:
         self.config = config
         self.tile = config.partials_tile
         self.visitor = FusedVisitor(epi, finalize_in_kernel)
-        # the grid's SMs: num_sms, less those no whole cluster can take
-        sms = occupancy.grid_sms(device, config.cluster_m * config.cluster_n)
-        self.key = gemm_kernels.kernel_key(config, ab_dtype, self.visitor, sms, *majors)
+        self.key = gemm_kernels.device_key(config, ab_dtype, self.visitor, device, *majors)
         self.kernel = gemm_kernels.launcher(self.key)
         self.need_n = n_multiple(epi)
         # (name, role, dtype, width numerator, denominator) of each input, binding order
@@ -417,9 +414,7 @@ def _plan(epi, A, B, majors, config, m, n, k) -> EpiloguePlan:
         else:  # the caller's config, as given
             cfg, in_kernel = config, finalize.in_gemm(epi, config, m, n, num_sms)
         lanes = finalize.lanes(m, n)
-        plan = _plans.put(
-            pkey, EpiloguePlan(epi, A.dtype, majors, device, num_sms, cfg, in_kernel, lanes)
-        )
+        plan = _plans.put(pkey, EpiloguePlan(epi, A.dtype, majors, device, cfg, in_kernel, lanes))
     return plan
 
 

@@ -28,7 +28,7 @@ from ..mainloop import dtypes
 from ..mainloop.config import GemmConfig
 from ..mainloop.cute_env import dsl_version, ensure_arch
 from ..mainloop.visitor import AccStore
-from . import disk_cache, elf
+from . import disk_cache, elf, occupancy
 
 
 @attrs.frozen
@@ -66,6 +66,20 @@ def kernel_key(
     if key is None:
         key = _keys[parts] = GemmKernelKey(config, ab_dtype, visitor, num_sms, a_major, b_major)
     return key
+
+
+def device_key(
+    config: GemmConfig,
+    ab_dtype: torch.dtype,
+    visitor: Any,
+    device: torch.device,
+    a_major: str = "k",
+    b_major: str = "k",
+) -> GemmKernelKey:
+    """:func:`kernel_key` for a launch on ``device``: the grid sized by the clusters of
+    ``config`` that fit it at once (:func:`coda.runtime.occupancy.grid_sms`)."""
+    sms = occupancy.grid_sms(device, config.cluster_m * config.cluster_n)
+    return kernel_key(config, ab_dtype, visitor, sms, a_major, b_major)
 
 
 _cache: dict[GemmKernelKey, Any] = {}
