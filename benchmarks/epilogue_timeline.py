@@ -66,6 +66,9 @@ from coda.testing.probes import MainloopCycles, store_if  # noqa: E402
 #: clocks are written as their low 24 bits (exact in fp32); spans stay far below 2^23
 CLOCK_BITS = 24
 FIELDS = ("ready", "ml_end", "epi_start", "epi_end", "sm", "wg")
+#: with ``--waits``: the k-loop's cycles (after its first k-tile) in its A/B stage waits,
+#: its WGMMA issue and its WGMMA waits (``TraceTile.mainloop_waits``)
+WAIT_FIELDS = ("stage_wait", "mma_issue", "mma_wait")
 #: dense 16-bit WGMMA FLOP per cycle per SM on sm_90 (4 tensor cores x 512 FMA)
 FLOP_PER_CYCLE = 4096
 #: the last call's per-tile records of each Timeline (by name), from its finalize
@@ -77,7 +80,15 @@ class Timeline(MainloopCycles):
     """Per tile, rows ``tm * tile_m + i`` of column ``tn`` of the partials (M, tiles_n),
     kept in ``RECORDS[name]`` after a call, hold ``FIELDS[i]``: the warpgroup's ready and
     mainloop-end clocks, the epilogue's begin and end clocks (low ``CLOCK_BITS`` bits),
-    the SM id and the warpgroup (``coda.testing.probes.MainloopCycles``'s outputs)."""
+    the SM id and the warpgroup (``coda.testing.probes.MainloopCycles``'s outputs); with
+    ``waits``, then ``WAIT_FIELDS`` (``TraceTile.mainloop_waits``: clock reads in the
+    k-loop, so its timings are not the plain kernel's)."""
+
+    waits: bool = False
+
+    @property
+    def reads_waits(self) -> bool:
+        return self.waits
 
     def finalize(self, partials, problem, specs):
         # the records are (M, tiles_n), not a row result: kept aside for ``analyse``, the
@@ -108,6 +119,8 @@ class Timeline(MainloopCycles):
         row = tm * tile.config.warpgroup_config.tile_m
         vals = [Float32(Int32(c & mask)) for c in (ready, end_ml, state, end)]
         vals += [Float32(cute.arch.smid()), Float32(tracing.warpgroup_index())]
+        if self.waits:
+            vals += [Float32(Int32(c)) for c in tile.mainloop_waits]
         out = tile.extra(self.partials)
         live = (tracing.thread_in_warpgroup() == 0) & (row < m) & (tn * tile.config.tile_n < n)
         for i, v in enumerate(vals):
@@ -207,17 +220,18 @@ def _unwrap(xs: list[float], ref: float) -> list[float]:
     return out
 
 
-def analyse(tl: torch.Tensor, tile_m: int) -> dict:
+def analyse(tl: torch.Tensor, tile_m: int, waits: bool = False) -> dict:
     """Per-SM timelines from the Timeline output ``tl`` (M, tiles_n), summarized."""
     t = tl.cpu()
     tiles_m = ceil_div(t.shape[0], tile_m)
+    fields = FIELDS + (WAIT_FIELDS if waits else ())
     per_sm: dict[int, list[list[float]]] = defaultdict(list)
     for i in range(tiles_m):
         r = i * tile_m
-        if r + len(FIELDS) > t.shape[0]:
+        if r + len(fields) > t.shape[0]:
             continue
         for j in range(t.shape[1]):
-            rec = t[r : r + len(FIELDS), j].tolist()
+            rec = t[r : r + len(fields), j].tolist()
             if rec[0] == 0 and rec[1] == 0:  # never written (no tile there)
                 continue
             per_sm[int(rec[4])].append(rec)
@@ -246,6 +260,10 @@ def analyse(tl: torch.Tensor, tile_m: int) -> dict:
         stats["late_frac"].append(late / max(1, len(ml)))
         stats["epi_wait"].append(statistics.median(r[2] - r[1] for r in steady))
         stats["epilogue"].append(statistics.median(r[3] - r[2] for r in steady))
+        if waits:  # the raw records' wait fields, steady tiles (not the first two)
+            raw = sorted(recs, key=lambda r: _unwrap([r[1]], ref)[0])[2:] or recs
+            for i, f in enumerate(WAIT_FIELDS):
+                stats[f].append(statistics.median(r[len(FIELDS) + i] for r in raw))
         stats["period"].append(span / len(rel))
         stats["span"].append(span)
         stats["tiles"].append(len(rel))
@@ -292,10 +310,18 @@ def main(argv=None) -> None:
     p.add_argument("--size", type=int, default=2048, help="N = K")
     p.add_argument("--burst", type=int, default=30)
     p.add_argument("--variants", default=None, help="comma-separated subset")
+    p.add_argument(
+        "--waits",
+        action="store_true",
+        help="also time the k-loop's stage waits and WGMMA waits (clock reads in the k-loop)",
+    )
+    p.add_argument("--tile-k", type=int, default=None, help="the k-tile depth (64 or 128)")
     args = p.parse_args(argv)
     m = args.m
     n = k = args.size
     cfg = choose_epilogue_config(m, n, k)
+    if args.tile_k:
+        cfg = attrs.evolve(cfg, tile_k=args.tile_k)
     epis = variants()
     if args.variants:
         every = {**epis, **probes()}
@@ -305,7 +331,7 @@ def main(argv=None) -> None:
     B = torch.randn(n, k, device="cuda").to(bf16) / k**0.5
     rows = []
     for name, epi in epis.items():
-        timed = epi.add(Timeline("timeline"))
+        timed = epi.add(Timeline("timeline", waits=args.waits))
         _, _, tensors = common.cuda_inputs(epi, m, n, k)
         run = lambda timed=timed, t=tensors: timed(A, B, config=cfg, **t)  # noqa: E731
         for _ in range(args.burst):
@@ -313,7 +339,7 @@ def main(argv=None) -> None:
         kernel_ms = common.time_once(run, args.burst)
         run()
         torch.cuda.synchronize()
-        s = analyse(RECORDS["timeline"], cfg.warpgroup_config.tile_m)
+        s = analyse(RECORDS["timeline"], cfg.warpgroup_config.tile_m, args.waits)
         ideal = 2 * cfg.warpgroup_config.tile_m * cfg.tile_n * k / FLOP_PER_CYCLE
         rows.append(
             {
@@ -334,7 +360,8 @@ def main(argv=None) -> None:
     common.print_table(
         rows,
         ["variant", "kernel_us", "tiles", "ideal", "mainloop", "exposed_frac", "late_frac"]
-        + ["epi_wait", "epilogue", "period", "mhz"],
+        + ["epi_wait", "epilogue", "period", "mhz"]
+        + (list(WAIT_FIELDS) if args.waits else []),
     )
 
 

@@ -54,7 +54,7 @@ import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
 import torch
-from cutlass import Float32, Int32, const_expr
+from cutlass import Float32, Int32, Int64, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
@@ -267,7 +267,8 @@ class PingPongGemm(Producers, EpilogueIO):
                 (min(e, config.epi_stages), min(ld, n_sub))
                 for e, ld in ((config.epi_stages, config.load_stages), (2, 2), (1, 2), (1, 1))
             ]
-            min_abs = (4, 2)
+            # (128-deep k-tiles: 3 stages hold what 6 of 64 do)
+            min_abs = (4, 2) if config.tile_k == 64 else (3, 2)
         scratch_bytes = 4 * self.scratch_floats * (2 if concurrent else 1)
         for min_ab in min_abs:
             for epi_st, load_st in candidates:
@@ -650,6 +651,7 @@ class PingPongGemm(Producers, EpilogueIO):
             cooperative = self.cooperative
             mainloop = self.mainloop
             wants_clocks = getattr(self.visitor, "wants_clocks", False)
+            wants_waits = wants_clocks and getattr(self.visitor, "wants_waits", False)
             if const_expr(not mainloop):
                 acc.fill(0.0)  # never read by the epilogue; defined all the same
             if const_expr(not cooperative):
@@ -712,23 +714,46 @@ class PingPongGemm(Producers, EpilogueIO):
                         tiled_mma, acc, tCrA, tCrB, k_blocks, read.index, zero_init=True
                     )
                     read.advance()
+                    if const_expr(wants_waits):
+                        # a profiling hook: where the k-loop's cycles go after its first
+                        # k-tile (whose stage wait also holds the tensor-core turn's)
+                        w_full = Int64(0)
+                        w_issue = Int64(0)
+                        w_mma = Int64(0)
                     for _k in cutlass.range(1, k_tiles, unroll=1):
+                        if const_expr(wants_waits):
+                            c0 = cute.arch.clock64()
                         ab_pipe.consumer_wait(read)
+                        if const_expr(wants_waits):
+                            c1 = cute.arch.clock64()
+                            w_full += c1 - c0
                         self._mma_ktile(
                             tiled_mma, acc, tCrA, tCrB, k_blocks, read.index, zero_init=False
                         )
+                        if const_expr(wants_waits):
+                            c0 = cute.arch.clock64()
+                            w_issue += c0 - c1
                         warpgroup.wait_group(1)
+                        if const_expr(wants_waits):
+                            w_mma += cute.arch.clock64() - c0
                         self._release(ab_pipe, release, cfg.cluster_m * cfg.cluster_n, ab_peers)
                         release.advance()
                         read.advance()
                     if const_expr(not cooperative):
                         self._turn_arrive(_Barrier.MMA_TURN, 1 - wg)
+                    if const_expr(wants_waits):
+                        c0 = cute.arch.clock64()
                     warpgroup.wait_group(0)
                     if const_expr(wants_clocks):
                         clocks.append(cute.arch.clock64())
+                    if const_expr(wants_waits):
+                        w_mma += clocks[1] - c0
+                        clocks += [w_full, w_issue, w_mma]
                     self._release(ab_pipe, release, cfg.cluster_m * cfg.cluster_n, ab_peers)
                 elif const_expr(wants_clocks):
                     clocks = [cute.arch.clock64()] * 2
+                    if const_expr(wants_waits):
+                        clocks += [Int64(0)] * 3
 
                 # ---- epilogue (takes its turn on the store path, unless concurrent)
                 if const_expr(not concurrent):

@@ -59,7 +59,9 @@ class TileContext:
     (``clock64``): when this warpgroup was ready for the tile's mainloop (it reached its
     tensor-core turn; the read is issued with the turn's barrier, whose blocking is
     deferred, so it does not wait for the turn) and when its last WGMMA completed; a map
-    pass (no mainloop) gives its epilogue's start twice. None otherwise.
+    pass (no mainloop) gives its epilogue's start twice. None otherwise. A visitor that
+    also ``wants_waits`` gets three more: the k-loop's cycles after its first k-tile in
+    its A/B stage waits, its WGMMA issue and its WGMMA waits (0 for a map pass).
     ``interior``: True when this trace of the epilogue runs only for tiles that lie
     inside M x N (a visitor with ``splits_interior`` is traced twice, once for those
     tiles, with no bounds checks to make, and once for the edge tiles).

@@ -87,7 +87,17 @@ class TraceTile:
         WGMMA completed): ``clock64`` values, set for primitives with ``reads_clocks =
         True`` (a profiling hook; ``coda.mainloop.visitor.TileContext``,
         ``benchmarks/epilogue_timeline.py``)."""
-        return self.mainloop.clocks
+        return tuple(self.mainloop.clocks[:2])
+
+    @property
+    def mainloop_waits(self):
+        """Where the tile's k-loop spent its cycles after its first k-tile, summed over
+        the k-tiles: (waiting for each A/B stage to arrive, issuing the stage's WGMMAs,
+        waiting for the previous stage's WGMMAs to complete; the last wait, for all of
+        them, included): ``clock64`` differences, set for primitives with
+        ``reads_waits = True`` as well as ``reads_clocks`` (a profiling hook that puts
+        clock reads in the k-loop; ``benchmarks/epilogue_timeline.py --waits``)."""
+        return tuple(self.mainloop.clocks[2:5])
 
     def extra(self, name: str):
         return self.mainloop.extras[self.extras_index[name]]

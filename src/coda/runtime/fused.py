@@ -181,6 +181,12 @@ class FusedVisitor:
         return any(getattr(p, "reads_clocks", False) for p in self.epilogue.primitives)
 
     @property
+    def wants_waits(self) -> bool:
+        """Whether a primitive reads the k-loop's wait cycles (``reads_waits``, with
+        ``reads_clocks``: a profiling hook; ``TraceTile.mainloop_waits``)."""
+        return any(getattr(p, "reads_waits", False) for p in self.epilogue.primitives)
+
+    @property
     def stores(self) -> tuple[TileStore, ...]:
         return tuple(p for p in self.epilogue.primitives if isinstance(p, TileStore))
 
