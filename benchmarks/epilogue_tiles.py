@@ -40,9 +40,6 @@ CONFIGS = {
     "pp128x128c1x2": GemmConfig(tile_n=128, cluster_m=1, cluster_n=2),
     "pp128x192c1x2": GemmConfig(tile_n=192, cluster_m=1, cluster_n=2),
     "pp128x128c2x2": GemmConfig(tile_n=128, cluster_m=2, cluster_n=2),
-    # 128-deep k-tiles: half the k-loop iterations, twice the tensor-core work queued
-    "pp128x128k128": GemmConfig(tile_n=128, tile_k=128),
-    "pp128x192k128": GemmConfig(tile_n=192, tile_k=128),
     "coop256x128": GemmConfig(tile_m=256, tile_n=128),
     "coop256x192": GemmConfig(tile_m=256, tile_n=192),
 }

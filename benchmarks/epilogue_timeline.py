@@ -1,7 +1,8 @@
 """Where a fused epilogue's time goes inside the kernel: a per-tile timeline of SM clocks.
 
     python benchmarks/epilogue_timeline.py [--m 16384] [--size 2048] [--variants a,b]
-        [--burst 30] [--out benchmarks/results/epilogue_timeline_h200.json] (+ a PNG)
+        [--burst 30] [--waits] [--out benchmarks/results/epilogue_timeline_h200.json]
+        (+ a PNG)
 
 Each variant of ``epilogue_anatomy.py`` (``store_acc`` is the plain GEMM's work), and the
 synthetic ``probes`` here (``fma16``, ``fma64``, ``exp8``: ALU or MUFU work on acc reduced
@@ -39,6 +40,10 @@ outside the mainloop's shadow. JSON rows ``{"variant", "M", "N", "K", "config",
 "epilogue", "period", "span", "mhz", "sample"}`` (``mhz``: span cycles over the kernel's
 time from CUDA events; ``sample``: the first SM's records, [ready, mainloop end,
 epilogue begin, end, warpgroup] relative to its first ready, in tensor-core order).
+With ``--waits`` the primitive also asks for ``TraceTile.mainloop_waits`` (clock reads in
+the k-loop) and the rows gain ``stage_wait``, ``mma_issue`` and ``mma_wait``: medians
+over SMs of a tile's k-loop cycles after its first k-tile spent waiting for A/B stages,
+issuing WGMMAs and waiting for them (``results/epilogue_timeline_waits_h200.json``).
 """
 
 from __future__ import annotations
@@ -315,13 +320,10 @@ def main(argv=None) -> None:
         action="store_true",
         help="also time the k-loop's stage waits and WGMMA waits (clock reads in the k-loop)",
     )
-    p.add_argument("--tile-k", type=int, default=None, help="the k-tile depth (64 or 128)")
     args = p.parse_args(argv)
     m = args.m
     n = k = args.size
     cfg = choose_epilogue_config(m, n, k)
-    if args.tile_k:
-        cfg = attrs.evolve(cfg, tile_k=args.tile_k)
     epis = variants()
     if args.variants:
         every = {**epis, **probes()}

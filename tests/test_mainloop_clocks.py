@@ -60,3 +60,20 @@ def test_a_map_pass_reports_its_epilogue_start_as_both_clocks(tmp_path):
     epi = epi.add(MainloopCycles("cycles"))
     ptx, _ = _ptx_sass(epi, (4096, 2048, 64), tmp_path)
     assert "wgmma.mma_async" not in ptx and ptx.count("%clock64") == 1
+
+
+@pytest.mark.compile
+def test_the_wait_profile_reads_the_clock_in_the_k_loop_only_when_asked(tmp_path):
+    import attrs
+
+    @attrs.frozen
+    class Waits(MainloopCycles):
+        reads_waits = True
+
+    timed = Epilogue().add(TileStore("acc", bf16)).add(MainloopCycles("cycles"))
+    waits = Epilogue().add(TileStore("acc", bf16)).add(Waits("cycles"))
+    assert not FusedVisitor(timed).wants_waits and FusedVisitor(waits).wants_waits
+    ptx, _ = _ptx_sass(waits, (4096, 2048, 2048), tmp_path / "waits")
+    # four reads in the k-loop (around its stage wait and its WGMMA wait) and one before
+    # the last WGMMA wait, beside the two of the clocks alone
+    assert ptx.count("%clock64") == 2 + 5

@@ -82,7 +82,7 @@ class GemmConfig:
 
     tile_m: int = attrs.field(default=128, validator=_check_in(_TILE_M))
     tile_n: int = attrs.field(default=192, validator=_check_in(_TILE_N))
-    tile_k: int = attrs.field(default=64, validator=_check_in((64, 128)))
+    tile_k: int = attrs.field(default=64, validator=_check_in((64,)))
     cluster_m: int = 2
     cluster_n: int = 1
     epi_m: int = attrs.field(default=64, validator=_check_in((64,)))

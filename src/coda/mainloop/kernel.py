@@ -267,8 +267,7 @@ class PingPongGemm(Producers, EpilogueIO):
                 (min(e, config.epi_stages), min(ld, n_sub))
                 for e, ld in ((config.epi_stages, config.load_stages), (2, 2), (1, 2), (1, 1))
             ]
-            # (128-deep k-tiles: 3 stages hold what 6 of 64 do)
-            min_abs = (4, 2) if config.tile_k == 64 else (3, 2)
+            min_abs = (4, 2)
         scratch_bytes = 4 * self.scratch_floats * (2 if concurrent else 1)
         for min_ab in min_abs:
             for epi_st, load_st in candidates:
