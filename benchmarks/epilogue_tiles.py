@@ -40,6 +40,8 @@ CONFIGS = {
     "pp128x128c1x2": GemmConfig(tile_n=128, cluster_m=1, cluster_n=2),
     "pp128x192c1x2": GemmConfig(tile_n=192, cluster_m=1, cluster_n=2),
     "pp128x128c2x2": GemmConfig(tile_n=128, cluster_m=2, cluster_n=2),
+    # no cluster: no multicast, and no CTA waits for a peer to release a shared stage
+    "pp128x128c1x1": GemmConfig(tile_n=128, cluster_m=1, cluster_n=1),
     "coop256x128": GemmConfig(tile_m=256, tile_n=128),
     "coop256x192": GemmConfig(tile_m=256, tile_n=192),
 }
