@@ -2,7 +2,8 @@
 
     python benchmarks/train_step.py [--configs llama3-1b,h4096-trunc] [--seq 8192]
         [--layers4096 2] [--rounds 5] [--quick] [--mode auto|interleaved|isolated]
-        [--no-block | --block-only] [--out benchmarks/results/train_step_h200.json] [--merge]
+        [--no-block | --block-only] [--amp] [--out benchmarks/results/train_step_h200.json]
+        [--merge]
     python benchmarks/train_step.py --combine a.json b.json ... --out train_step_h200.json
 
 Sits in benchmarks/ (run from the repository root); needs a CUDA GPU (Hopper for coda).
@@ -12,9 +13,15 @@ in bf16 (``model.to(torch.bfloat16)``, as HF trainers with bf16 do), SDPA attent
 AdamW (fused), random ``input_ids`` (batch ``--batch`` x ``--seq``) and
 ``labels = input_ids``; one step = forward with labels, backward, ``optimizer.step()``,
 ``zero_grad(set_to_none=True)``, timed with CUDA events (details: ``median_step_ms``).
+With ``--amp``: parameters in fp32 (AMP's master weights) and every forward under
+``torch.autocast`` to bf16, the backward outside it; coda's patch gets
+``fuse_autocast=True`` (its stack in bf16, weights cast per forward).
 Next to it, ``host_ms_per_step``: the host's time to issue one step while a sleep kernel keeps
 the GPU busy (median of 3): when it is below the step's GPU time the GPU never waits for
-the host (a step that synchronizes shows the sleep's length instead). Configs:
+the host (a step that synchronizes shows the sleep's length instead, and so does one that
+issues more kernel launches than the GPU's launch queue holds while the sleep runs: the
+host then blocks in ``cudaLaunchKernel``, "Command Buffer Full" in a torch.profiler trace,
+as coda's 16-layer AMP step does; such a host is ahead of the GPU, not behind). Configs:
 
 * ``llama3-1b``: Llama 3.2 1B's shape: H=2048, 16 layers, FFN 8192, 32 query / 8 KV heads
   (head_dim 64), vocab 128256, tied embeddings, rope_theta 500000 (default RoPE; the
@@ -94,6 +101,8 @@ GiB = 2**30
 #: set by main(): "cuda" (the benchmark) or "cpu" (a smoke run of the harness, --device cpu)
 DEVICE = "cuda"
 DTYPE = BF16
+#: ``--amp``: fp32 parameters, each forward under ``torch.autocast`` to bf16
+AMP = False
 METHODS = ("coda", "eager", "compile", "liger")
 ROW_FIELDS = (
     "config",
@@ -238,7 +247,7 @@ class Method:
         if name == "coda":
             from coda.integrations.transformers import apply_coda
 
-            self.patch = apply_coda(model, strict=True)
+            self.patch = apply_coda(model, strict=True, fuse_autocast=AMP)
         elif name == "compile":
             self.run = torch.compile(model)
         elif name == "liger":
@@ -253,7 +262,9 @@ class Method:
 
     def step(self) -> None:
         with swapped(self.globals):
-            out = self.run(input_ids=self.ids, labels=self.ids)
+            # AMP: the forward under autocast, the backward outside it (PyTorch's advice)
+            with torch.autocast(DEVICE, dtype=BF16, enabled=AMP):
+                out = self.run(input_ids=self.ids, labels=self.ids)
             out.loss.backward()
         if self.first_loss is None:
             self.first_loss = float(out.loss.detach().float())
@@ -774,6 +785,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         default="bf16",
         help="parameter dtype; fp32 only for CPU smoke runs",
     )
+    p.add_argument(
+        "--amp",
+        action="store_true",
+        help="mixed precision: fp32 parameters, forwards under torch.autocast to bf16 "
+        "(coda: apply_coda(..., fuse_autocast=True))",
+    )
     p.add_argument("--out", default="benchmarks/results/train_step_h200.json")
     p.add_argument(
         "--combine",
@@ -863,7 +880,7 @@ def environment() -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    global DEVICE, DTYPE
+    global DEVICE, DTYPE, AMP
     args = parse(argv)
     if args.combine:
         return combine(args.combine, args.out)
@@ -875,7 +892,8 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 2
     DEVICE = args.device
-    DTYPE = torch.float32 if args.dtype == "fp32" else BF16
+    DTYPE = torch.float32 if args.dtype == "fp32" or args.amp else BF16
+    AMP = args.amp
     all_configs = configs(args.layers4096, args.tiny)
     names = [c for c in args.configs.split(",") if c]
     unknown = [c for c in names if c not in all_configs]
@@ -912,6 +930,7 @@ def main(argv: list[str] | None = None) -> int:
     payload = {
         **env,
         "dtype": str(DTYPE).removeprefix("torch."),
+        "amp": AMP,
         "tiny": args.tiny,
         "protocol": (
             f"interleaved rounds ({args.rounds}) of {args.reps} step(s) per method "

@@ -205,6 +205,30 @@ def test_autocast_casts_the_operands_as_linear_does(dtype):
 
 
 @pytest.mark.parametrize("path", list(PATHS))
+def test_backward_inside_the_autocast_block_gives_the_same_gradients(path):
+    """``loss.backward()`` called inside the ``torch.autocast`` block (PyTorch advises
+    against it, users do it): on CPU tensors the backward formulas run on the calling
+    thread, with autocast on; they run it off (``_dispatch.without_autocast``), so the
+    gradients equal those of a backward outside the block (before: an InputError, the
+    fp32 partial sums cast to bf16)."""
+    g = torch.Generator().manual_seed(5)
+    h = torch.randn(48, 32, generator=g, requires_grad=True)
+    W = torch.nn.Parameter(torch.randn(200, 32, generator=g) / 6)
+    target = torch.randint(0, 200, (48,), generator=g)
+    target[::7] = -100
+    grads = []
+    for inside in (False, True):
+        with torch.autocast("cpu", dtype=BF16):
+            loss = linear_cross_entropy(h, W, target, **PATHS[path])
+            if inside:
+                grads.append(torch.autograd.grad(loss, (h, W)))
+        if not inside:
+            grads.append(torch.autograd.grad(loss, (h, W)))
+    for a, b in zip(*grads, strict=True):
+        assert a.dtype == F32 and torch.equal(a, b)
+
+
+@pytest.mark.parametrize("path", list(PATHS))
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 def test_empty_batch_gives_zero_loss_and_zero_gradients(path, reduction):
     """No rows at all (a rank with no tokens): the loss is 0 ("none": shape (0,)), every

@@ -265,6 +265,61 @@ def test_autocast_over_fp32_weights_falls_back_and_keeps_the_fused_loss():
         )
 
 
+@pytest.mark.parametrize("name", ["gqa", "mha_tied"])
+def test_fuse_autocast_runs_the_stack_in_autocasts_dtype_over_fp32_weights(name):
+    """``apply_coda(..., fuse_autocast=True)`` under AMP (fp32 master weights in
+    ``torch.autocast``): the fused stack runs in bf16 (its weights cast per forward, its
+    residual stream in bf16) and the loss stays fused. Loss and every gradient (arriving
+    in fp32): within 2 x the error of the same model in bf16 (Hugging Face, no autocast),
+    the numerics it promises, against float64. Without autocast it is the fp32 stack."""
+    ref, plain, _ = pair(**CONFIGS[name], patch=False)
+    mine = copy.deepcopy(plain)
+    patch = apply_coda(mine, fuse_autocast=True)
+    bf16_model = copy.deepcopy(plain).to(torch.bfloat16)
+    ids, labels = batch(ref.config.vocab_size)
+    losses = {}
+    for key, model in (("truth", ref), ("bf16", bf16_model), ("coda", mine)):
+        model.train()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=key == "coda"):
+            out = model(ids, labels=labels)
+        assert out.logits is None if key == "coda" else out.logits is not None
+        out.loss.backward()
+        losses[key] = out.loss.detach().double()
+    assert not patch.fallbacks and patch.calls == {"fused_stack": 1, "fused_loss": 1}
+    assert_close_to_reference(
+        losses["coda"], losses["truth"], name="loss", baseline=losses["bf16"], atol=1e-3
+    )
+    theirs, truth = dict(bf16_model.named_parameters()), dict(ref.named_parameters())
+    for pname, p in mine.named_parameters():
+        assert p.dtype == torch.float32 and p.grad is not None, pname
+        assert p.grad.dtype == torch.float32, pname
+        assert_close_to_reference(
+            p.grad, truth[pname].grad, name=f"d{pname}", baseline=theirs[pname].grad, atol=1e-3
+        )
+    # outside autocast the same patch runs the fp32 stack (its own template)
+    mine.zero_grad(), ref.zero_grad()
+    out, want = mine(ids, labels=labels), ref(ids, labels=labels)
+    assert_close_to_reference(out.loss, want.loss, name="loss (fp32)", tol=TOL)
+    assert patch.calls == {"fused_stack": 2, "fused_loss": 2}
+
+
+def test_fuse_autocast_is_refused_for_other_autocast_dtypes_and_off_by_default():
+    """Autocast to fp32-compatible dtypes it cannot run (none on the CPU but bf16 / fp16)
+    falls back with the reason; without ``fuse_autocast`` AMP falls back as before."""
+    ref, plain, _ = pair(**CONFIGS["gqa"], patch=False)
+    mine = copy.deepcopy(plain)
+    patch = apply_coda(mine)
+    ids, labels = batch(ref.config.vocab_size)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        mine(ids, labels=labels).loss.backward()
+    assert patch.fallbacks == {"autocast to bfloat16 over float32 weights": 1}
+    patch.fuse_autocast = True
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        mine(ids, labels=labels).loss.backward()
+    assert patch.fallbacks == {"autocast to bfloat16 over float32 weights": 1}
+    assert patch.calls["fused_stack"] == 1
+
+
 def test_gradient_checkpointing_keeps_the_fused_loss():
     """With gradient checkpointing the decoder stack runs Hugging Face's checkpointed
     forward (its reason counted); the loss over its output stays fused (no logits), with

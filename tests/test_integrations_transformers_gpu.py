@@ -153,6 +153,35 @@ def test_loss_and_every_gradient_vs_float64(name):
     errs.check()
 
 
+@pytest.mark.parametrize("name", ["gqa_h256", "mha_h576_tied", "gqa_h1024_llama3"])
+def test_fuse_autocast_over_fp32_weights_vs_float64(name):
+    """AMP: fp32 master weights (the bf16 model's, so all three compute with identical
+    values) under ``torch.autocast`` to bf16, patched with ``fuse_autocast=True`` and
+    ``strict``: the fused stack runs in bf16 (no fallback) and the loss stays fused. The
+    loss and every gradient (in fp32) within 2 x the error of eager Hugging Face in bf16
+    (the numerics ``fuse_autocast`` promises: a bf16 model's) + ATOL, against float64."""
+    mine_bf16, eager, truth, _ = trio(name)
+    del mine_bf16
+    amp = copy.deepcopy(eager).to(F32)
+    patch = apply_coda(amp, strict=True, fuse_autocast=True)
+    amp.train()
+    ids, labels = batch(CONFIGS[name]["vocab_size"])
+    losses = {}
+    for key, model in (("coda", amp), ("eager", eager), ("truth", truth)):
+        with torch.autocast("cuda", dtype=BF16, enabled=key == "coda"):
+            out = model(ids, labels=labels)
+        out.loss.backward()  # outside autocast, as PyTorch advises
+        losses[key] = out.loss.detach().double()
+    assert patch.calls == {"fused_stack": 1, "fused_loss": 1} and not patch.fallbacks
+    errs = Errors()
+    errs.add("loss", losses["coda"], losses["eager"], losses["truth"])
+    ours, theirs, ref = (dict(m.named_parameters()) for m in (amp, eager, truth))
+    for pname, p in ref.items():
+        assert ours[pname].grad is not None and ours[pname].grad.dtype == F32, pname
+        errs.add(f"d{pname}", ours[pname].grad, theirs[pname].grad, p.grad)
+    errs.check()
+
+
 @pytest.mark.parametrize("name", ["gqa_h256", "mqa_h320", "gqa_h1024_llama3"])
 def test_logits_vs_float64(name):
     """Without labels: the fused stack, then Hugging Face's final norm and LM head."""

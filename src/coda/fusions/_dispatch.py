@@ -27,7 +27,8 @@ architecture) the same calls run the reference path there.
   GPU, by ``A.float() @ B.float().T`` elsewhere.
 * ``autocast_operands(*names)``: a fusion entry point under ``torch.autocast`` (its
   floating operands cast as autocast casts F.linear's, the body run with autocast off);
-  ``autocast_dtype(t)``: autocast's dtype on ``t``'s device, or None.
+  ``autocast_dtype(t)``: autocast's dtype on ``t``'s device, or None;
+  ``without_autocast``: a fused op's backward formula, run with autocast off.
 * ``EagerOp(op, impl, setup_context, backward)`` (on ``plain_eager`` and
   ``eager_autograd``): how a fused op skips the dispatcher in plain eager calls. A
   ``torch.library.custom_op`` with a registered autograd formula costs ~0.1-0.4 ms of
@@ -43,6 +44,7 @@ architecture) the same calls run the reference path there.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 from collections.abc import Callable
@@ -64,6 +66,7 @@ __all__ = [
     "run_epilogue",
     "run_map",
     "uses_kernels",
+    "without_autocast",
 ]
 
 #: K of the zero GEMM under ``run_map``: the smallest whose 16-bit rows are 16 bytes (TMA).
@@ -119,6 +122,26 @@ def autocast_operands(*names: str) -> Callable[[Callable], Callable]:
         return call
 
     return decorate
+
+
+def without_autocast(fn: Callable) -> Callable:
+    """Decorator for a fused op's backward formula: it runs with autocast off. A backward
+    over CPU tensors runs on the calling thread, so ``loss.backward()`` called inside a
+    ``torch.autocast`` block (which PyTorch advises against, but allows) would cast the
+    formula's fp32 math; CUDA backwards run on autograd's device threads, where autocast
+    is off anyway."""
+
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        on = [d for d in ("cpu", "cuda") if torch.is_autocast_enabled(d)]
+        if not on:
+            return fn(*args, **kwargs)
+        with contextlib.ExitStack() as stack:
+            for device in on:
+                stack.enter_context(torch.autocast(device, enabled=False))
+            return fn(*args, **kwargs)
+
+    return call
 
 
 def run_epilogue(

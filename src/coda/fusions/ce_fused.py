@@ -87,7 +87,14 @@ import torch
 from torch.library import custom_op, register_autograd
 
 from coda.fusions import ce_chunks
-from coda.fusions._dispatch import EagerOp, matmul, run_epilogue, run_map, uses_kernels
+from coda.fusions._dispatch import (
+    EagerOp,
+    matmul,
+    run_epilogue,
+    run_map,
+    uses_kernels,
+    without_autocast,
+)
 from coda.fusions.ce_epilogues import (
     GRAD_SCALE,
     PARTIAL_SUM,
@@ -1344,6 +1351,7 @@ def _with_last_rows(x: torch.Tensor | None, last: torch.Tensor | None) -> torch.
     return torch.cat([x[: x.shape[0] - last.shape[0]], last])
 
 
+@without_autocast
 def _fused_backward(ctx, g_loss, *unused):
     """dh and dW by ``lce_fused_finish`` (the last row chunk's GEMMs, g folded into their
     epilogue) and dbias, drstd times g; with nothing deferred (one row chunk,

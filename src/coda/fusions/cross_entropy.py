@@ -61,7 +61,14 @@ import torch.nn.functional as F
 from torch.library import custom_op, register_autograd
 
 from coda.fusions import _checks, ce_chunks, ce_fused
-from coda.fusions._dispatch import EagerOp, autocast_operands, matmul, run_epilogue, uses_kernels
+from coda.fusions._dispatch import (
+    EagerOp,
+    autocast_operands,
+    matmul,
+    run_epilogue,
+    uses_kernels,
+    without_autocast,
+)
 from coda.fusions.ce_chunks import TMA_COLS, Chunk
 from coda.fusions.ce_epilogues import grad_epilogue, stats_epilogue
 from coda.fusions.ce_fused import lce_fused_loss, merge_entropy
@@ -287,6 +294,7 @@ def _stats_setup(ctx, inputs, output) -> None:
     ctx.save_for_backward(h, W, target, bias, rstd, output[0], output[3])
 
 
+@without_autocast
 def _stats_backward(ctx, g_lse, g_zt, g_zsum, g_entropy):
     h, W, target, bias, rstd, lse, entropy = ctx.saved_tensors
     if not any(ctx.flags):

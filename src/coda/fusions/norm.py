@@ -36,7 +36,7 @@ import torch
 from torch.library import custom_op, register_autograd
 
 from coda.fusions import _checks, epilogues
-from coda.fusions._dispatch import EagerOp, matmul, run_epilogue, run_map
+from coda.fusions._dispatch import EagerOp, matmul, run_epilogue, run_map, without_autocast
 
 __all__ = [
     "NormedStream",
@@ -111,6 +111,7 @@ def _stats_setup(ctx, inputs, output):
     ctx.set_materialize_grads(False)  # no zero-filled gradients for the caches
 
 
+@without_autocast
 def _stats_backward(ctx, dh, drstd):
     return None, None, None
 
@@ -183,6 +184,7 @@ def _producer_setup(ctx, inputs, output):
     ctx.set_materialize_grads(False)  # no zero-filled gradients for the caches
 
 
+@without_autocast
 def _producer_backward(ctx, dx, dh, drstd):
     need_da, need_dw, need_dres = ctx.flags
     if dx is None:  # x unused: every gradient is zero
@@ -265,6 +267,7 @@ def _linear_setup(ctx, inputs, output):
     ctx.save_for_backward(x, h, rstd, gamma, w, output)
 
 
+@without_autocast
 def _linear_backward(ctx, dz):
     need_dx, need_dgamma, need_dw = ctx.flags
     x, h, rstd, gamma, w, z = ctx.saved_tensors

@@ -32,7 +32,7 @@ import torch
 from torch.library import custom_op, register_autograd
 
 from coda.fusions import _checks, epilogues
-from coda.fusions._dispatch import EagerOp, matmul, run_epilogue, run_map
+from coda.fusions._dispatch import EagerOp, matmul, run_epilogue, run_map, without_autocast
 from coda.fusions.norm import NormedStream, norm_dgrad
 
 __all__ = ["qkv_rope", "rms_norm_qkv_rope", "rms_norm_qkv_rope_backward"]
@@ -116,6 +116,7 @@ def _setup(ctx, inputs, output):
     ctx.save_for_backward(output, x, h, rstd, gamma, w_qkv, positions, freq)
 
 
+@without_autocast
 def _backward(ctx, dqkv):
     need_dx, need_dgamma, need_dw = ctx.flags
     need_norm = need_dx or need_dgamma

@@ -34,7 +34,7 @@ import torch
 from torch.library import custom_op, register_autograd
 
 from coda.fusions import _checks, epilogues
-from coda.fusions._dispatch import EagerOp, matmul, run_epilogue
+from coda.fusions._dispatch import EagerOp, matmul, run_epilogue, without_autocast
 from coda.fusions.norm import NormedStream, norm_dgrad
 
 __all__ = ["rms_norm_swiglu_mlp", "rms_norm_swiglu_mlp_backward", "swiglu_mlp"]
@@ -137,6 +137,7 @@ def _setup(ctx, inputs, output):
     ctx.set_materialize_grads(False)
 
 
+@without_autocast
 def _backward(ctx, dx_out, dh_out, drstd_out, dgu):
     need_dx, need_dgamma, need_dw_gate_up, need_dw_down = ctx.flags
     need_norm = need_dx or need_dgamma

@@ -54,6 +54,7 @@ honoured by falling back to the original forward for sequences longer than the w
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import types
@@ -372,19 +373,21 @@ class CodaPatch:
         *,
         fuse_loss: bool,
         strict: bool,
+        fuse_autocast: bool = False,
     ) -> None:
         self.model = model
         self.family = str(getattr(getattr(model, "config", None), "model_type", None))
         self.fuse_loss = fuse_loss
         self.strict = strict
+        self.fuse_autocast = fuse_autocast
         self.calls: Counter[str] = Counter()
         self.fallbacks: Counter[str] = Counter()
         self.active = False
         self._stack_path = stack_path
         self._geometry = geometry
         self._freq: dict[torch.device, torch.Tensor] = {}
-        dtype = stack.layers[0].self_attn.q_proj.weight.dtype
-        self._template = _template(geometry, dtype)
+        #: the fused stack's template per dtype it runs in (the weights' own; autocast's)
+        self._templates: dict[torch.dtype, FusedLlamaStack] = {}
         self._loss = LinearCrossEntropyLoss(shift=True)
         self._patched: list[tuple[nn.Module, Any, Callable[..., Any]]] = []
         replaced = [
@@ -487,7 +490,8 @@ class CodaPatch:
             return "input_ids/inputs_embeds"  # the original raises its own error
         if (why := _device_problem(args)) is not None:
             return why
-        if (why := _autocast_problem(stack, ids if embeds is None else embeds)) is not None:
+        x = ids if embeds is None else embeds
+        if (why := _autocast_problem(stack, x, self.fuse_autocast)) is not None:
             return why
         seq = (ids if embeds is None else embeds).shape[1]
         window = getattr(config, "sliding_window", None)
@@ -556,40 +560,57 @@ class CodaPatch:
             freq = self._freq[device] = freq.to(device)
         return freq
 
-    def fused_parameters(self, stack: nn.Module, device: torch.device) -> dict[str, torch.Tensor]:
+    def fused_parameters(
+        self, stack: nn.Module, device: torch.device, dtype: torch.dtype | None = None
+    ) -> dict[str, torch.Tensor]:
         """The template's parameters and buffers, read from ``stack``'s modules: the
         model's own tensors, and the fused q|k|v and gate/up layouts assembled from them
-        (differentiable, so gradients reach the model's parameters)."""
-        return self._assembled(stack, device)[0]
+        (differentiable, so gradients reach the model's parameters); with ``dtype``, every
+        weight cast to it (differentiably: the gradients arrive in the weights' dtype)."""
+        return self._assembled(stack, device, dtype)[0]
 
-    def _assembled(self, stack: nn.Module, device: torch.device) -> tuple[dict, list]:
+    def _assembled(
+        self, stack: nn.Module, device: torch.device, dtype: torch.dtype | None = None
+    ) -> tuple[dict, list]:
         """(``fused_parameters``, [(assembled tensor, its function, its sources)])."""
         g = self._geometry
         freq = self._frequencies(device)
-        params: dict[str, torch.Tensor] = {"norm_weight": stack.norm.weight}
         made: list = []
 
         def assemble(fn: Callable[..., torch.Tensor], *sources: torch.Tensor) -> torch.Tensor:
+            if dtype is not None:  # cast first: the layouts' row copies in the small dtype
+                fn = functools.partial(_cast_then, fn, dtype)
             t = fn(*sources)
             made.append((t, fn, sources))
             return t
 
+        def weight(w: torch.Tensor) -> torch.Tensor:
+            # a cast weight is saved as a recipe too (autocast's weight cache keeps one)
+            return w if dtype is None or w.dtype == dtype else assemble(_identity, w)
+
         qkv = functools.partial(layouts.assemble_qkv, head_dim=g.head_dim)
+        params: dict[str, torch.Tensor] = {"norm_weight": weight(stack.norm.weight)}
         for i, layer in enumerate(list(stack.layers)[: len(g.layer_eps)]):
             attn, mlp, p = layer.self_attn, layer.mlp, f"layers.{i}."
-            params[p + "attn.norm_weight"] = layer.input_layernorm.weight
+            params[p + "attn.norm_weight"] = weight(layer.input_layernorm.weight)
             params[p + "attn.qkv_weight"] = assemble(
                 qkv, attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight
             )
-            params[p + "attn.o_weight"] = attn.o_proj.weight
+            params[p + "attn.o_weight"] = weight(attn.o_proj.weight)
             params[p + "attn.freq"] = freq
-            params[p + "mlp.norm_weight"] = layer.post_attention_layernorm.weight
+            params[p + "mlp.norm_weight"] = weight(layer.post_attention_layernorm.weight)
             # interleaved: row 2i = gate_proj row i, row 2i + 1 = up_proj row i
             params[p + "mlp.gate_up_weight"] = assemble(
                 layouts.assemble_gate_up, mlp.gate_proj.weight, mlp.up_proj.weight
             )
-            params[p + "mlp.down_weight"] = mlp.down_proj.weight
+            params[p + "mlp.down_weight"] = weight(mlp.down_proj.weight)
         return params, made
+
+    def _template_for(self, dtype: torch.dtype) -> FusedLlamaStack:
+        template = self._templates.get(dtype)
+        if template is None:
+            template = self._templates[dtype] = _template(self._geometry, dtype)
+        return template
 
     def run_stack(self, stack: nn.Module, args: Mapping[str, Any]) -> torch.Tensor:
         """Embeddings + the fused decoder layers: the last residual stream (B, S, H),
@@ -602,11 +623,18 @@ class CodaPatch:
         if positions is None:
             positions = torch.arange(S, device=embeds.device)[None]
         positions = positions.expand(B, S)
-        params, assembled = self._assembled(stack, embeds.device)
+        # under torch.autocast over weights of another dtype (``fuse_autocast``: fusable
+        # let it through): the whole stack in autocast's dtype, its weights cast per step
+        dtype = _autocast_over(stack, embeds)
+        params, assembled = self._assembled(stack, embeds.device, dtype)
+        if dtype is not None:
+            embeds = embeds.to(dtype)
+        weights = stack.layers[0].self_attn.q_proj.weight.dtype
+        template = self._template_for(weights if dtype is None else dtype)
         # the assembled layouts are saved by the fused ops as recipes, re-assembled in
         # backward (coda.integrations._rebuild): no weight-sized tensor per layer kept
-        with rebuilt_when_saved(assembled):
-            stream = functional_call(self._template, params, (embeds, positions), strict=True)
+        with rebuilt_when_saved(assembled), _autocast_off(embeds, dtype is not None):
+            stream = functional_call(template, params, (embeds, positions), strict=True)
         del params, assembled
         return stream.x.view(B, S, H)
 
@@ -647,17 +675,43 @@ def _device_problem(args: Mapping[str, Any]) -> str | None:
     return None
 
 
-def _autocast_problem(stack: nn.Module, x: torch.Tensor) -> str | None:
-    """Why the fused stack cannot run under an enabled ``torch.autocast``, or None: with
-    weights in another dtype than autocast's (AMP's fp32 master weights) its GEMMs would
-    need every weight cast per step, which it does not do yet; Hugging Face's forward runs
+def _autocast_over(stack: nn.Module, x: torch.Tensor) -> torch.dtype | None:
+    """Autocast's dtype when an enabled ``torch.autocast`` on ``x``'s device would cast
+    the stack's weights (AMP: fp32 master weights), else None."""
+    dtype = autocast_dtype(x)
+    if dtype is None or stack.layers[0].self_attn.q_proj.weight.dtype == dtype:
+        return None
+    return dtype
+
+
+def _autocast_problem(stack: nn.Module, x: torch.Tensor, fuse: bool) -> str | None:
+    """Why the fused stack does not run under an enabled ``torch.autocast``, or None.
+    Over weights of another dtype than autocast's (AMP's fp32 master weights) it runs only
+    when ``apply_coda(..., fuse_autocast=True)`` asked for it, and only to bf16 or fp16:
+    it then casts every weight per step and keeps its residual stream in autocast's dtype,
+    where Hugging Face's forward keeps an fp32 one. Otherwise Hugging Face's forward runs
     the layers (autocast casting their operands), and the loss stays fused
     (``linear_cross_entropy`` casts its operands as autocast does)."""
-    dtype = autocast_dtype(x)
-    weight = stack.layers[0].self_attn.q_proj.weight.dtype
-    if dtype is None or weight == dtype:
+    dtype = _autocast_over(stack, x)
+    if dtype is None or (fuse and dtype in (torch.bfloat16, torch.float16)):
         return None
+    weight = stack.layers[0].self_attn.q_proj.weight.dtype
     return f"autocast to {dtype_name(dtype)} over {dtype_name(weight)} weights"
+
+
+def _cast_then(fn: Callable[..., torch.Tensor], dtype: torch.dtype, *ws: torch.Tensor):
+    """``fn`` over ``ws`` cast to ``dtype`` (a picklable recipe for ``_rebuild``)."""
+    return fn(*(w.to(dtype) for w in ws))
+
+
+def _identity(w: torch.Tensor) -> torch.Tensor:
+    return w
+
+
+def _autocast_off(x: torch.Tensor, off: bool):
+    """A context with autocast disabled on ``x``'s device when ``off`` (the fused stack
+    runs in the dtype it was cast to), else a no-op."""
+    return torch.autocast(x.device.type, enabled=False) if off else contextlib.nullcontext()
 
 
 def _loss_problem(causal_lm: nn.Module) -> str | None:
@@ -751,11 +805,19 @@ def _causal_lm_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
 _LOSS_ARGS = frozenset({"labels", "shift_labels", "logits_to_keep", "return_dict"})
 
 
-def apply_coda(model: nn.Module, *, fuse_loss: bool = True, strict: bool = False) -> CodaPatch:
+def apply_coda(
+    model: nn.Module, *, fuse_loss: bool = True, strict: bool = False, fuse_autocast: bool = False
+) -> CodaPatch:
     """Patch a Hugging Face ``LlamaForCausalLM`` / ``MistralForCausalLM`` (or their
     ``*Model`` decoder stack, or a PEFT model wrapping one) to run on coda; see the module
     doc. ``fuse_loss=False`` keeps Hugging Face's loss (the stack is still fused).
     ``strict=True`` raises instead of falling back to the original forward in training.
+    ``fuse_autocast=True``: under ``torch.autocast`` to bf16 / fp16 over weights of
+    another dtype (AMP's fp32 master weights), run the fused stack in autocast's dtype,
+    its weights cast once per forward (and again in backward, as recipes), its residual
+    stream in that dtype: the numerics of a bf16 / fp16 model, not of Hugging Face's AMP
+    forward (whose residual stream stays fp32). Off by default: the stack's original
+    forward runs under such autocast (the loss stays fused).
     Returns the ``CodaPatch`` (``revert()`` undoes it)."""
     base = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
     if not isinstance(base, nn.Module):
@@ -788,7 +850,14 @@ def apply_coda(model: nn.Module, *, fuse_loss: bool = True, strict: bool = False
             f"coda cannot run this {type(base).__name__}:\n  " + "\n  ".join(problems)
         )
     return CodaPatch(
-        base, stack, stack_path, causal_lm, geometry, fuse_loss=fuse_loss, strict=strict
+        base,
+        stack,
+        stack_path,
+        causal_lm,
+        geometry,
+        fuse_loss=fuse_loss,
+        strict=strict,
+        fuse_autocast=fuse_autocast,
     )
 
 
