@@ -153,22 +153,28 @@ def test_loss_and_every_gradient_vs_float64(name):
     errs.check()
 
 
-@pytest.mark.parametrize("name", ["gqa_h256", "mha_h576_tied", "gqa_h1024_llama3"])
-def test_fuse_autocast_over_fp32_weights_vs_float64(name):
+@pytest.mark.parametrize(
+    "name, dtype",
+    [("gqa_h256", BF16), ("mha_h576_tied", BF16), ("gqa_h1024_llama3", BF16),
+     ("gqa_h256", torch.float16)],
+)  # fmt: skip
+def test_fuse_autocast_over_fp32_weights_vs_float64(name, dtype):
     """AMP: fp32 master weights (the bf16 model's, so all three compute with identical
-    values) under ``torch.autocast`` to bf16, patched with ``fuse_autocast=True`` and
-    ``strict``: the fused stack runs in bf16 (no fallback) and the loss stays fused. The
-    loss and every gradient (in fp32) within 2 x the error of eager Hugging Face in bf16
-    (the numerics ``fuse_autocast`` promises: a bf16 model's) + ATOL, against float64."""
+    values) under ``torch.autocast`` to bf16 (or fp16), patched with
+    ``fuse_autocast=True`` and ``strict``: the fused stack runs in autocast's dtype (no
+    fallback) and the loss stays fused. The loss and every gradient (in fp32) within 2 x
+    the error of eager Hugging Face in that dtype (the numerics ``fuse_autocast``
+    promises: a bf16 / fp16 model's) + ATOL, against float64."""
     mine_bf16, eager, truth, _ = trio(name)
     del mine_bf16
+    eager = eager.to(dtype)
     amp = copy.deepcopy(eager).to(F32)
     patch = apply_coda(amp, strict=True, fuse_autocast=True)
     amp.train()
     ids, labels = batch(CONFIGS[name]["vocab_size"])
     losses = {}
     for key, model in (("coda", amp), ("eager", eager), ("truth", truth)):
-        with torch.autocast("cuda", dtype=BF16, enabled=key == "coda"):
+        with torch.autocast("cuda", dtype=dtype, enabled=key == "coda"):
             out = model(ids, labels=labels)
         out.loss.backward()  # outside autocast, as PyTorch advises
         losses[key] = out.loss.detach().double()
