@@ -50,6 +50,12 @@ activation, attention dropout, RoPE variants with runtime or scaled cos/sin, LoR
 quantized projections, a custom loss function). PEFT models are unwrapped with
 ``get_base_model()``. Families: ``llama`` and ``mistral`` (Mistral's sliding window is
 honoured by falling back to the original forward for sequences longer than the window).
+
+Mixed precision (AMP: fp32 master weights under ``torch.autocast``): by default the stack's
+original forward runs there (the loss stays fused); ``apply_coda(model,
+fuse_autocast=True)`` runs the fused stack in autocast's dtype instead, each weight cast
+per forward (and re-cast in backward from its recipe), its residual stream in that dtype:
+a bf16 / fp16 model's numerics (docs/integrations.md).
 """
 
 from __future__ import annotations
@@ -493,7 +499,7 @@ class CodaPatch:
         x = ids if embeds is None else embeds
         if (why := _autocast_problem(stack, x, self.fuse_autocast)) is not None:
             return why
-        seq = (ids if embeds is None else embeds).shape[1]
+        seq = x.shape[1]
         window = getattr(config, "sliding_window", None)
         if window is not None and seq > int(window):
             return "sliding_window"
@@ -700,7 +706,7 @@ def _autocast_problem(stack: nn.Module, x: torch.Tensor, fuse: bool) -> str | No
 
 
 def _cast_then(fn: Callable[..., torch.Tensor], dtype: torch.dtype, *ws: torch.Tensor):
-    """``fn`` over ``ws`` cast to ``dtype`` (a picklable recipe for ``_rebuild``)."""
+    """``fn`` over ``ws`` cast to ``dtype`` (how ``fuse_autocast`` assembles a layout)."""
     return fn(*(w.to(dtype) for w in ws))
 
 
