@@ -12,10 +12,10 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 timeline = pytest.importorskip("epilogue_timeline")
 
-TILE_M = 8
+TILE_M = 16  # rows per tile: room for the 6 fields and the 3 wait fields
 
 
-def _records(mainloop: int, epilogue: int, tiles: int, sm: int = 3, origin: int = 0):
+def _records(mainloop: int, epilogue: int, tiles: int, sm: int = 3, origin: int = 0, waits=None):
     """A PingPong SM: warpgroups 0 and 1 alternate on the tensor cores; each is ready for
     its next mainloop when its epilogue ends, and a mainloop starts when the previous one
     ended and its warpgroup is ready. Returns the Timeline partials (M, tiles_n)."""
@@ -26,7 +26,8 @@ def _records(mainloop: int, epilogue: int, tiles: int, sm: int = 3, origin: int 
         start = max(end_prev, ready[wg])
         end = start + mainloop
         epi0, epi1 = end + 10, end + 10 + epilogue
-        recs.append([(c + origin) % wrap for c in (ready[wg], end, epi0, epi1)] + [sm, wg])
+        rec = [(c + origin) % wrap for c in (ready[wg], end, epi0, epi1)] + [sm, wg]
+        recs.append(rec + (list(waits(i)) if waits else []))
         ready[wg], end_prev = epi1, end
     cols = 4
     out = torch.zeros(TILE_M * -(-tiles // cols), cols)
@@ -59,3 +60,15 @@ def test_clocks_that_wrap_24_bits_read_the_same():
     wrapped = timeline.analyse(_records(1000, 1500, 12, origin=(1 << 24) - 5000), TILE_M)
     for key in ("mainloop", "exposed_frac", "late_frac", "epilogue", "span"):
         assert wrapped[key] == pytest.approx(plain[key])
+
+
+def test_wait_fields_are_the_steady_tiles_medians():
+    # tile i's k-loop waits (stage, issue, WGMMA): the first two tiles (start-up) are
+    # outliers that the medians leave out
+    def waits(i):
+        return (9000, 9000, 9000) if i < 2 else (300 + i % 2, 700, 40)
+
+    s = timeline.analyse(_records(1000, 600, 12, waits=waits), TILE_M, waits=True)
+    assert s["stage_wait"] == pytest.approx(300.5) and s["mma_issue"] == 700
+    assert s["mma_wait"] == 40 and s["mainloop"] == 1000
+    assert "stage_wait" not in timeline.analyse(_records(1000, 600, 12), TILE_M)
