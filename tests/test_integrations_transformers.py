@@ -399,6 +399,32 @@ def test_torch_compile_of_the_patched_model_keeps_its_results():
         assert_close_to_reference(p.grad, theirs[name].grad, name=f"compiled d{name}", tol=TOL)
 
 
+def test_torch_compile_of_a_fuse_autocast_model_under_autocast():
+    """``torch.compile`` (aot_eager) of a model patched with ``fuse_autocast=True``, called
+    under CPU autocast over its fp32 weights: the fused seams run (counters), and the loss
+    and every gradient equal the uncompiled patched model's under the same autocast."""
+    _, plain, _ = pair(**CONFIGS["gqa"], patch=False)
+    mine = copy.deepcopy(plain)
+    apply_coda(mine, fuse_autocast=True)
+    other = copy.deepcopy(mine)
+    other_patch = other.__dict__["_coda_patch"]
+    ids, labels = batch(mine.config.vocab_size)
+    mine.train(), other.train()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = mine(ids, labels=labels).loss
+    want.backward()
+    torch._dynamo.reset()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = torch.compile(other, backend="aot_eager")(ids, labels=labels).loss
+    got.backward()
+    assert other_patch.calls == {"fused_stack": 1, "fused_loss": 1}, other_patch.fallbacks
+    assert_close_to_reference(got.float(), want.float(), name="compiled loss", tol=TOL)
+    theirs = dict(mine.named_parameters())
+    for name, p in other.named_parameters():
+        assert p.grad.dtype == torch.float32, name
+        assert_close_to_reference(p.grad, theirs[name].grad, name=f"compiled d{name}", tol=TOL)
+
+
 def test_torch_compile_of_the_patched_model_does_not_recompile_per_length():
     """``torch.compile`` as users call it (dynamic shapes left to dynamo) over four
     sequence lengths: dynamo compiles the first length, recompiles once with a dynamic
