@@ -213,3 +213,65 @@ def test_module_cast_keeps_fp32_frequencies():
     attn = FusedLlamaAttention(8, 2, 1, 4, rope_theta=500000.0).to(torch.bfloat16)
     expected = layouts.rope_frequencies(layouts.rope_inv_freq(4, 500000.0), 2, 1, 4)
     assert attn.freq.dtype == torch.float32 and torch.equal(attn.freq, expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_modules_under_autocast_over_fp32_parameters(dtype):
+    """AMP (fp32 parameters under ``torch.autocast``): the stack, a decoder layer and an
+    MLP alone cast their parameters and floating inputs to autocast's dtype as autocast
+    casts ``nn.Linear``'s (``coda.nn._autocast``): the output equals the same module cast
+    to that dtype and called outside autocast, bitwise, and every gradient arrives in
+    fp32, the cast module's gradient cast up. rstd stays fp32."""
+    import copy
+
+    from coda.fusions import normed_stream
+
+    torch.manual_seed(3)
+    model = Model(2, 16, 24, 4, 2, 4, 1e-5, 10000.0)
+    fused = FusedLlamaStack.from_hf(model)  # fp32 parameters
+    cast = copy.deepcopy(fused).to(dtype)
+    x = torch.randn(2, 5, 16)
+    positions = torch.arange(5)[None].expand(2, 5)
+    r = torch.randn(10, 16)
+
+    def loss(stream):
+        return ((stream.rstd[:, None] * stream.h.float() + stream.x.float()) * r).sum()
+
+    def check(mine, theirs, run):
+        with torch.autocast("cpu", dtype=dtype):
+            got = run(mine, x)
+        want = run(theirs, x.to(dtype))
+        assert got.x.dtype == dtype and got.rstd.dtype == torch.float32
+        for a, b in zip(got, want, strict=True):
+            assert torch.equal(a, b)
+        loss(got).backward()
+        loss(want).backward()
+        ours, ref = dict(mine.named_parameters()), dict(theirs.named_parameters())
+        assert ours.keys() == ref.keys()
+        for name, p in ours.items():
+            assert p.dtype == torch.float32, name
+            if ref[name].grad is None:  # e.g. the final norm's weight: h is only its cache
+                assert p.grad is None, name
+                continue
+            assert p.grad.dtype == torch.float32, name
+            assert torch.equal(p.grad, ref[name].grad.float()), name
+
+    check(fused, cast, lambda m, h: m(h, positions))
+    # a layer and an MLP alone, on one fp32 input stream (its caches made in fp32, then
+    # cast with it as autocast casts inputs; the cast module gets it cast by hand)
+    from coda.fusions import NormedStream
+
+    layer, layer_cast = fused.layers[0], cast.layers[0]
+    nxt = fused.layers[1].norm_weight.detach()
+    s32 = normed_stream(x.reshape(-1, 16), layer.norm_weight.detach(), layer.eps)
+
+    def stream_for(h):
+        if h.dtype == torch.float32:
+            return s32
+        return NormedStream(s32.x.to(h.dtype), s32.h.to(h.dtype), s32.rstd)
+
+    fused.zero_grad(), cast.zero_grad()
+    check(layer, layer_cast, lambda m, h: m(stream_for(h), positions, nxt.to(h.dtype), 1e-5))
+    mlp, mlp_cast = layer.mlp, layer_cast.mlp
+    fused.zero_grad(), cast.zero_grad()
+    check(mlp, mlp_cast, lambda m, h: m(stream_for(h), nxt.to(h.dtype), 1e-5))

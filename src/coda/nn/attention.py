@@ -23,6 +23,7 @@ from torch import nn
 
 from coda.fusions import NormedStream, layouts, linear_add_normed, qkv_rope
 from coda.nn import _hf
+from coda.nn._autocast import autocast_dtype_over, run_cast
 
 __all__ = ["FusedLlamaAttention"]
 
@@ -85,6 +86,8 @@ class FusedLlamaAttention(nn.Module):
         next_norm_weight: torch.Tensor,
         next_eps: float,
     ) -> NormedStream:
+        if (dtype := autocast_dtype_over(self, stream.x)) is not None:  # AMP
+            return run_cast(self, dtype, stream, position_ids, next_norm_weight, next_eps)
         B, S = position_ids.shape
         q, k, v = qkv_rope(
             stream,

@@ -16,6 +16,7 @@ from torch import nn
 
 from coda.fusions import NormedStream, normed_stream
 from coda.nn import _hf
+from coda.nn._autocast import autocast_dtype_over, run_cast
 from coda.nn.attention import FusedLlamaAttention
 from coda.nn.mlp import FusedLlamaMLP
 
@@ -45,6 +46,8 @@ class FusedLlamaDecoderLayer(nn.Module):
         next_norm_weight: torch.Tensor,
         next_eps: float,
     ) -> NormedStream:
+        if (dtype := autocast_dtype_over(self, stream.x)) is not None:  # AMP
+            return run_cast(self, dtype, stream, position_ids, next_norm_weight, next_eps)
         stream = self.attn(stream, position_ids, self.mlp.norm_weight, self.mlp.eps)
         return self.mlp(stream, next_norm_weight, next_eps)
 
@@ -77,6 +80,8 @@ class FusedLlamaStack(nn.Module):
         self.eps = float(eps)
 
     def forward(self, hidden_states: torch.Tensor, position_ids: torch.Tensor) -> NormedStream:
+        if (dtype := autocast_dtype_over(self, hidden_states)) is not None:  # AMP
+            return run_cast(self, dtype, hidden_states, position_ids)
         x = hidden_states.reshape(-1, hidden_states.shape[-1])
         first = self.layers[0]
         stream = normed_stream(x, first.norm_weight, first.eps)

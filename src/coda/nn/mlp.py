@@ -16,6 +16,7 @@ from torch import nn
 
 from coda.fusions import NormedStream, layouts, swiglu_mlp
 from coda.nn import _hf
+from coda.nn._autocast import autocast_dtype_over, run_cast
 
 __all__ = ["FusedLlamaMLP"]
 
@@ -46,6 +47,8 @@ class FusedLlamaMLP(nn.Module):
     def forward(
         self, stream: NormedStream, next_norm_weight: torch.Tensor, next_eps: float
     ) -> NormedStream:
+        if (dtype := autocast_dtype_over(self, stream.x)) is not None:  # AMP
+            return run_cast(self, dtype, stream, next_norm_weight, next_eps)
         return swiglu_mlp(
             stream,
             self.norm_weight,

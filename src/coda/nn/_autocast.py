@@ -1,0 +1,67 @@
+"""coda.nn._autocast: the fused modules under ``torch.autocast`` over parameters of another
+dtype (AMP: fp32 master weights, bf16 or fp16 compute).
+
+Sits under the modules of ``coda.nn`` (``FusedLlamaStack``, ``FusedLlamaDecoderLayer``,
+``FusedLlamaAttention``, ``FusedLlamaMLP``). The fused ops take one dtype per GEMM and do
+not cast, so a module called under autocast to bf16 / fp16 with parameters in another
+dtype runs, as autocast does for ``nn.Linear``: every floating parameter cast to
+autocast's dtype (differentiably: the gradients reach the parameters in their own
+dtype), the floating inputs cast too (a ``NormedStream``'s x and h; its rstd stays
+fp32), the body with autocast off. Its residual stream is then in autocast's dtype: the
+numerics of a bf16 / fp16 model (Hugging Face's AMP forward keeps an fp32 residual
+stream). The cast weights live until the backward that needs them, as autocast's own
+casts of ``nn.Linear`` weights do.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.func import functional_call
+
+from coda.fusions import NormedStream
+
+__all__ = ["autocast_dtype_over", "run_cast"]
+
+#: the dtypes the fused ops compute in
+_COMPUTE = (torch.bfloat16, torch.float16)
+
+
+def autocast_dtype_over(module: nn.Module, x: torch.Tensor) -> torch.dtype | None:
+    """Autocast's dtype when an enabled ``torch.autocast`` on ``x``'s device (the CPU's or
+    CUDA's) casts to bf16 / fp16 and ``module``'s floating parameters are in another
+    dtype, else None (no autocast, or parameters already in its dtype)."""
+    device = x.device.type
+    if device not in ("cuda", "cpu") or not torch.is_autocast_enabled(device):
+        return None
+    dtype = torch.get_autocast_dtype(device)
+    if dtype not in _COMPUTE:
+        return None
+    for p in module.parameters():
+        if p.is_floating_point():
+            return None if p.dtype == dtype else dtype
+    return None
+
+
+def _cast(value: Any, dtype: torch.dtype) -> Any:
+    if isinstance(value, NormedStream):
+        return NormedStream(value.x.to(dtype), value.h.to(dtype), value.rstd)
+    if isinstance(value, torch.Tensor) and value.is_floating_point():
+        return value.to(dtype)
+    return value
+
+
+def run_cast(module: nn.Module, dtype: torch.dtype, *args: Any) -> Any:
+    """``module(*args)`` with its floating parameters and inputs cast to ``dtype`` and
+    autocast off on the inputs' device (the module's own forward, called again: autocast
+    is off there)."""
+    params = {
+        name: p.to(dtype) if p.is_floating_point() else p for name, p in module.named_parameters()
+    }
+    cast = tuple(_cast(a, dtype) for a in args)
+    first = next(a for a in args if isinstance(a, (torch.Tensor, NormedStream)))
+    device = (first.x if isinstance(first, NormedStream) else first).device.type
+    with torch.autocast(device, enabled=False):
+        return functional_call(module, params, cast)
