@@ -303,9 +303,10 @@ def test_fuse_autocast_runs_the_stack_in_autocasts_dtype_over_fp32_weights(name)
     assert patch.calls == {"fused_stack": 2, "fused_loss": 2}
 
 
-def test_fuse_autocast_is_refused_for_other_autocast_dtypes_and_off_by_default():
-    """Autocast to fp32-compatible dtypes it cannot run (none on the CPU but bf16 / fp16)
-    falls back with the reason; without ``fuse_autocast`` AMP falls back as before."""
+def test_fuse_autocast_is_off_by_default_and_strict_names_it():
+    """Without ``fuse_autocast`` AMP falls back (reason counted); ``strict`` refuses the
+    fallback naming the option; switched on (``patch.fuse_autocast = True``) the next
+    call runs the fused stack."""
     ref, plain, _ = pair(**CONFIGS["gqa"], patch=False)
     mine = copy.deepcopy(plain)
     patch = apply_coda(mine)
@@ -313,10 +314,18 @@ def test_fuse_autocast_is_refused_for_other_autocast_dtypes_and_off_by_default()
     with torch.autocast("cpu", dtype=torch.bfloat16):
         mine(ids, labels=labels).loss.backward()
     assert patch.fallbacks == {"autocast to bfloat16 over float32 weights": 1}
+    patch.strict = True  # the refusal names the option that fuses it
+    with (
+        torch.autocast("cpu", dtype=torch.bfloat16),
+        pytest.raises(
+            RuntimeError, match=r"autocast to bfloat16 over float32 weights.*fuse_autocast=True"
+        ),
+    ):
+        mine(ids, labels=labels)
     patch.fuse_autocast = True
     with torch.autocast("cpu", dtype=torch.bfloat16):
         mine(ids, labels=labels).loss.backward()
-    assert patch.fallbacks == {"autocast to bfloat16 over float32 weights": 1}
+    assert patch.fallbacks == {"autocast to bfloat16 over float32 weights": 2}
     assert patch.calls["fused_stack"] == 1
 
 

@@ -553,9 +553,15 @@ class CodaPatch:
         self.calls["original"] += 1
         self.fallbacks[reason] += 1
         if self.strict and training:
+            hint = (
+                "; apply_coda(..., fuse_autocast=True) runs the fused stack in autocast's "
+                "dtype instead"
+                if reason.startswith("autocast to") and not self.fuse_autocast
+                else ""
+            )
             raise RuntimeError(
                 f"coda: a training forward fell back to the original forward ({reason}); "
-                "apply_coda(..., strict=False) allows it"
+                f"apply_coda(..., strict=False) allows it{hint}"
             )
 
     def _frequencies(self, device: torch.device) -> torch.Tensor:
