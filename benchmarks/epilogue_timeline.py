@@ -7,7 +7,8 @@
 Each variant of ``epilogue_anatomy.py`` (``store_acc`` is the plain GEMM's work), and the
 synthetic ``probes`` here (``fma16``, ``fma64``, ``exp8``: ALU or MUFU work on acc reduced
 to a row sum, no M x N traffic; ``fma16_rolled``: fma16's FMAs in a loop the kernel does
-not unroll; only when named in ``--variants``), gets a
+not unroll; ``shfl16``: as many warp shuffles instead; only when named in
+``--variants``), gets a
 :class:`Timeline` primitive appended: a user primitive (defined here) with
 ``reads_clocks``, which the kernel hands two SM clocks (``clock64``) per tile: when the
 warpgroup was ready for the tile's mainloop (it reached its tensor-core turn; the read is
@@ -180,6 +181,23 @@ def fma16_rolled(x):
     return _fma_rolled()(x, 16)
 
 
+def shfl16(x):
+    """16 dependent butterfly shuffles per element (work for the MIO queue that the
+    k-loop's WGMMA issue may share; an even count, so the value comes back unchanged: the
+    torch reference is the identity)."""
+    if isinstance(x, torch.Tensor):
+        return x
+    import cutlass.cute as cute
+    from cutlass import Float32
+
+    y = cute.make_rmem_tensor(x.shape, Float32)
+    y.store(x)
+    for _ in range(16):
+        for i in range(cute.size(y)):
+            y[i] = cute.arch.shuffle_sync_bfly(y[i], offset=1)
+    return y.load()
+
+
 def probes() -> dict[str, Epilogue]:
     """Synthetic epilogues with no M x N traffic: ALU or MUFU work on acc, reduced to a
     row sum so that it is kept (what of the epilogue's work slows the mainloop?)."""
@@ -194,6 +212,7 @@ def probes() -> dict[str, Epilogue]:
     return {
         "fma16": reduced(fma16),
         "fma16_rolled": reduced(fma16_rolled),
+        "shfl16": reduced(shfl16),
         "fma64": reduced(fma64),
         "exp8": reduced(exp8),
     }
