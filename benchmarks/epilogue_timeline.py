@@ -337,7 +337,7 @@ def main(argv=None) -> None:
     p.add_argument(
         "--waits",
         action="store_true",
-        help="also time the k-loop's stage waits and WGMMA waits (clock reads in the k-loop)",
+        help="also split the k-loop into stage waits, WGMMA issue and WGMMA waits (clock reads)",
     )
     args = p.parse_args(argv)
     m = args.m

@@ -208,7 +208,7 @@ def test_autocast_casts_the_operands_as_linear_does(dtype):
 def test_backward_inside_the_autocast_block_gives_the_same_gradients(path):
     """``loss.backward()`` called inside the ``torch.autocast`` block (PyTorch advises
     against it, users do it): on CPU tensors the backward formulas run on the calling
-    thread, with autocast on; they run it off (``_dispatch.without_autocast``), so the
+    thread, with autocast on; they run it off (``_dispatch.register_formula``), so the
     gradients equal those of a backward outside the block (before: an InputError, the
     fp32 partial sums cast to bf16)."""
     g = torch.Generator().manual_seed(5)

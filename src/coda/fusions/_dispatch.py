@@ -28,7 +28,8 @@ architecture) the same calls run the reference path there.
 * ``autocast_operands(*names)``: a fusion entry point under ``torch.autocast`` (its
   floating operands cast as autocast casts F.linear's, the body run with autocast off);
   ``autocast_dtype(t)``: autocast's dtype on ``t``'s device, or None;
-  ``without_autocast``: a fused op's backward formula, run with autocast off.
+  ``without_autocast``: a fused op's backward formula, run with autocast off;
+  ``register_formula``: a fused op's ``register_autograd``, its formula run that way.
 * ``EagerOp(op, impl, setup_context, backward)`` (on ``plain_eager`` and
   ``eager_autograd``): how a fused op skips the dispatcher in plain eager calls. A
   ``torch.library.custom_op`` with a registered autograd formula costs ~0.1-0.4 ms of
@@ -63,6 +64,7 @@ __all__ = [
     "eager_autograd",
     "matmul",
     "plain_eager",
+    "register_formula",
     "run_epilogue",
     "run_map",
     "uses_kernels",
@@ -142,6 +144,17 @@ def without_autocast(fn: Callable) -> Callable:
             return fn(*args, **kwargs)
 
     return call
+
+
+def register_formula(
+    name: str, backward: Callable[..., Any], setup_context: Callable[..., None]
+) -> Callable[..., Any]:
+    """``torch.library.register_autograd(name, ...)`` for a fused op, its backward formula
+    run with autocast off (``without_autocast``); returns that backward, which the op's
+    ``EagerOp`` runs too. Every fused op registers its formula here."""
+    backward = without_autocast(backward)
+    torch.library.register_autograd(name, backward, setup_context=setup_context)
+    return backward
 
 
 def run_epilogue(

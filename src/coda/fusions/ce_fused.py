@@ -84,16 +84,16 @@ import functools
 
 import attrs
 import torch
-from torch.library import custom_op, register_autograd
+from torch.library import custom_op
 
 from coda.fusions import ce_chunks
 from coda.fusions._dispatch import (
     EagerOp,
     matmul,
+    register_formula,
     run_epilogue,
     run_map,
     uses_kernels,
-    without_autocast,
 )
 from coda.fusions.ce_epilogues import (
     GRAD_SCALE,
@@ -1351,7 +1351,6 @@ def _with_last_rows(x: torch.Tensor | None, last: torch.Tensor | None) -> torch.
     return torch.cat([x[: x.shape[0] - last.shape[0]], last])
 
 
-@without_autocast
 def _fused_backward(ctx, g_loss, *unused):
     """dh and dW by ``lce_fused_finish`` (the last row chunk's GEMMs, g folded into their
     epilogue) and dbias, drstd times g; with nothing deferred (one row chunk,
@@ -1475,7 +1474,7 @@ def _(dl_last, dl_tail, weight, V):
     return weight.new_empty((V,), dtype=F32)
 
 
-register_autograd("coda::lce_fused_loss", _fused_backward, setup_context=_fused_setup)
+_fused_backward = register_formula("coda::lce_fused_loss", _fused_backward, _fused_setup)
 
 #: ``coda::lce_fused_loss(*args)`` (every argument positional, defaults included) with
 #: autograd: in plain eager calls its implementation and formula without the dispatcher

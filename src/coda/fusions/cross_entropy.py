@@ -58,16 +58,16 @@ from typing import Literal
 
 import torch
 import torch.nn.functional as F
-from torch.library import custom_op, register_autograd
+from torch.library import custom_op
 
 from coda.fusions import _checks, ce_chunks, ce_fused
 from coda.fusions._dispatch import (
     EagerOp,
     autocast_operands,
     matmul,
+    register_formula,
     run_epilogue,
     uses_kernels,
-    without_autocast,
 )
 from coda.fusions.ce_chunks import TMA_COLS, Chunk
 from coda.fusions.ce_epilogues import grad_epilogue, stats_epilogue
@@ -294,7 +294,6 @@ def _stats_setup(ctx, inputs, output) -> None:
     ctx.save_for_backward(h, W, target, bias, rstd, output[0], output[3])
 
 
-@without_autocast
 def _stats_backward(ctx, g_lse, g_zt, g_zsum, g_entropy):
     h, W, target, bias, rstd, lse, entropy = ctx.saved_tensors
     if not any(ctx.flags):
@@ -322,7 +321,7 @@ def _by_flag(grads: list, flags: tuple[bool, ...]) -> list:
     return [next(it) if flag else None for flag in flags]
 
 
-register_autograd("coda::lce_stats", _stats_backward, setup_context=_stats_setup)
+_stats_backward = register_formula("coda::lce_stats", _stats_backward, _stats_setup)
 _lce_stats = EagerOp(lce_stats, _lce_stats_impl, _stats_setup, _stats_backward)
 
 
@@ -374,7 +373,7 @@ def _lse_backward(ctx, g_lse):
     return None, dh, dW, None, dbias, drstd, None, None
 
 
-register_autograd("coda::lce_lse", _lse_backward, setup_context=_lse_setup)
+_lse_backward = register_formula("coda::lce_lse", _lse_backward, _lse_setup)
 _lce_lse = EagerOp(lce_lse, _lce_lse_impl, _lse_setup, _lse_backward)
 
 

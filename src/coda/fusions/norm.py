@@ -33,10 +33,10 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
-from torch.library import custom_op, register_autograd
+from torch.library import custom_op
 
 from coda.fusions import _checks, epilogues
-from coda.fusions._dispatch import EagerOp, matmul, run_epilogue, run_map, without_autocast
+from coda.fusions._dispatch import EagerOp, matmul, register_formula, run_epilogue, run_map
 
 __all__ = [
     "NormedStream",
@@ -111,12 +111,11 @@ def _stats_setup(ctx, inputs, output):
     ctx.set_materialize_grads(False)  # no zero-filled gradients for the caches
 
 
-@without_autocast
 def _stats_backward(ctx, dh, drstd):
     return None, None, None
 
 
-register_autograd("coda::rms_norm_stats", _stats_backward, setup_context=_stats_setup)
+_stats_backward = register_formula("coda::rms_norm_stats", _stats_backward, _stats_setup)
 _rms_norm_stats = EagerOp(rms_norm_stats, _rms_norm_stats_impl, _stats_setup, _stats_backward)
 
 
@@ -184,7 +183,6 @@ def _producer_setup(ctx, inputs, output):
     ctx.set_materialize_grads(False)  # no zero-filled gradients for the caches
 
 
-@without_autocast
 def _producer_backward(ctx, dx, dh, drstd):
     need_da, need_dw, need_dres = ctx.flags
     if dx is None:  # x unused: every gradient is zero
@@ -197,7 +195,9 @@ def _producer_backward(ctx, dx, dh, drstd):
     return da, dw, (dx if need_dres else None), None, None
 
 
-register_autograd("coda::linear_add_rms_norm", _producer_backward, setup_context=_producer_setup)
+_producer_backward = register_formula(
+    "coda::linear_add_rms_norm", _producer_backward, _producer_setup
+)
 _linear_add_rms_norm = EagerOp(
     linear_add_rms_norm, _linear_add_rms_norm_impl, _producer_setup, _producer_backward
 )
@@ -267,7 +267,6 @@ def _linear_setup(ctx, inputs, output):
     ctx.save_for_backward(x, h, rstd, gamma, w, output)
 
 
-@without_autocast
 def _linear_backward(ctx, dz):
     need_dx, need_dgamma, need_dw = ctx.flags
     x, h, rstd, gamma, w, z = ctx.saved_tensors
@@ -282,7 +281,7 @@ def _linear_backward(ctx, dz):
     return (dx if need_dx else None), None, None, (dgamma if need_dgamma else None), dw
 
 
-register_autograd("coda::rms_norm_linear", _linear_backward, setup_context=_linear_setup)
+_linear_backward = register_formula("coda::rms_norm_linear", _linear_backward, _linear_setup)
 
 
 # ---- stream-level calls -------------------------------------------------------------------

@@ -29,10 +29,10 @@ attention keeps alive anyway: q, k, v are views of it).
 from __future__ import annotations
 
 import torch
-from torch.library import custom_op, register_autograd
+from torch.library import custom_op
 
 from coda.fusions import _checks, epilogues
-from coda.fusions._dispatch import EagerOp, matmul, run_epilogue, run_map, without_autocast
+from coda.fusions._dispatch import EagerOp, matmul, register_formula, run_epilogue, run_map
 from coda.fusions.norm import NormedStream, norm_dgrad
 
 __all__ = ["qkv_rope", "rms_norm_qkv_rope", "rms_norm_qkv_rope_backward"]
@@ -116,7 +116,6 @@ def _setup(ctx, inputs, output):
     ctx.save_for_backward(output, x, h, rstd, gamma, w_qkv, positions, freq)
 
 
-@without_autocast
 def _backward(ctx, dqkv):
     need_dx, need_dgamma, need_dw = ctx.flags
     need_norm = need_dx or need_dgamma
@@ -131,7 +130,7 @@ def _backward(ctx, dqkv):
     return dx, None, None, dgamma, dw, None, None
 
 
-register_autograd("coda::rms_norm_qkv_rope", _backward, setup_context=_setup)
+_backward = register_formula("coda::rms_norm_qkv_rope", _backward, _setup)
 _rms_norm_qkv_rope = EagerOp(rms_norm_qkv_rope, _rms_norm_qkv_rope_impl, _setup, _backward)
 
 

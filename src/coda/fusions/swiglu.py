@@ -31,10 +31,10 @@ hidden layer are recomputed or produced in the backward epilogues.
 from __future__ import annotations
 
 import torch
-from torch.library import custom_op, register_autograd
+from torch.library import custom_op
 
 from coda.fusions import _checks, epilogues
-from coda.fusions._dispatch import EagerOp, matmul, run_epilogue, without_autocast
+from coda.fusions._dispatch import EagerOp, matmul, register_formula, run_epilogue
 from coda.fusions.norm import NormedStream, norm_dgrad
 
 __all__ = ["rms_norm_swiglu_mlp", "rms_norm_swiglu_mlp_backward", "swiglu_mlp"]
@@ -137,7 +137,6 @@ def _setup(ctx, inputs, output):
     ctx.set_materialize_grads(False)
 
 
-@without_autocast
 def _backward(ctx, dx_out, dh_out, drstd_out, dgu):
     need_dx, need_dgamma, need_dw_gate_up, need_dw_down = ctx.flags
     need_norm = need_dx or need_dgamma
@@ -157,7 +156,7 @@ def _backward(ctx, dx_out, dh_out, drstd_out, dgu):
     return dx, None, None, dgamma, dw_gate_up, dw_down, None, None
 
 
-register_autograd("coda::rms_norm_swiglu_mlp", _backward, setup_context=_setup)
+_backward = register_formula("coda::rms_norm_swiglu_mlp", _backward, _setup)
 _rms_norm_swiglu_mlp = EagerOp(rms_norm_swiglu_mlp, _rms_norm_swiglu_mlp_impl, _setup, _backward)
 
 

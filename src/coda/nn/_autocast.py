@@ -22,6 +22,7 @@ from torch import nn
 from torch.func import functional_call
 
 from coda.fusions import NormedStream
+from coda.fusions._dispatch import autocast_dtype
 
 __all__ = ["autocast_dtype_over", "run_cast"]
 
@@ -33,10 +34,7 @@ def autocast_dtype_over(module: nn.Module, x: torch.Tensor) -> torch.dtype | Non
     """Autocast's dtype when an enabled ``torch.autocast`` on ``x``'s device (the CPU's or
     CUDA's) casts to bf16 / fp16 and ``module``'s floating parameters are in another
     dtype, else None (no autocast, or parameters already in its dtype)."""
-    device = x.device.type
-    if device not in ("cuda", "cpu") or not torch.is_autocast_enabled(device):
-        return None
-    dtype = torch.get_autocast_dtype(device)
+    dtype = autocast_dtype(x)
     if dtype not in _COMPUTE:
         return None
     for p in module.parameters():
