@@ -7,8 +7,13 @@
 Each variant of ``epilogue_anatomy.py`` (``store_acc`` is the plain GEMM's work), and the
 synthetic ``probes`` here (``fma16``, ``fma64``, ``exp8``: ALU or MUFU work on acc reduced
 to a row sum, no M x N traffic; ``fma16_rolled``: fma16's FMAs in a loop the kernel does
-not unroll; ``shfl16``: as many warp shuffles instead; only when named in
-``--variants``), gets a
+not unroll; ``shfl16``: as many warp shuffles instead; ``hfma16_bf16`` / ``hfma16_f16``:
+fma16's chain on packed 16-bit pairs, half its instructions (``HFMA2.BF16_V2`` /
+``HFMA2``); ``hfma32_bf16``: as many packed instructions as fma16 has FMAs;
+``swiglu_bwd_packed_bf16`` / ``_f16``: the catalogue's SwiGLU backward with its products on
+packed bf16 pairs (``_f16``: 1 + g (1 - sig) on fp16 pairs), the sigmoid and the row
+partial in fp32, converting to and from fp32 around them (an experiment: its values are
+not checked here); only when named in ``--variants``), gets a
 :class:`Timeline` primitive appended: a user primitive (defined here) with
 ``reads_clocks``, which the kernel hands two SM clocks (``clock64``) per tile: when the
 warpgroup was ready for the tile's mainloop (it reached its tensor-core turn; the read is
@@ -65,8 +70,9 @@ from epilogue_anatomy import variants  # noqa: E402
 from coda.epilogue import Epilogue  # noqa: E402
 from coda.geometry import ceil_div  # noqa: E402
 from coda.mainloop.config import choose_epilogue_config  # noqa: E402
-from coda.primitives import Elementwise, TileReduce  # noqa: E402
+from coda.primitives import Elementwise, TileLoad, TileReduce, TileStore, ops  # noqa: E402
 from coda.primitives import math as cm  # noqa: E402
+from coda.testing.catalog import pair_dot  # noqa: E402
 from coda.testing.probes import MainloopCycles, store_if  # noqa: E402
 
 #: clocks are written as their low 24 bits (exact in fp32); spans stay far below 2^23
@@ -181,6 +187,72 @@ def fma16_rolled(x):
     return _fma_rolled()(x, 16)
 
 
+def _packed_chain(n: int, narrow: str):
+    """``n`` dependent FMAs per element on acc rounded to the 16-bit float ``narrow``
+    (``"bf16"``, ``"f16"``): in a kernel each instruction is a packed pair (``HFMA2``),
+    so an element costs half an instruction per FMA (torch tensors: the fp32 chain)."""
+
+    def chain(x):
+        if isinstance(x, torch.Tensor):
+            return _fma_chain(x, n)
+        import cutlass
+
+        dt = {"bf16": cutlass.BFloat16, "f16": cutlass.Float16}[narrow]
+        xh = x.to(dt)
+        y = xh
+        for _ in range(n):
+            # 0.75: exact in both formats (bf16's 0.999 rounds to 1 and folds away)
+            y = y * dt(0.75) + xh
+        return y.to(cutlass.Float32)
+
+    chain.__name__ = f"hfma{n}_{narrow}"
+    return chain
+
+
+hfma16_bf16 = _packed_chain(16, "bf16")
+hfma16_f16 = _packed_chain(16, "f16")
+hfma32_bf16 = _packed_chain(32, "bf16")
+
+
+def _swiglu_backward_packed(narrow_w: str):
+    """``ops.swiglu_backward`` with its products on packed bf16 pairs: the sigmoid in
+    fp32, then dg = dy s u (1 + g (1 - s)) and du = dy s g from the operands rounded to
+    bf16 (1 + g (1 - s) on fp16 pairs when ``narrow_w`` is ``"f16"``), widened back to
+    fp32 for the store (torch tensors: the fp32 op)."""
+
+    def swiglu_backward_packed(g, u, dy):
+        if isinstance(g, torch.Tensor):
+            return ops.swiglu_backward(g, u, dy)
+        import cutlass
+
+        b16 = cutlass.BFloat16
+        s = cm.sigmoid_fast(g)
+        gb, ub, db, sb = g.to(b16), u.to(b16), dy.to(b16), s.to(b16)
+        dys = db * sb
+        if narrow_w == "bf16":
+            w = gb * (b16(1.0) - sb) + b16(1.0)
+        else:
+            f16 = cutlass.Float16
+            w = (g.to(f16) * (f16(1.0) - s.to(f16)) + f16(1.0)).to(cutlass.Float32).to(b16)
+        return (dys * ub * w).to(cutlass.Float32), (dys * gb).to(cutlass.Float32)
+
+    return swiglu_backward_packed
+
+
+def _swiglu_bwd_packed(narrow_w: str) -> Epilogue:
+    """The catalogue's ``swiglu_bwd`` with ``_swiglu_backward_packed`` as its map."""
+    bf16 = torch.bfloat16
+    fn = _swiglu_backward_packed(narrow_w)
+    return (
+        Epilogue()
+        .add(TileLoad("gu", bf16, width=2))
+        .add(Elementwise("dgu", fn, ins=("gu", "acc"), pairwise="map"))
+        .add(TileStore("dgu", bf16))
+        .add(Elementwise("zdz_terms", pair_dot, ins=("gu", "dgu"), pairwise="reduce"))
+        .add(TileReduce("zdz", of="zdz_terms", op="sum"))
+    )
+
+
 def shfl16(x):
     """16 dependent butterfly shuffles per element (work for the MIO queue that the
     k-loop's WGMMA issue may share; an even count, so the value comes back unchanged: the
@@ -200,7 +272,8 @@ def shfl16(x):
 
 def probes() -> dict[str, Epilogue]:
     """Synthetic epilogues with no M x N traffic: ALU or MUFU work on acc, reduced to a
-    row sum so that it is kept (what of the epilogue's work slows the mainloop?)."""
+    row sum so that it is kept (what of the epilogue's work slows the mainloop?), and the
+    packed-math experiments on SwiGLU backward."""
 
     def reduced(fn):
         return (
@@ -213,6 +286,11 @@ def probes() -> dict[str, Epilogue]:
         "fma16": reduced(fma16),
         "fma16_rolled": reduced(fma16_rolled),
         "shfl16": reduced(shfl16),
+        "hfma16_bf16": reduced(hfma16_bf16),
+        "hfma16_f16": reduced(hfma16_f16),
+        "hfma32_bf16": reduced(hfma32_bf16),
+        "swiglu_bwd_packed_bf16": _swiglu_bwd_packed("bf16"),
+        "swiglu_bwd_packed_f16": _swiglu_bwd_packed("f16"),
         "fma64": reduced(fma64),
         "exp8": reduced(exp8),
     }

@@ -72,3 +72,41 @@ def test_wait_fields_are_the_steady_tiles_medians():
     assert s["stage_wait"] == pytest.approx(300.5) and s["mma_issue"] == 700
     assert s["mma_wait"] == 40 and s["mainloop"] == 1000
     assert "stage_wait" not in timeline.analyse(_records(1000, 600, 12), TILE_M)
+
+
+def test_packed_probes_compute_what_their_fp32_twins_do():
+    # off the GPU the packed probes are their fp32 chains and the packed SwiGLU backward
+    # is the catalogue's (they are timing experiments; their kernels round to 16 bits)
+    from coda.testing.catalog import EPILOGUES
+
+    probes = timeline.probes()
+    A, B = torch.randn(24, 16), torch.randn(40, 16)
+    fp32 = probes["fma16"].reference(A, B)["r"]
+    for name in ("hfma16_bf16", "hfma16_f16"):
+        torch.testing.assert_close(probes[name].reference(A, B)["r"], fp32)
+    gu = torch.randn(24, 80).to(torch.bfloat16)
+    want = EPILOGUES["swiglu_bwd"].reference(A, B, gu=gu)
+    for name in ("swiglu_bwd_packed_bf16", "swiglu_bwd_packed_f16"):
+        got = probes[name].reference(A, B, gu=gu)
+        torch.testing.assert_close(got["dgu"], want["dgu"])
+        torch.testing.assert_close(got["zdz"], want["zdz"])
+
+
+@pytest.mark.compile
+def test_hfma32_has_fma16s_instruction_count_in_packed_pairs(tmp_path):
+    from coda.runtime import gemm_kernels
+    from coda.runtime.epilogue_kernels import epilogue_choice
+    from coda.runtime.fused import FusedVisitor
+    from coda.runtime.sass import disassemble, find_nvdisasm, opcode_counts
+
+    if find_nvdisasm() is None:
+        pytest.skip("nvdisasm not installed")
+    epi = timeline.probes()["hfma32_bf16"]
+    bf16 = torch.bfloat16
+    cfg = epilogue_choice(epi, bf16, 4096, 2048, 2048, num_sms=132, majors=("k", "k"))[0]
+    key = gemm_kernels.GemmKernelKey(cfg, bf16, FusedVisitor(epi), 132, "k", "k")
+    _, cubin = gemm_kernels.compile_artifacts(key, str(tmp_path))
+    ops = opcode_counts(disassemble(cubin))
+    # 32 packed FMAs per pair x 64 pairs per thread: fma16's 16 x 128 FFMA, as pairs
+    assert ops["HFMA2.BF16_V2"] == 32 * 64
+    assert ops.get("FFMA", 0) == 0
