@@ -21,7 +21,11 @@ the GPU busy (median of 3): when it is below the step's GPU time the GPU never w
 the host (a step that synchronizes shows the sleep's length instead, and so does one that
 issues more kernel launches than the GPU's launch queue holds while the sleep runs: the
 host then blocks in ``cudaLaunchKernel``, "Command Buffer Full" in a torch.profiler trace,
-as coda's 16-layer AMP step does; such a host is ahead of the GPU, not behind). Configs:
+as coda's 16-layer AMP step does; such a host is ahead of the GPU, not behind). To tell
+the two apart, ``syncs_per_step`` (the sites of the synchronizing CUDA calls that
+``torch.cuda.set_sync_debug_mode("warn")`` reports in one step) and ``gpu_ops_per_step``
+(the kernels, copies and memsets of one step in a torch.profiler trace: launches the
+queue must hold). Configs:
 
 * ``llama3-1b``: Llama 3.2 1B's shape: H=2048, 16 layers, FFN 8192, 32 query / 8 KV heads
   (head_dim 64), vocab 128256, tied embeddings, rope_theta 500000 (default RoPE; the
@@ -84,6 +88,7 @@ import os
 import sys
 import time
 import traceback
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import asdict
 from typing import Any
@@ -288,6 +293,36 @@ class Method:
             torch.cuda.synchronize()
         return common.median(issued)
 
+    def issue_profile(self) -> tuple[list[str] | None, int | None]:
+        """(synchronizing CUDA calls, GPU operations) in one step: the Python sites
+        (``file:line``, in call order) of the calls ``torch.cuda.set_sync_debug_mode("warn")``
+        reports (an ``.item()``, a copy from pageable host memory, ``nonzero``...; not
+        every one makes the host wait for the GPU), and the count of kernels, copies and
+        memsets a torch.profiler trace of the step records (each takes a slot of the
+        GPU's launch queue). (None, None) on the CPU."""
+        if DEVICE != "cuda":
+            return None, None
+        torch.cuda.synchronize()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                self.step()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        torch.cuda.synchronize()
+        syncs = [
+            f"{os.path.relpath(w.filename)}:{w.lineno}"
+            for w in caught
+            if "synchronizing" in str(w.message)
+        ]
+        kinds = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+        with torch.profiler.profile(activities=kinds) as prof:
+            self.step()
+            torch.cuda.synchronize()
+        gpu_ops = sum(e.device_type == torch.autograd.DeviceType.CUDA for e in prof.events())
+        return syncs, gpu_ops
+
     def peak(self) -> tuple[float | None, float | None]:
         """(resident + step workspace, raw max_memory_allocated) in GiB over one step;
         (None, None) on the CPU."""
@@ -358,6 +393,8 @@ def bench_config(
         "errors": {},
         "median_step_ms": {},
         "host_ms_per_step": {},
+        "syncs_per_step": {},
+        "gpu_ops_per_step": {},
         "step_ms_rounds": {},
         "raw_max_allocated_gib": {},
         "first_loss": {},
@@ -392,6 +429,7 @@ def bench_config(
     times: dict[str, list[float]] = {m: [] for m in methods}
     peaks: dict[str, float] = {}
     hosts: dict[str, float | None] = {}
+    issue: dict[str, tuple[list[str] | None, int | None]] = {}
     live: dict[str, Method] = {}
     if mode == "interleaved":
         copies = {m: (base if m == "eager" else copy.deepcopy(base)) for m in methods}
@@ -416,6 +454,7 @@ def bench_config(
             try:
                 peaks[m], details["raw_max_allocated_gib"][m] = live[m].peak()
                 hosts[m] = live[m].host_ms()
+                issue[m] = live[m].issue_profile()
             except Exception as exc:
                 details["errors"][m] = _short(exc)
     else:
@@ -443,6 +482,7 @@ def bench_config(
                     times[m].append(timed(meth.step, args.reps))
                 peaks[m], details["raw_max_allocated_gib"][m] = meth.peak()
                 hosts[m] = meth.host_ms()
+                issue[m] = meth.issue_profile()
             except Exception as exc:
                 details["errors"][m] = _short(exc)
             live[m] = meth
@@ -467,11 +507,15 @@ def bench_config(
         row[f"{m}_peak_gib"] = peaks.get(m) if ok else None
         # the step's host (issue) time, next to its GPU time (median_step_ms)
         details["host_ms_per_step"][m] = hosts.get(m) if ok else None
+        syncs, gpu_ops = issue.get(m, (None, None)) if ok else (None, None)
+        details["syncs_per_step"][m], details["gpu_ops_per_step"][m] = syncs, gpu_ops
     issued = {m: details["host_ms_per_step"][m] for m in METHODS if m in methods}
     print(
         f"{name}: host ms to issue a step / GPU ms per step: "
         + ", ".join(
-            f"{m} {h:.1f} / {details['median_step_ms'][m]:.1f}"
+            f"{m} {h:.1f} / {details['median_step_ms'][m]:.1f} "
+            f"({len(details['syncs_per_step'][m] or ())} syncs, "
+            f"{details['gpu_ops_per_step'][m]} GPU ops)"
             for m, h in issued.items()
             if h and details["median_step_ms"][m]
         ),

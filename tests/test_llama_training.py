@@ -152,6 +152,9 @@ def test_train_step_script_cpu_smoke(tmp_path):
     (details,) = data["details"]
     assert details["coda_calls"]["fused_stack"] == details["coda_calls"]["fused_loss"] > 0
     assert not details["coda_fallbacks"]
+    # the issue profile is a GPU measurement: recorded per method, null on the CPU
+    assert details["syncs_per_step"] == details["gpu_ops_per_step"]
+    assert details["syncs_per_step"]["coda"] is None and "liger" in details["syncs_per_step"]
     first = details["first_loss"]
     assert abs(first["coda"] - first["eager"]) < 1e-3 * first["eager"]
     try:
