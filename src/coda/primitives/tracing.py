@@ -667,6 +667,15 @@ FOLD_UNROLL = 8
 #: head's log-sum-exp + target finalize ended 44 us after its GEMM on an H200
 #: (2048 rows x 1002 tiles, 24.6 MB of partials: ~8 us at HBM speed).
 FOLD_BATCH = 16
+#: ... but a round holds no more slots than the thread has tiles, rounded up to one of
+#: these sizes (a run-time branch on the line's tile count, uniform over the kernel):
+#: with every round ``FOLD_BATCH`` long, a short row of 16 tiles over 16 threads issued
+#: 16 loads a thread for its one tile (the slots past the end re-read the last tile),
+#: and log-sum-exp + target's finalize at M = 16384, N = K = 2048 ended 11.2 us after its
+#: GEMM instead of 4.2 with one load per tile (H200); sized rounds: 4.7 us, and 13.7 us
+#: for the LM head's 1002 tiles a row (33.2 with one load per tile;
+#: ``results/finalize_tail_ab_h200.json``).
+FOLD_ROUND_SIZES = (1, 4, FOLD_BATCH)
 
 
 @attrs.define
@@ -712,12 +721,12 @@ def lanes_allreduce(op: str, v, lanes: int, apart: int = 1):
     return v
 
 
-def round_tiles(t0, lanes: int, n):
-    """The ``FOLD_BATCH`` tiles a thread reads in the round starting at tile ``t0`` (its
-    tiles ``lanes`` apart), each clamped to the last tile ``n - 1`` (in bounds: the
-    values past the end are dropped by :func:`fold_round`); yielded one by one, so a
-    caller loading as it goes traces each index right before its load."""
-    for j in range(FOLD_BATCH):
+def round_tiles(t0, lanes: int, n, size: int = FOLD_BATCH):
+    """The ``size`` tiles a thread reads in the round starting at tile ``t0`` (its tiles
+    ``lanes`` apart), each clamped to the last tile ``n - 1`` (in bounds: the values past
+    the end are dropped by :func:`fold_round`); yielded one by one, so a caller loading as
+    it goes traces each index right before its load."""
+    for j in range(size):
         yield below_or(t0 + j * lanes, n, n - 1)
 
 
@@ -725,8 +734,26 @@ def fold_round(op: str, acc, loaded: list, t0, lanes: int, n):
     """``acc`` combined with one round's ``loaded`` fp32 values (the partials at
     :func:`round_tiles`, every load issued before this combines any), those past the
     last tile left out."""
-    for j in range(FOLD_BATCH):
+    for j in range(len(loaded)):
         acc = fr.combine(op, acc, value_below(t0 + j * lanes, n, loaded[j], fr.identity(op)))
+    return acc
+
+
+@cute.jit
+def _fold_rounds(
+    p,
+    line,
+    lane,
+    n,
+    acc,
+    op: cutlass.Constexpr[str],
+    lanes: cutlass.Constexpr[int],
+    size: cutlass.Constexpr[int],
+):
+    """``acc`` combined with this thread's tiles of ``p[line, :]`` in rounds of ``size``."""
+    for t0 in cutlass.range(lane, n, lanes * size, unroll=1):
+        got = [Float32(p[line, t]) for t in round_tiles(t0, lanes, n, size)]
+        acc = fold_round(op, acc, got, t0, lanes, n)
     return acc
 
 
@@ -734,16 +761,22 @@ def fold_round(op: str, acc, loaded: list, t0, lanes: int, n):
 def fold_tiles(p, line, lane, op: cutlass.Constexpr[str], lanes: cutlass.Constexpr[int]):
     """This thread's share of ``p[line, :]`` (a (lines, tiles) tensor) combined: the tiles
     from its ``lane`` on, ``lanes`` apart (one thread: a loop unrolled by ``FOLD_UNROLL``;
-    several: rounds of ``FOLD_BATCH`` loads). The caller meets the line's threads."""
+    several: rounds of up to ``FOLD_BATCH`` loads, ``FOLD_ROUND_SIZES``). The caller
+    meets the line's threads."""
     acc = fr.identity(op)
     n = cute.size(p, mode=[1])
     if cutlass.const_expr(lanes == 1):
         for t in cutlass.range(lane, n, lanes, unroll=FOLD_UNROLL):
             acc = fr.combine(op, acc, Float32(p[line, t]))
     else:
-        for t0 in cutlass.range(lane, n, lanes * FOLD_BATCH, unroll=1):
-            got = [Float32(p[line, t]) for t in round_tiles(t0, lanes, n)]
-            acc = fold_round(op, acc, got, t0, lanes, n)
+        one, few, many = FOLD_ROUND_SIZES
+        if n <= one * lanes:
+            acc = _fold_rounds(p, line, lane, n, acc, op, lanes, one)
+        else:
+            if n <= few * lanes:
+                acc = _fold_rounds(p, line, lane, n, acc, op, lanes, few)
+            else:
+                acc = _fold_rounds(p, line, lane, n, acc, op, lanes, many)
     return acc
 
 
@@ -828,6 +861,27 @@ def warp_merge_max_sum(m, s, lanes: int = 32):
 
 
 @cute.jit
+def _logsumexp_rounds(
+    pmax, psum, row, lane, n, m, s, lanes: cutlass.Constexpr[int], size: cutlass.Constexpr[int]
+):
+    """The running (max, sum of exp(x - max)) ``(m, s)`` merged with this thread's tiles
+    of the row in rounds of ``size`` (``finalize_logsumexp``)."""
+    for t0 in cutlass.range(lane, n, lanes * size, unroll=1):
+        at = list(round_tiles(t0, lanes, n, size))
+        pms = [Float32(pmax[row, t]) for t in at]
+        pss = [Float32(psum[row, t]) for t in at]
+        for j in cutlass.range_constexpr(size):
+            inside = t0 + j * lanes
+            pm = value_below(inside, n, pms[j], Float32(-float("inf")))
+            ps = value_below(inside, n, pss[j], Float32(0.0))
+            top = fr.combine("max", m, pm)
+            base = finite_or_zero(top)
+            s = s * cute.math.exp(m - base) + ps * cute.math.exp(pm - base)
+            m = top
+    return m, s
+
+
+@cute.jit
 def finalize_logsumexp(pmax, psum, out, row, lane, lanes: cutlass.Constexpr[int] = 32):
     """``out[row]`` = log-sum-exp of the row from its per-tile (max, sum of exp(x - max)),
     ``lanes`` threads per row, in ONE pass over the partials: each thread keeps its own
@@ -846,19 +900,15 @@ def finalize_logsumexp(pmax, psum, out, row, lane, lanes: cutlass.Constexpr[int]
                 base = finite_or_zero(top)
                 s = s * cute.math.exp(m - base) + ps * cute.math.exp(pm - base)
                 m = top
-        else:  # rounds of FOLD_BATCH tiles: every load of a round issued first
-            for t0 in cutlass.range(lane, n, lanes * FOLD_BATCH, unroll=1):
-                at = list(round_tiles(t0, lanes, n))
-                pms = [Float32(pmax[row, t]) for t in at]
-                pss = [Float32(psum[row, t]) for t in at]
-                for j in cutlass.range_constexpr(FOLD_BATCH):
-                    inside = t0 + j * lanes
-                    pm = value_below(inside, n, pms[j], Float32(-float("inf")))
-                    ps = value_below(inside, n, pss[j], Float32(0.0))
-                    top = fr.combine("max", m, pm)
-                    base = finite_or_zero(top)
-                    s = s * cute.math.exp(m - base) + ps * cute.math.exp(pm - base)
-                    m = top
+        else:  # rounds of tiles (FOLD_ROUND_SIZES): every load of a round issued first
+            one, few, many = FOLD_ROUND_SIZES
+            if n <= one * lanes:
+                m, s = _logsumexp_rounds(pmax, psum, row, lane, n, m, s, lanes, one)
+            else:
+                if n <= few * lanes:
+                    m, s = _logsumexp_rounds(pmax, psum, row, lane, n, m, s, lanes, few)
+                else:
+                    m, s = _logsumexp_rounds(pmax, psum, row, lane, n, m, s, lanes, many)
         if cutlass.const_expr(lanes > 1):
             m, s = warp_merge_max_sum(m, s, lanes)
         if lane == 0:
