@@ -15,12 +15,17 @@ the plain GEMM with W-column epilogue subtiles (``GemmConfig.epi_n``) in the sam
 (row fields ``epi{W}_ms``, ``epi{W}_plain_ms``, ``epi{W}_ratio``: its fused / the
 default plain, and ``epi{W}_own_ratio``: its fused / its plain). ``--rolled`` also
 times the fused kernel with ``GemmConfig.rolled_epilogue`` (``rolled_ms``,
-``rolled_ratio``: its fused / plain).
+``rolled_ratio``: its fused / plain). ``--baseline PATH`` (an earlier result, e.g. the
+committed one) adds each row's ``baseline_ratio`` (the same epilogue, layout and shape
+there; null where it has none) and prints the rows whose ratio rose by more than
+``--tolerance`` (default 0.02) as regressions (what would have flagged the log-sum-exp's
+finalize regression found on 2026-11-27, ``results/epilogue_overhead_rerun_h200.json``).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 
@@ -103,6 +108,25 @@ def bench(
     }
 
 
+def row_key(row: dict) -> tuple:
+    """What identifies a row across runs: epilogue, layout and shape."""
+    return (row["epilogue"], row["layout"], row["M"], row["N"], row["K"])
+
+
+def against_baseline(rows: list[dict], baseline: list[dict], tolerance: float) -> list[dict]:
+    """Set each row's ``baseline_ratio`` (None where ``baseline`` has no such row) and
+    return the rows whose ratio exceeds it by more than ``tolerance``, worst first."""
+    before = {row_key(r): r["ratio"] for r in baseline}
+    for r in rows:
+        r["baseline_ratio"] = before.get(row_key(r))
+    worse = [
+        r
+        for r in rows
+        if r["baseline_ratio"] is not None and r["ratio"] - r["baseline_ratio"] > tolerance
+    ]
+    return sorted(worse, key=lambda r: r["baseline_ratio"] - r["ratio"])
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default="benchmarks/results/epilogue_overhead_h200.json")
@@ -113,7 +137,13 @@ def main(argv=None) -> None:
     p.add_argument("--staggered", action="store_true", help="also time GemmConfig.staggered_copies")
     p.add_argument("--epi-n", type=int, default=None, help="also time this epilogue subtile width")
     p.add_argument("--rolled", action="store_true", help="also time GemmConfig.rolled_epilogue")
+    p.add_argument("--baseline", default=None, help="an earlier result JSON to compare rows with")
+    p.add_argument("--tolerance", type=float, default=0.02, help="ratio rise that is a regression")
     args = p.parse_args(argv)
+    baseline = None
+    if args.baseline:  # read first: a bad path fails before any GPU work
+        with open(args.baseline) as f:
+            baseline = json.load(f)["rows"]
     rows = [
         bench(name, M, size, size, args.rounds, layout, args.staggered, args.epi_n, args.rolled)
         for size in (int(x) for x in args.sizes.split(","))
@@ -121,6 +151,7 @@ def main(argv=None) -> None:
         for name in args.epilogues.split(",")
     ]
     worst = max(r["ratio"] for r in rows)
+    regressed = against_baseline(rows, baseline, args.tolerance) if baseline is not None else []
     common.write_json(args.out, {**common.environment(), "max_ratio": worst, "rows": rows})
     cols = ["epilogue", "layout", "M", "N", "K", "fused_ms", "plain_ms", "ratio"]
     if args.staggered:
@@ -130,8 +161,15 @@ def main(argv=None) -> None:
     if args.epi_n:
         w = args.epi_n
         cols += [f"epi{w}_ms", f"epi{w}_plain_ms", f"epi{w}_ratio", f"epi{w}_own_ratio"]
+    if baseline is not None:
+        cols += ["baseline_ratio"]
     common.print_table(rows, cols)
     print(f"max fused/plain = {worst:.3f}")
+    for r in regressed:
+        print(
+            f"REGRESSED: {r['epilogue']} {r['layout']} N=K={r['N']}: "
+            f"{r['baseline_ratio']:.3f} -> {r['ratio']:.3f}"
+        )
 
 
 if __name__ == "__main__":
