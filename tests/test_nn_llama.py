@@ -275,3 +275,50 @@ def test_modules_under_autocast_over_fp32_parameters(dtype):
     mlp, mlp_cast = layer.mlp, layer_cast.mlp
     fused.zero_grad(), cast.zero_grad()
     check(mlp, mlp_cast, lambda m, h: m(stream_for(h), nxt.to(h.dtype), 1e-5))
+
+
+def test_cast_weights_under_autocast_are_saved_as_recipes(monkeypatch):
+    """Under autocast over fp32 parameters the fused ops save the cast weights for their
+    backward as recipes (``coda.nn._rebuild``, as the Hugging Face seam does): no cast
+    copy is held from forward to backward; the backward casts each again from its
+    parameter, and the gradients are those of the module cast by hand."""
+    import copy
+
+    from coda.nn import _rebuild
+
+    torch.manual_seed(4)
+    model = Model(2, 16, 24, 4, 2, 4, 1e-5, 10000.0)
+    fused = FusedLlamaStack.from_hf(model)
+    cast = copy.deepcopy(fused).to(torch.bfloat16)
+    x = torch.randn(2, 5, 16)
+    positions = torch.arange(5)[None].expand(2, 5)
+    shapes = {tuple(p.shape) for p in fused.parameters()}
+    matrices = {s for s in shapes if len(s) == 2}  # no activation here has their shapes
+    held = []
+
+    def pack(t):
+        held.append((t.dtype, tuple(t.shape)))
+        return t
+
+    rebuilt = []
+    real = _rebuild.Recipe.rebuild
+
+    def counting(self):
+        out = real(self)
+        rebuilt.append(tuple(out.shape))
+        return out
+
+    monkeypatch.setattr(_rebuild.Recipe, "rebuild", counting)
+    # an outer hook (as save_on_cpu would be) sees every saved tensor but the recipes
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            got = fused(x, positions)
+    assert not [s for dt, s in held if dt == torch.bfloat16 and s in matrices]
+    want = cast(x.to(torch.bfloat16), positions)
+    (got.x.float().sum() + got.h.float().sum()).backward()
+    (want.x.float().sum() + want.h.float().sum()).backward()
+    assert rebuilt and set(rebuilt) <= shapes
+    ref = dict(cast.named_parameters())
+    for name, p in fused.named_parameters():
+        if ref[name].grad is not None:
+            assert torch.equal(p.grad, ref[name].grad.float()), name

@@ -37,7 +37,7 @@ so the rotary pairs are adjacent, gate/up interleaved) are assembled from ``q_pr
 ``k_proj`` / ``v_proj`` and ``gate_proj`` / ``up_proj`` per forward by row copies
 (``layouts.assemble_qkv`` / ``assemble_gate_up``; their backward writes each parameter's
 gradient in one copy). The fused ops save them for backward only as a recipe, re-assembled
-in backward (``coda.integrations._rebuild``), so no weight-sized tensor per layer is held
+in backward (``coda.nn._rebuild``), so no weight-sized tensor per layer is held
 from forward to backward. ``state_dict``, optimizers and checkpoints
 see exactly the parameters they saw before.
 
@@ -75,7 +75,6 @@ from torch.func import functional_call
 
 from coda.fusions import layouts
 from coda.fusions._dispatch import autocast_dtype
-from coda.integrations._rebuild import rebuilt_when_saved
 from coda.nn import (
     FusedLlamaAttention,
     FusedLlamaDecoderLayer,
@@ -84,6 +83,7 @@ from coda.nn import (
     LinearCrossEntropyLoss,
     _hf,
 )
+from coda.nn._rebuild import cast, rebuilt_when_saved
 from coda.nn._sharding import shard_kind, unit, unwrapped_type
 from coda.runtime.checks import kernels_run_on
 from coda.specs import dtype_name
@@ -598,7 +598,11 @@ class CodaPatch:
 
         def weight(w: torch.Tensor) -> torch.Tensor:
             # a cast weight is saved as a recipe too (autocast's weight cache keeps one)
-            return w if dtype is None or w.dtype == dtype else assemble(_identity, w)
+            if dtype is None or w.dtype == dtype:
+                return w
+            t = cast(w, dtype)
+            made.append((t, functools.partial(cast, dtype=dtype), (w,)))
+            return t
 
         qkv = functools.partial(layouts.assemble_qkv, head_dim=g.head_dim)
         params: dict[str, torch.Tensor] = {"norm_weight": weight(stack.norm.weight)}
@@ -644,7 +648,7 @@ class CodaPatch:
         weights = stack.layers[0].self_attn.q_proj.weight.dtype
         template = self._template_for(weights if dtype is None else dtype)
         # the assembled layouts are saved by the fused ops as recipes, re-assembled in
-        # backward (coda.integrations._rebuild): no weight-sized tensor per layer kept
+        # backward (coda.nn._rebuild): no weight-sized tensor per layer kept
         with rebuilt_when_saved(assembled), _autocast_off(embeds, dtype is not None):
             stream = functional_call(template, params, (embeds, positions), strict=True)
         del params, assembled
@@ -713,11 +717,7 @@ def _autocast_problem(stack: nn.Module, x: torch.Tensor, fuse: bool) -> str | No
 
 def _cast_then(fn: Callable[..., torch.Tensor], dtype: torch.dtype, *ws: torch.Tensor):
     """``fn`` over ``ws`` cast to ``dtype`` (how ``fuse_autocast`` assembles a layout)."""
-    return fn(*(w.to(dtype) for w in ws))
-
-
-def _identity(w: torch.Tensor) -> torch.Tensor:
-    return w
+    return fn(*(cast(w, dtype) for w in ws))
 
 
 def _autocast_off(x: torch.Tensor, off: bool):

@@ -9,12 +9,15 @@ autocast's dtype (differentiably: the gradients reach the parameters in their ow
 dtype), the floating inputs cast too (a ``NormedStream``'s x and h; its rstd stays
 fp32), the body with autocast off. Its residual stream is then in autocast's dtype: the
 numerics of a bf16 / fp16 model (Hugging Face's AMP forward keeps an fp32 residual
-stream). The cast weights live until the backward that needs them, as autocast's own
-casts of ``nn.Linear`` weights do.
+stream). The cast weights that the fused ops save for their backward are saved as
+recipes and cast again when the backward needs them (``coda.nn._rebuild``, as the
+Hugging Face seam's ``fuse_autocast`` does): no cast copy of the weights is held from
+forward to backward, where autocast's own casts of ``nn.Linear`` weights are.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -23,6 +26,7 @@ from torch.func import functional_call
 
 from coda.fusions import NormedStream
 from coda.fusions._dispatch import autocast_dtype
+from coda.nn._rebuild import cast, rebuilt_when_saved
 
 __all__ = ["autocast_dtype_over", "run_cast"]
 
@@ -54,12 +58,18 @@ def _cast(value: Any, dtype: torch.dtype) -> Any:
 def run_cast(module: nn.Module, dtype: torch.dtype, *args: Any) -> Any:
     """``module(*args)`` with its floating parameters and inputs cast to ``dtype`` and
     autocast off on the inputs' device (the module's own forward, called again: autocast
-    is off there)."""
-    params = {
-        name: p.to(dtype) if p.is_floating_point() else p for name, p in module.named_parameters()
-    }
-    cast = tuple(_cast(a, dtype) for a in args)
+    is off there); the cast parameters saved for backward as recipes."""
+    params: dict[str, torch.Tensor] = {}
+    made: list = []
+    to_dtype = functools.partial(cast, dtype=dtype)
+    for name, p in module.named_parameters():
+        if p.is_floating_point() and p.dtype != dtype:
+            params[name] = to_dtype(p)
+            made.append((params[name], to_dtype, (p,)))
+        else:
+            params[name] = p
+    inputs = tuple(_cast(a, dtype) for a in args)
     first = next(a for a in args if isinstance(a, (torch.Tensor, NormedStream)))
     device = (first.x if isinstance(first, NormedStream) else first).device.type
-    with torch.autocast(device, enabled=False):
-        return functional_call(module, params, cast)
+    with rebuilt_when_saved(made), torch.autocast(device, enabled=False):
+        return functional_call(module, params, inputs)

@@ -1,12 +1,14 @@
-"""coda.integrations._rebuild: tensors that autograd saves as a recipe, rebuilt in backward.
+"""coda.nn._rebuild: tensors that autograd saves as a recipe, rebuilt in backward.
 
-Sits under ``coda.integrations.transformers``. The fused layouts that a patched model
-assembles from its own parameters every forward (the q|k|v weight, the interleaved gate/up
-weight: ``coda.fusions.layouts.assemble_*``) are saved by the fused ops for their dgrad
-GEMMs. Kept alive from forward to backward they would cost one weight-sized tensor per
-layer (1.2 GiB for a 16-layer H = 2048 model); ``rebuilt_when_saved`` instead saves the
-recipe (the function and the parameters it reads) and re-assembles the tensor when the
-backward unpacks it: a few tens of microseconds of copies per layer, no memory held.
+Sits under the modules of ``coda.nn`` (their weights cast under ``torch.autocast``,
+``coda.nn._autocast``) and ``coda.integrations.transformers`` (the per-step layouts): one
+mechanism for both. Weights made from a model's own parameters every forward (the
+q|k|v weight, the interleaved gate/up weight: ``coda.fusions.layouts.assemble_*``; a
+parameter cast to autocast's dtype) are saved by the fused ops for their dgrad GEMMs.
+Kept alive from forward to backward they would cost one weight-sized tensor per layer
+(1.2 GiB for a 16-layer H = 2048 model); ``rebuilt_when_saved`` instead saves the recipe
+(the function and the parameters it reads) and makes the tensor again when the backward
+unpacks it: a few tens of microseconds of copies per layer, no memory held.
 
 It is a ``torch.autograd.graph.saved_tensors_hooks`` context that composes with hooks
 already active (e.g. ``save_on_cpu``): tensors it does not know are handed to them. The
@@ -21,7 +23,13 @@ from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
-__all__ = ["Recipe", "rebuilt_when_saved"]
+__all__ = ["Recipe", "cast", "rebuilt_when_saved"]
+
+
+def cast(w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``w`` in ``dtype`` (differentiable; a recipe's function for a weight cast to
+    autocast's dtype, ``functools.partial(cast, dtype=...)``)."""
+    return w.to(dtype)
 
 
 class Recipe:
