@@ -291,3 +291,21 @@ def test_kernels_run_only_on_hopper_gpus(monkeypatch):
     assert not checks.kernels_run_on(torch.device("cuda", 1))
     assert checks.kernels_run_on(torch.device("cuda", 0))
     assert asked == [0, 1]
+
+
+def test_the_spill_check_inspects_the_kernel_the_device_launches(monkeypatch):
+    """``epilogue_choice`` with a device compiles (for its spill check) the kernel a launch
+    there runs, keyed by the grid that fits the device (``occupancy.grid_sms``), not a
+    second one keyed by the SM count; without a device it keys by ``num_sms``."""
+    from coda.runtime import occupancy
+
+    choose = epilogue_kernels.epilogue_choice
+    inspected = []
+    monkeypatch.setattr(occupancy, "grid_sms", lambda device, cluster: 120)
+    monkeypatch.setattr(
+        gemm_kernels, "local_memory_bytes", lambda key: inspected.append(key.num_sms) or 0
+    )
+    epi = EPILOGUES["rmsnorm_fwd"]
+    choose(epi, torch.bfloat16, 4096, 2048, 2048, 132, device=torch.device("cuda", 0))
+    choose(epi, torch.bfloat16, 4096, 2048, 2048, 132)
+    assert inspected == [120, 132]

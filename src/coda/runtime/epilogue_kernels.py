@@ -82,6 +82,7 @@ def epilogue_choice(
     num_sms: int,
     majors: tuple[str, str] = ("k", "k"),
     base: GemmConfig | None = None,
+    device: torch.device | None = None,
 ) -> tuple[GemmConfig, bool]:
     """(config, finalize in the GEMM kernel) that ``epi(A, B, ...)`` runs with when no
     config is given: the heuristic's tile (128 x 128; ``base`` instead when given, e.g.
@@ -89,13 +90,19 @@ def epilogue_choice(
     spill registers; at each width the kernel's own finalize first
     (:func:`coda.runtime.finalize.in_gemm`), then the finalize kernel. The first
     kernel with no local memory wins. Compiles (or loads from the caches) the candidates
-    it inspects; the answer is cached with them."""
+    it inspects; the answer is cached with them. With ``device`` the candidates are the
+    kernels a launch there runs (``gemm_kernels.device_key``: the grid sized by the
+    clusters that fit), so the winner's compile is the launch's; without, kernels for
+    ``num_sms`` SMs (inspection off the GPU)."""
     if base is None:
         base = choose_epilogue_config(m, n, k, num_sms)
     for cfg in tile_candidates(base):
         for in_kernel in (True, False) if finalize.in_gemm(epi, cfg, m, n, num_sms) else (False,):
             visitor = FusedVisitor(epi, in_kernel)
-            key = gemm_kernels.kernel_key(cfg, ab_dtype, visitor, num_sms, *majors)
+            if device is None:
+                key = gemm_kernels.kernel_key(cfg, ab_dtype, visitor, num_sms, *majors)
+            else:
+                key = gemm_kernels.device_key(cfg, ab_dtype, visitor, device, *majors)
             if gemm_kernels.local_memory_bytes(key) == 0:
                 return cfg, in_kernel
     return cfg, False  # every candidate spills: the narrowest, which spills least
@@ -407,10 +414,10 @@ def _plan(epi, A, B, majors, config, m, n, k) -> EpiloguePlan:
                     f"subtile index (Primitive.rollable is False); drop rolled_epilogue"
                 )
         if config is None:
-            cfg, in_kernel = epilogue_choice(epi, A.dtype, m, n, k, num_sms, majors)
+            cfg, in_kernel = epilogue_choice(epi, A.dtype, m, n, k, num_sms, majors, None, device)
         elif config == GEMM_TILES:
             base = gemm_tiles(m, n, k, num_sms, checks.short_swizzle_groups(device))
-            cfg, in_kernel = epilogue_choice(epi, A.dtype, m, n, k, num_sms, majors, base)
+            cfg, in_kernel = epilogue_choice(epi, A.dtype, m, n, k, num_sms, majors, base, device)
         else:  # the caller's config, as given
             cfg, in_kernel = config, finalize.in_gemm(epi, config, m, n, num_sms)
         lanes = finalize.lanes(m, n)
