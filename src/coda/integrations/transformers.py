@@ -83,7 +83,7 @@ from coda.nn import (
     LinearCrossEntropyLoss,
     _hf,
 )
-from coda.nn._rebuild import cast, rebuilt_when_saved
+from coda.nn._rebuild import cast, cast_as_recipe, rebuilt_when_saved
 from coda.nn._sharding import shard_kind, unit, unwrapped_type
 from coda.runtime.checks import kernels_run_on
 from coda.specs import dtype_name
@@ -598,11 +598,7 @@ class CodaPatch:
 
         def weight(w: torch.Tensor) -> torch.Tensor:
             # a cast weight is saved as a recipe too (autocast's weight cache keeps one)
-            if dtype is None or w.dtype == dtype:
-                return w
-            t = cast(w, dtype)
-            made.append((t, functools.partial(cast, dtype=dtype), (w,)))
-            return t
+            return w if dtype is None or w.dtype == dtype else cast_as_recipe(w, dtype, made)
 
         qkv = functools.partial(layouts.assemble_qkv, head_dim=g.head_dim)
         params: dict[str, torch.Tensor] = {"norm_weight": weight(stack.norm.weight)}

@@ -17,7 +17,6 @@ forward to backward, where autocast's own casts of ``nn.Linear`` weights are.
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import torch
@@ -26,7 +25,7 @@ from torch.func import functional_call
 
 from coda.fusions import NormedStream
 from coda.fusions._dispatch import autocast_dtype
-from coda.nn._rebuild import cast, rebuilt_when_saved
+from coda.nn._rebuild import cast_as_recipe, rebuilt_when_saved
 
 __all__ = ["autocast_dtype_over", "run_cast"]
 
@@ -59,15 +58,11 @@ def run_cast(module: nn.Module, dtype: torch.dtype, *args: Any) -> Any:
     """``module(*args)`` with its floating parameters and inputs cast to ``dtype`` and
     autocast off on the inputs' device (the module's own forward, called again: autocast
     is off there); the cast parameters saved for backward as recipes."""
-    params: dict[str, torch.Tensor] = {}
     made: list = []
-    to_dtype = functools.partial(cast, dtype=dtype)
-    for name, p in module.named_parameters():
-        if p.is_floating_point() and p.dtype != dtype:
-            params[name] = to_dtype(p)
-            made.append((params[name], to_dtype, (p,)))
-        else:
-            params[name] = p
+    params = {
+        name: cast_as_recipe(p, dtype, made) if p.is_floating_point() and p.dtype != dtype else p
+        for name, p in module.named_parameters()
+    }
     inputs = tuple(_cast(a, dtype) for a in args)
     first = next(a for a in args if isinstance(a, (torch.Tensor, NormedStream)))
     device = (first.x if isinstance(first, NormedStream) else first).device.type

@@ -19,17 +19,28 @@ autograd checks saved tensors): a changed one raises instead of rebuilding from 
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
-__all__ = ["Recipe", "cast", "rebuilt_when_saved"]
+__all__ = ["Recipe", "cast", "cast_as_recipe", "rebuilt_when_saved"]
 
 
 def cast(w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``w`` in ``dtype`` (differentiable; a recipe's function for a weight cast to
     autocast's dtype, ``functools.partial(cast, dtype=...)``)."""
     return w.to(dtype)
+
+
+def cast_as_recipe(w: torch.Tensor, dtype: torch.dtype, made: list) -> torch.Tensor:
+    """``w`` cast to ``dtype`` (differentiably), recorded in ``made`` as ``(tensor, its
+    function, its sources)`` for :func:`rebuilt_when_saved`: saved for backward, it is
+    cast again from ``w`` there instead of held."""
+    to_dtype = functools.partial(cast, dtype=dtype)
+    t = to_dtype(w)
+    made.append((t, to_dtype, (w,)))
+    return t
 
 
 class Recipe:
