@@ -20,6 +20,8 @@ committed one) adds each row's ``baseline_ratio`` (the same epilogue, layout and
 there; null where it has none) and prints the rows whose ratio rose by more than
 ``--tolerance`` (default 0.02) as regressions (what would have flagged the log-sum-exp's
 finalize regression found on 2026-11-27, ``results/epilogue_overhead_rerun_h200.json``).
+The PNG beside the JSON shows every row's fused / plain against the 1.03 target
+(``--replot FILE`` redraws it from a written JSON, on any machine with matplotlib).
 """
 
 from __future__ import annotations
@@ -127,6 +129,40 @@ def against_baseline(rows: list[dict], baseline: list[dict], tolerance: float) -
     return sorted(worse, key=lambda r: r["baseline_ratio"] - r["ratio"])
 
 
+#: the issue's bound on fused_ms / plain_ms, drawn on the chart
+TARGET_RATIO = 1.03
+
+
+def chart(payload: dict, png: str) -> bool:
+    """fused / plain per epilogue, one panel per N = K, a bar per layout, the 1.03 target
+    as a line; False without matplotlib."""
+    plt = common.pyplot()
+    if plt is None:
+        return False
+    rows = payload["rows"]
+    sizes = sorted({r["N"] for r in rows})
+    layouts = list(dict.fromkeys(r["layout"] for r in rows))
+    names = list(dict.fromkeys(r["epilogue"] for r in rows))
+    ratio = {row_key(r)[:2] + (r["N"],): r["ratio"] for r in rows}
+    width = 0.8 / len(layouts)
+    fig, axes = plt.subplots(1, len(sizes), figsize=(4.6 * len(sizes), 4.2), sharey=True)
+    axes = list(axes) if len(sizes) > 1 else [axes]
+    for ax, n in zip(axes, sizes, strict=True):
+        for j, layout in enumerate(layouts):
+            xs = [i + (j - (len(layouts) - 1) / 2) * width for i in range(len(names))]
+            ys = [ratio.get((name, layout, n), float("nan")) for name in names]
+            ax.bar(xs, [y - 1 for y in ys], width, bottom=1, label=layout)
+        ax.axhline(TARGET_RATIO, color="black", lw=0.8, ls="--", label=f"target {TARGET_RATIO}")
+        ax.axhline(1.0, color="gray", lw=0.5)
+        ax.set_xticks(range(len(names)), names, rotation=60, fontsize=7)
+        ax.set_title(f"M = {rows[0]['M']}, N = K = {n}", fontsize=9)
+    axes[0].set_ylabel("fused / plain GEMM")
+    axes[0].legend(fontsize=7)
+    fig.suptitle(f"Epilogue cost in coda's GEMM, {payload['device']}", fontsize=10)
+    common.save_figure(plt, fig, png)
+    return True
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default="benchmarks/results/epilogue_overhead_h200.json")
@@ -139,7 +175,10 @@ def main(argv=None) -> None:
     p.add_argument("--rolled", action="store_true", help="also time GemmConfig.rolled_epilogue")
     p.add_argument("--baseline", default=None, help="an earlier result JSON to compare rows with")
     p.add_argument("--tolerance", type=float, default=0.02, help="ratio rise that is a regression")
+    common.add_replot_option(p)
     args = p.parse_args(argv)
+    if common.replotted(args, chart):
+        return
     baseline = None
     if args.baseline:  # read first: a bad path fails before any GPU work
         with open(args.baseline) as f:
@@ -152,7 +191,9 @@ def main(argv=None) -> None:
     ]
     worst = max(r["ratio"] for r in rows)
     regressed = against_baseline(rows, baseline, args.tolerance) if baseline is not None else []
-    common.write_json(args.out, {**common.environment(), "max_ratio": worst, "rows": rows})
+    payload = {**common.environment(), "max_ratio": worst, "rows": rows}
+    common.write_json(args.out, payload)
+    chart(payload, common.png_beside(args.out))
     cols = ["epilogue", "layout", "M", "N", "K", "fused_ms", "plain_ms", "ratio"]
     if args.staggered:
         cols += ["staggered_ms", "staggered_ratio"]
