@@ -18,8 +18,9 @@ import torch.nn.functional as F
 
 pytestmark = pytest.mark.gpu
 
-if not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)):
-    pytest.skip("needs an NVIDIA Hopper GPU", allow_module_level=True)
+from _hopper import require_hopper  # noqa: E402
+
+require_hopper()
 
 from coda.errors import InputError  # noqa: E402
 from coda.fusions import ce_chunks, ce_fused  # noqa: E402

@@ -21,8 +21,9 @@ import torch
 
 pytestmark = pytest.mark.gpu
 
-if not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)):
-    pytest.skip("needs an NVIDIA Hopper GPU", allow_module_level=True)
+from _hopper import require_hopper  # noqa: E402
+
+require_hopper()
 
 from coda.fusions import ce_fused  # noqa: E402
 from coda.fusions.cross_entropy import linear_cross_entropy  # noqa: E402

@@ -16,8 +16,9 @@ import torch.nn.functional as F
 
 pytestmark = pytest.mark.gpu
 
-if not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)):
-    pytest.skip("needs an NVIDIA Hopper GPU", allow_module_level=True)
+from _hopper import require_hopper  # noqa: E402
+
+require_hopper()
 
 from coda.fusions import (  # noqa: E402
     NormedStream,

@@ -24,8 +24,9 @@ from _hf_helpers import SHARDINGS, SMALL_LLAMA, free_port, randomize, shard, who
 
 pytestmark = pytest.mark.gpu
 
-if not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)):
-    pytest.skip("needs an NVIDIA Hopper GPU", allow_module_level=True)
+from _hopper import require_hopper  # noqa: E402
+
+require_hopper()
 
 transformers = pytest.importorskip("transformers")
 dist = pytest.importorskip("torch.distributed")

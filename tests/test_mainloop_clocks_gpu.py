@@ -9,8 +9,9 @@ import torch
 
 pytestmark = pytest.mark.gpu
 
-if not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)):
-    pytest.skip("needs a Hopper (sm_90) GPU", allow_module_level=True)
+from _hopper import require_hopper  # noqa: E402
+
+require_hopper()
 
 from coda import Epilogue, TileLoad, TileStore  # noqa: E402
 from coda.mainloop.config import choose_epilogue_config  # noqa: E402

@@ -11,9 +11,9 @@ import torch
 
 pytestmark = pytest.mark.gpu
 
-hopper = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
-if not hopper:
-    pytest.skip("needs an NVIDIA Hopper GPU", allow_module_level=True)
+from _hopper import require_hopper  # noqa: E402
+
+require_hopper()
 
 from coda.mainloop.config import GemmConfig  # noqa: E402
 from coda.matmul import gemm  # noqa: E402

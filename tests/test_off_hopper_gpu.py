@@ -17,8 +17,9 @@ import torch
 
 pytestmark = pytest.mark.gpu
 
-if not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)):
-    pytest.skip("needs an NVIDIA Hopper GPU (to simulate another one)", allow_module_level=True)
+from _hopper import require_hopper  # noqa: E402
+
+require_hopper("needs an NVIDIA Hopper GPU (to simulate another one)")
 
 import coda  # noqa: E402
 import test_fusions_gpu as fusions_gpu  # noqa: E402

@@ -17,6 +17,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from _hopper import HOPPER
 from coda import Epilogue, LogSumExp, Primitive, TileStore, ValueSpec
 from coda import math as cm
 from coda.primitives import ReferenceEnv, Subtile
@@ -69,10 +70,7 @@ def test_softcap_composes_and_is_fusable():
     assert unsupported(epi) is None
 
 
-hopper = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
-
-
-@pytest.mark.skipif(not hopper, reason="needs an NVIDIA Hopper GPU")
+@pytest.mark.skipif(not HOPPER, reason="needs an NVIDIA Hopper GPU")
 def test_softcap_then_lse_on_gpu():
     from coda.testing.fuzz import check_example
 
@@ -81,7 +79,7 @@ def test_softcap_then_lse_on_gpu():
     assert not check_example(epi, A.cuda(), B.cuda(), t)["failed"]
 
 
-@pytest.mark.skipif(not hopper, reason="needs an NVIDIA Hopper GPU")
+@pytest.mark.skipif(not HOPPER, reason="needs an NVIDIA Hopper GPU")
 @settings(max_examples=20, deadline=None, suppress_health_check=list(HealthCheck))
 @given(
     epilogues(extra=[softcap_factory]),
