@@ -74,7 +74,6 @@ from torch import nn
 from torch.func import functional_call
 
 from coda.fusions import layouts
-from coda.fusions._dispatch import autocast_dtype
 from coda.nn import (
     FusedLlamaAttention,
     FusedLlamaDecoderLayer,
@@ -83,6 +82,7 @@ from coda.nn import (
     LinearCrossEntropyLoss,
     _hf,
 )
+from coda.nn._autocast import autocast_dtype_against
 from coda.nn._rebuild import cast, cast_as_recipe, rebuilt_when_saved
 from coda.nn._sharding import shard_kind, unit, unwrapped_type
 from coda.runtime.checks import kernels_run_on
@@ -689,11 +689,9 @@ def _device_problem(args: Mapping[str, Any]) -> str | None:
 
 def _autocast_over(stack: nn.Module, x: torch.Tensor) -> torch.dtype | None:
     """Autocast's dtype when an enabled ``torch.autocast`` on ``x``'s device would cast
-    the stack's weights (AMP: fp32 master weights), else None."""
-    dtype = autocast_dtype(x)
-    if dtype is None or stack.layers[0].self_attn.q_proj.weight.dtype == dtype:
-        return None
-    return dtype
+    the stack's weights (AMP: fp32 master weights; any dtype autocast casts to), else
+    None."""
+    return autocast_dtype_against(stack.layers[0].self_attn.q_proj.weight.dtype, x)
 
 
 def _autocast_problem(stack: nn.Module, x: torch.Tensor, fuse: bool) -> str | None:

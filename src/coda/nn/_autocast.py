@@ -27,23 +27,27 @@ from coda.fusions import NormedStream
 from coda.fusions._dispatch import autocast_dtype
 from coda.nn._rebuild import cast_as_recipe, rebuilt_when_saved
 
-__all__ = ["autocast_dtype_over", "run_cast"]
+__all__ = ["autocast_dtype_against", "autocast_dtype_over", "run_cast"]
 
 #: the dtypes the fused ops compute in
 _COMPUTE = (torch.bfloat16, torch.float16)
 
 
-def autocast_dtype_over(module: nn.Module, x: torch.Tensor) -> torch.dtype | None:
+def autocast_dtype_against(weights: torch.dtype, x: torch.Tensor) -> torch.dtype | None:
     """Autocast's dtype when an enabled ``torch.autocast`` on ``x``'s device (the CPU's or
-    CUDA's) casts to bf16 / fp16 and ``module``'s floating parameters are in another
-    dtype, else None (no autocast, or parameters already in its dtype)."""
+    CUDA's) would cast weights of dtype ``weights`` (to whatever dtype it casts to), else
+    None (no autocast, or weights already in its dtype)."""
     dtype = autocast_dtype(x)
-    if dtype not in _COMPUTE:
-        return None
-    for p in module.parameters():
-        if p.is_floating_point():
-            return None if p.dtype == dtype else dtype
-    return None
+    return None if dtype is None or dtype == weights else dtype
+
+
+def autocast_dtype_over(module: nn.Module, x: torch.Tensor) -> torch.dtype | None:
+    """Autocast's dtype when an enabled ``torch.autocast`` on ``x``'s device casts to
+    bf16 / fp16 and ``module``'s floating parameters are in another dtype, else None (no
+    autocast, another autocast dtype, or parameters already in its dtype)."""
+    weights = next((p.dtype for p in module.parameters() if p.is_floating_point()), None)
+    dtype = None if weights is None else autocast_dtype_against(weights, x)
+    return dtype if dtype in _COMPUTE else None
 
 
 def _cast(value: Any, dtype: torch.dtype) -> Any:
