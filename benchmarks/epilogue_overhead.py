@@ -143,7 +143,7 @@ def chart(payload: dict, png: str) -> bool:
     sizes = sorted({r["N"] for r in rows})
     layouts = list(dict.fromkeys(r["layout"] for r in rows))
     names = list(dict.fromkeys(r["epilogue"] for r in rows))
-    ratio = {row_key(r)[:2] + (r["N"],): r["ratio"] for r in rows}
+    ratio = {(r["epilogue"], r["layout"], r["N"]): r["ratio"] for r in rows}
     width = 0.8 / len(layouts)
     fig, axes = plt.subplots(1, len(sizes), figsize=(4.6 * len(sizes), 4.2), sharey=True)
     axes = list(axes) if len(sizes) > 1 else [axes]

@@ -414,10 +414,12 @@ def _plan(epi, A, B, majors, config, m, n, k) -> EpiloguePlan:
                     f"subtile index (Primitive.rollable is False); drop rolled_epilogue"
                 )
         if config is None:
-            cfg, in_kernel = epilogue_choice(epi, A.dtype, m, n, k, num_sms, majors, None, device)
+            cfg, in_kernel = epilogue_choice(epi, A.dtype, m, n, k, num_sms, majors, device=device)
         elif config == GEMM_TILES:
             base = gemm_tiles(m, n, k, num_sms, checks.short_swizzle_groups(device))
-            cfg, in_kernel = epilogue_choice(epi, A.dtype, m, n, k, num_sms, majors, base, device)
+            cfg, in_kernel = epilogue_choice(
+                epi, A.dtype, m, n, k, num_sms, majors, base=base, device=device
+            )
         else:  # the caller's config, as given
             cfg, in_kernel = config, finalize.in_gemm(epi, config, m, n, num_sms)
         lanes = finalize.lanes(m, n)
