@@ -25,8 +25,10 @@ from _hopper import require_hopper  # noqa: E402
 
 require_hopper()
 
-from coda.fusions import ce_fused  # noqa: E402
+from coda.fusions import _dispatch, ce_fused  # noqa: E402
 from coda.fusions.cross_entropy import linear_cross_entropy  # noqa: E402
+from coda.runtime import epilogue_kernels  # noqa: E402
+from coda.runtime.kept import kept  # noqa: E402
 
 BF16 = torch.bfloat16
 
@@ -176,14 +178,25 @@ def test_patched_llama_training_step_replays_in_a_cuda_graph():
         assert_same(outs, step(), f"replay {seed}")
 
 
+def forget_kept_tensors():
+    """Empty coda's caches of kept tensors (map passes' zero operands, per-stream scratch),
+    so that the next call allocates them again."""
+    _dispatch._ZEROS.clear()
+    epilogue_kernels._scratches.clear()
+
+
 def test_loss_under_torch_compile_reduce_overhead():
     """``torch.compile(mode="reduce-overhead")`` (CUDA graph trees) runs the loss's
     forward and backward as graphs: no cudagraph skip, and each call on new inputs gives
-    the eager call's loss and gradients."""
+    the eager call's loss and gradients. The caches start empty, so the tree's warm-up
+    (which routes the thread's allocations into its pool without capturing) is where
+    coda allocates what it keeps: none of it may land in the tree's pool (the tree
+    checks that every live tensor of its pool is one of its outputs)."""
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
     counters.clear()
+    forget_kept_tensors()
 
     def loss_fn(h, W, target):
         return linear_cross_entropy(h, W, target, z_loss=1e-4)
@@ -200,6 +213,39 @@ def test_loss_under_torch_compile_reduce_overhead():
             results.append([x.detach().clone() for x in (loss, *grads)])
         assert_same(results[0], results[1], f"call {seed}")
     assert not counters["inductor"]["cudagraph_skips"], dict(counters["inductor"])
+
+
+def _pool_of(tensor: torch.Tensor):
+    """The memory pool id of the allocator segment holding ``tensor``."""
+    ptr = tensor.untyped_storage().data_ptr()
+    for seg in torch.cuda.memory_snapshot():
+        if seg["address"] <= ptr < seg["address"] + seg["total_size"]:
+            return tuple(seg["segment_pool_id"])
+    raise AssertionError("tensor not found in the allocator's segments")
+
+
+def test_kept_tensors_stay_out_of_a_private_pool():
+    """What coda keeps between calls is allocated outside a pool that the calling
+    thread's allocations are routed to (as a CUDA graph tree's warm-up routes them), has
+    its values on the current stream, and a plain allocation there lands in that pool
+    (the check's control)."""
+    pool = torch.cuda.MemPool()
+    forget_kept_tensors()
+    h, W, target = draw((384,), 256, 32000, seed=3)
+    with torch.cuda.use_mem_pool(pool):
+        control = torch.empty(1 << 20, device="cuda")
+        zeros = _dispatch._zero_rows(4096, h)
+        mine = kept(lambda: torch.full((1 << 20,), 7.0, device="cuda"), h.device)
+        loss = linear_cross_entropy(h, W, target)  # per-stream scratch allocated here
+    assert _pool_of(control) == tuple(pool.id)
+    for t in (zeros, mine, *epilogue_kernels._scratch(h.device).__dict__.values()):
+        if isinstance(t, torch.Tensor) and t.numel():
+            assert _pool_of(t) != tuple(pool.id)
+    assert not zeros.any() and bool((mine == 7.0).all())
+    with torch.no_grad():
+        want = linear_cross_entropy(h, W, target)
+    torch.testing.assert_close(loss, want, rtol=0, atol=0)
+    del control, loss  # the pool's tensors go before the pool
 
 
 def test_docs_capture_example_replays():

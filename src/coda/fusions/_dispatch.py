@@ -55,6 +55,7 @@ import torch
 
 from coda.epilogue import Epilogue
 from coda.runtime.checks import kernels_run_on
+from coda.runtime.kept import kept
 
 __all__ = [
     "MAP_K",
@@ -213,7 +214,9 @@ def _zero_rows(rows: int, like: torch.Tensor) -> torch.Tensor:
     buffer (regrown, to at least twice its rows, when too short). A new tensor instead
     for a tensor subclass (fake or functional tensors while tracing: nothing of theirs is
     cached) and under CUDA graph capture (a buffer allocated there holds zeros only once
-    the graph replays, and belongs to the graph's memory pool)."""
+    the graph replays, and belongs to the graph's memory pool). The cached buffer is made
+    outside any private pool (:func:`coda.runtime.kept.kept`: a CUDA graph tree's warm-up
+    routes allocations into its pool without capturing)."""
     if type(like) is not torch.Tensor or (
         like.is_cuda and torch.cuda.is_current_stream_capturing()
     ):
@@ -221,8 +224,8 @@ def _zero_rows(rows: int, like: torch.Tensor) -> torch.Tensor:
     key = (like.device, like.dtype)
     buf = _ZEROS.get(key)
     if buf is None or buf.shape[0] < rows:
-        have = 0 if buf is None else buf.shape[0]
-        buf = torch.zeros((max(rows, 2 * have), MAP_K), dtype=like.dtype, device=like.device)
+        size = (max(rows, 2 * (0 if buf is None else buf.shape[0])), MAP_K)
+        buf = kept(lambda: torch.zeros(size, dtype=like.dtype, device=like.device), like.device)
         _ZEROS[key] = buf
     return buf[:rows]
 

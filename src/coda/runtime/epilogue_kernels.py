@@ -35,7 +35,7 @@ call can be captured in a CUDA graph.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import attrs
@@ -53,6 +53,7 @@ from ..mainloop.config import (
 )
 from . import bound_call, checks, finalize, gemm_kernels
 from .fused import FusedVisitor, counter_slots, n_multiple, not_rollable, unsupported
+from .kept import kept
 from .operands import cached_problem
 
 #: Output-tile widths tried, after the heuristic's own and narrower than it, for a fused
@@ -325,11 +326,17 @@ class StreamScratch:
         self._counters = torch.zeros(0, dtype=torch.int32, device=device)
         self._views: dict[tuple, tuple] = {}
 
+    def _new(self, make: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """A buffer: kept ones outside any private memory pool (:func:`kept`)."""
+        return kept(make, self.device) if self.keep else make()
+
     def counters(self, slots: int) -> torch.Tensor:
         if self._counters.numel() < slots:
             # a replaced buffer goes back to the allocator in stream order: no hazard
             size = max(slots, 1024) if self.keep else slots
-            self._counters = torch.zeros(size, dtype=torch.int32, device=self.device)
+            self._counters = self._new(
+                lambda: torch.zeros(size, dtype=torch.int32, device=self.device)
+            )
             self._views.clear()
         return self._counters
 
@@ -347,7 +354,9 @@ class StreamScratch:
                 return {name: ws.as_strided(sh, st, off) for name, sh, st, off in views}, counters
             if self._floats.numel() < floats:
                 size = max(floats, 2 * self._floats.numel()) if self.keep else floats
-                self._floats = torch.empty(size, dtype=torch.float32, device=self.device)
+                self._floats = self._new(
+                    lambda: torch.empty(size, dtype=torch.float32, device=self.device)
+                )
                 self._views.clear()
             ws = self._floats
             partials = {name: ws.as_strided(sh, st, off) for name, sh, st, off in views}
