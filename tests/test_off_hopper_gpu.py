@@ -72,12 +72,13 @@ def test_linear_cross_entropy_runs_the_reference_path_on_the_gpu(ampere, reducti
         torch.testing.assert_close(got, want, rtol=2e-2, atol=1e-4)
 
 
-def test_fused_block_ops_meet_the_float64_rule_on_the_reference_path(ampere):
-    """The fusions' GPU tests, whose rule is the kernels' (err <= 2 x eager bf16's +
-    atol against float64), passed by the reference path on the GPU."""
-    fusions_gpu.test_producer_and_normed_linear(300, 264, 520, 136)
-    fusions_gpu.test_swiglu_mlp(300, 264, 344)
-    fusions_gpu.test_qkv_rope(300, 264, 4, 2, 64)
+@pytest.mark.parametrize("dtype", [BF16, torch.float16], ids=["bf16", "fp16"])
+def test_fused_block_ops_meet_the_float64_rule_on_the_reference_path(ampere, dtype):
+    """The fusions' GPU tests, whose rule is the kernels' (err <= 2 x eager's in the same
+    dtype + atol against float64), passed by the reference path on the GPU."""
+    fusions_gpu.test_producer_and_normed_linear(300, 264, 520, 136, dtype)
+    fusions_gpu.test_swiglu_mlp(300, 264, 344, dtype)
+    fusions_gpu.test_qkv_rope(300, 264, 4, 2, 64, dtype)
 
 
 def test_patched_model_runs_hugging_faces_forward(monkeypatch):
