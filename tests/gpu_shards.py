@@ -1,0 +1,123 @@
+"""Run GPU test files as parallel pytest processes within one device call.
+
+A developer tool for the lent GPU machine (``../shared/device/README.md``), not a test
+module: most of a GPU test's time is CuTeDSL compiling its kernels on one CPU core, so
+one process runs a few hundred tests in a 10-minute call while the machine has 16
+cores. This collects the test ids, drops those that earlier logs show passed or skipped
+(``--done``: a call cut by its time limit continues in the next), deals the rest round
+robin to ``--procs`` processes (each with its own kernel cache: no two write one
+directory), runs them under ``--timeout``, and writes to ``--out``:
+
+* ``shard_NN.log``: each process's ``pytest -v`` output (the ``--done`` input of the next
+  call), ``shard_NN.ids`` its ids;
+* ``summary.txt``: counts per outcome and per file, the failed ids, the ids not run.
+
+    python tests/gpu_shards.py --procs 12 --timeout 540 --out $OUT [--done OLD.log ...]
+        [--] [pytest paths and options; default: tests/*_gpu.py]
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import os
+import re
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+#: the outcome word ``pytest -v`` prints after a test id
+OUTCOME = re.compile(r"^(?P<id>\S.*?::.*?) (?P<outcome>PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS)\b")
+
+
+def outcomes(lines: list[str]) -> dict[str, str]:
+    """{test id: outcome} of ``pytest -v`` output lines (ids may contain spaces; the last
+    outcome of an id wins)."""
+    found: dict[str, str] = {}
+    for line in lines:
+        got = OUTCOME.match(line)
+        if got:
+            found[got["id"]] = got["outcome"]
+    return found
+
+
+def settled(logs: list[str]) -> set[str]:
+    """The ids that passed or were skipped in these ``pytest -v`` logs."""
+    done: set[str] = set()
+    for path in logs:
+        lines = Path(path).read_text(errors="replace").splitlines()
+        done |= {i for i, o in outcomes(lines).items() if o in ("PASSED", "SKIPPED", "XFAIL")}
+    return done
+
+
+def deal(ids: list[str], procs: int) -> list[list[str]]:
+    """``ids`` dealt round robin to at most ``procs`` non-empty shards (neighbouring ids
+    often share kernels, but they also share their cost: dealing evens the shards)."""
+    shards = [ids[i::procs] for i in range(max(1, procs))]
+    return [s for s in shards if s]
+
+
+def collect(args: list[str]) -> list[str]:
+    """The test ids ``pytest --collect-only -q`` lists for ``args``."""
+    got = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:logging", "-q", "--collect-only", *args],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    return [line.strip() for line in got.stdout.splitlines() if "::" in line]
+
+
+def summarize(ids: list[str], found: dict[str, str], rcs: list[int]) -> str:
+    """The summary text: outcomes, per file, failures, ids not run, shard exit codes."""
+    counts = Counter(found.get(i, "NOT RUN") for i in ids)
+    per_file = Counter((i.split("::")[0], found.get(i, "NOT RUN")) for i in ids)
+    lines = ["outcomes: " + ", ".join(f"{n} {o}" for o, n in sorted(counts.items()))]
+    lines += [f"  {f}: {n} {o}" for (f, o), n in sorted(per_file.items())]
+    lines += ["shard exit codes: " + " ".join(map(str, rcs)) + " (124: cut by --timeout)"]
+    bad = [i for i in ids if found.get(i) in ("FAILED", "ERROR")]
+    lines += ["failed:"] + [f"  {i}" for i in bad]
+    lines += ["not run:"] + [f"  {i}" for i in ids if i not in found]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--procs", type=int, default=12)
+    p.add_argument("--timeout", type=int, default=540, help="seconds per process")
+    p.add_argument("--out", required=True, help="folder for the logs and the summary")
+    p.add_argument("--done", nargs="*", default=[], help="earlier pytest -v logs (globs)")
+    p.add_argument("pytest_args", nargs="*", help="paths and options for pytest")
+    args = p.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    targets = args.pytest_args or sorted(glob.glob("tests/*_gpu.py"))
+    done = settled([f for pattern in args.done for f in sorted(glob.glob(pattern))])
+    ids = [i for i in collect(targets) if i not in done]
+    shards = deal(ids, args.procs)
+    running = []
+    for n, shard in enumerate(shards):
+        (out / f"shard_{n:02d}.ids").write_text("\n".join(shard) + "\n")
+        env = {**os.environ, "CODA_CACHE_DIR": f"/tmp/coda-kcache-shard{n:02d}"}
+        log = open(out / f"shard_{n:02d}.log", "w")  # noqa: SIM115 (closed below)
+        cmd = ["timeout", str(args.timeout), sys.executable, "-m", "pytest", "-p", "no:logging"]
+        cmd += ["-p", "no:cacheprovider", "-v", "--tb=short", f"@{out / f'shard_{n:02d}.ids'}"]
+        running.append((subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env), log))
+    rcs = []
+    for proc, log in running:
+        rcs.append(proc.wait())
+        log.close()
+    found: dict[str, str] = {}
+    for n in range(len(shards)):
+        found.update(
+            outcomes((out / f"shard_{n:02d}.log").read_text(errors="replace").splitlines())
+        )
+    text = summarize(ids, found, rcs)
+    (out / "summary.txt").write_text(text)
+    print(text, end="")
+    return 1 if any(found.get(i) in ("FAILED", "ERROR") for i in ids) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
