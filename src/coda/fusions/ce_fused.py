@@ -155,7 +155,7 @@ CHUNK_DH_TILES: GemmConfig | str | None = None
 #: 25.32 ms against 26.24 at H = 4096 and 12.23 against 12.65 at H = 2048, 1.02x cuBLAS's
 #: one whole-M dW GEMM (24.82 / 11.93); 128 x 192, 1 x 2 / 1 x 1 / 2 x 2 clusters, swizzle
 #: groups of 4 / 16 and cooperative 256-row tiles were all slower
-#: (docs/cross-entropy.md, "The dW GEMM's tile"). With ``DEFER_ONE_CHUNK`` off, the one
+#: (docs/cross-entropy-history.md, "The dW GEMM's tile"). With ``DEFER_ONE_CHUNK`` off, the one
 #: chunk's dW GEMM in the forward takes it too (its kernels, with and without label
 #: smoothing's rank term, compile spill-free on it; that opt-in path is not timed on it).
 CHUNK_DW_TILES: GemmConfig | str | None = GemmConfig(tile_m=128, tile_n=160, cluster_m=2)
