@@ -169,9 +169,10 @@ def _worker(rank: int, port: int) -> None:
         finished = True
     finally:
         if finished:
-            # Neither rank tears down while the other still has gloo work in flight: one
-            # CI run saw rank 1 abort ("terminate called without an active exception")
-            # after its last step, as rank 0, which hosts the TCP store, went ahead.
+            # Neither rank tears down while the other still has gloo work in flight (rank
+            # 0 also hosts the TCP store). One CI run saw rank 1 abort with no Python
+            # error ("terminate called without an active exception"); a teardown race is
+            # the likely cause, not a proven one.
             dist.barrier()
         dist.destroy_process_group()
 
