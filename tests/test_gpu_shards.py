@@ -4,13 +4,9 @@ an id with spaces)."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-import gpu_shards  # noqa: E402
+import gpu_shards  # tests/ is on sys.path, as for tests/_hopper.py
 
 LOG = """\
 ============================= test session starts ==============================
