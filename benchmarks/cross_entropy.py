@@ -37,6 +37,9 @@ saved for backward, for "fwd+bwd" the gradients).
   logits GEMM, no M x V pass between the GEMMs).
 * coda_dw_heuristic: coda with the row chunks' dW GEMM on the heuristic's 128 x 128 tile
   (``CHUNK_DW_TILES=None``) instead of 128 x 160.
+* coda_dh_heuristic: coda with the row chunks' dh GEMM on the heuristic's 128 x 128 tile
+  (``CHUNK_DH_TILES=None``) instead of cooperative 256 x 128 (coda_coop_dh, the default
+  since 2026-11-28).
 * eager: ``F.cross_entropy((h @ W.T).float(), t)``, Hugging Face's formulation.
 * compile: ``torch.compile`` of the same function.
 * liger: Liger-Kernel's ``LigerFusedLinearCrossEntropyLoss`` (``liger-kernel``).
@@ -86,6 +89,7 @@ EXTRA = (
     "coda_coop_dh_dw",
     "coda_map_grad",
     "coda_dw_heuristic",
+    "coda_dh_heuristic",
 )
 
 
@@ -120,6 +124,9 @@ KNOBS = {
     # the row chunks' dW GEMM on the heuristic's tile (128 x 128; the default before
     # ce_fused.CHUNK_DW_TILES took 128 x 160)
     "coda_dw_heuristic": {"CHUNK_DW_TILES": None},
+    # the row chunks' dh GEMM on the heuristic's tile (128 x 128; the default before
+    # ce_fused.CHUNK_DH_TILES took cooperative 256 x 128: coda_coop_dh is the default now)
+    "coda_dh_heuristic": {"CHUNK_DH_TILES": None},
 }
 
 
