@@ -247,6 +247,37 @@ def test_chunk_dw_gemm_compiles_on_its_tile(tmp_path):
     assert count_prefix(ops, "LDL") == 0 and count_prefix(ops, "STL") == 0
 
 
+@pytest.mark.parametrize(
+    "flags",
+    [None, (False, True, False), (True, True, True)],
+    ids=["map_path_plain", "shifted_row_scale", "shifted_tail_smoothing"],
+)
+def test_chunk_dh_gemm_compiles_on_its_tile(flags, tmp_path):
+    """The row chunks' dh GEMM in the forward (``ce_fused.CHUNK_DH_TILES``: dlogits @
+    W[:V'], A K-major, B = W.t() N-major), run on that config as given (no spill check
+    narrows an explicit config): the map path's plain bf16 store, and the shifted path's
+    ``scaled_total_epilogue`` with the row factor, alone and with the V mod 8 tail's fp32
+    partial and label smoothing's rank-1 term (the most registers). Cooperative 256 x 128
+    (HGMMA 64 x 128), no local memory."""
+    if find_nvdisasm() is None:
+        pytest.skip("nvdisasm not installed (pip install nvidia-cuda-nvdisasm)")
+    from coda.fusions import ce_fused
+    from coda.mainloop.visitor import AccStore
+
+    cfg = ce_fused.CHUNK_DH_TILES
+    assert cfg.cooperative and (cfg.tile_m, cfg.tile_n) == (256, 128), cfg
+    if flags is None:
+        visitor = AccStore(bf16)
+    else:
+        partial, row_scale, rank1 = flags
+        visitor = FusedVisitor(scaled_total_epilogue(bf16, partial, row_scale, rank1))
+    key = gemm_kernels.GemmKernelKey(cfg, bf16, visitor, 132, "k", "n")
+    _, cubin = gemm_kernels.compile_artifacts(key, str(tmp_path))
+    ops = opcode_counts(disassemble(cubin))
+    assert ops["HGMMA.64x128x16.F32.BF16"] > 0, [o for o in ops if o.startswith("HGMMA")]
+    assert count_prefix(ops, "LDL") == 0 and count_prefix(ops, "STL") == 0
+
+
 @pytest.mark.parametrize("lanes", [None, "in_gemm"])
 def test_entropy_finalize_compiles(lanes, tmp_path):
     """``SoftmaxEntropy``'s finalize (``tracing.finalize_entropy``: the tiles' (max, sum,
