@@ -148,16 +148,14 @@ BACKWARD_TILES: str | None = "gemm"
 #: Config of the row chunks' dh GEMM computed in the forward (rows x H, K = V; every
 #: chunk but the deferred last has the full ``grad_rows``), and of their dW GEMM below
 #: (None: the heuristic's tile for the GEMM, as ``coda.gemm`` / a fused call pick it).
-#: dh on cooperative 256 x 128 tiles: a 2048-row chunk's dh fills whole waves of them
-#: (2048 x 2048: one wave of 64 two-tile clusters on 66; 2048 x 4096: two) where the
-#: heuristic's 128 x 128 PingPong tiles leave 1.94 / 3.88 waves. Forward + backward
-#: against the heuristic's tile, H200, interleaved, medians (``benchmarks/cross_entropy.py
-#: --extras coda_coop_dh``, V = 128256): at (H, M) = (4096, 16384) 0.980 / 0.986 / 0.984
-#: / 1.003, (2048, 16384) 0.990 / 0.961 / 0.980, (2048, 8192) 0.984 / 1.014 / 0.995
-#: (2026-11-28 7-round A/B, 2026-11-28 full table, 2026-11-28 H = 4096 re-run,
-#: 2026-11-26; docs/cross-entropy.md, "Measured"). In isolation the plain 256 x 128 GEMM
-#: measured slower at H = 2048 and 4096 (docs/cross-entropy-history.md): the pass, not
-#: the lone GEMM, is what it was chosen by.
+#: dh on cooperative 256 x 128 tiles, chosen by the whole pass: forward + backward
+#: against the heuristic's 128 x 128 PingPong tiles in the same rounds, H200, V = 128256,
+#: at (H, M) = (2048, 8192) / (2048, 16384) / (4096, 16384): 0.984 / 0.990 / 0.980 in a
+#: 7-round A/B, 11 of 13 readings over five runs below 1 (docs/cross-entropy.md,
+#: "Measured", has them all). Why is not established: in isolation the plain 256 x 128
+#: GEMM measured slower at H = 2048 and 4096 (docs/cross-entropy-history.md), and wave
+#: quantization does not explain H = 4096 (2048 x 4096 leaves 1.94 waves of clusters on
+#: either tile).
 CHUNK_DH_TILES: GemmConfig | str | None = GemmConfig(tile_m=256, tile_n=128)
 #: The dW GEMM of a row chunk (V x H, K = the chunk's rows, A M-major, B N-major, fp32
 #: reduce-add into the dW sum) on 128 x 160 tiles: the heuristic's 128 x 128 reads the big
