@@ -38,8 +38,8 @@ saved for backward, for "fwd+bwd" the gradients).
 * coda_dw_heuristic: coda with the row chunks' dW GEMM on the heuristic's 128 x 128 tile
   (``CHUNK_DW_TILES=None``) instead of 128 x 160.
 * coda_dh_heuristic: coda with the row chunks' dh GEMM on the heuristic's 128 x 128 tile
-  (``CHUNK_DH_TILES=None``) instead of cooperative 256 x 128 (coda_coop_dh, the default
-  since 2026-11-28).
+  (``CHUNK_DH_TILES=None``) instead of cooperative 256 x 128 (the default since
+  2026-11-28; the ``coda_coop_dh`` extra of earlier results files timed it as an A/B).
 * eager: ``F.cross_entropy((h @ W.T).float(), t)``, Hugging Face's formulation.
 * compile: ``torch.compile`` of the same function.
 * liger: Liger-Kernel's ``LigerFusedLinearCrossEntropyLoss`` (``liger-kernel``).
@@ -85,7 +85,6 @@ EXTRA = (
     "coda_coop_chunks",
     "coda_stats_map",
     "coda_stats_epilogue",
-    "coda_coop_dh",
     "coda_coop_dh_dw",
     "coda_map_grad",
     "coda_dw_heuristic",
@@ -107,9 +106,9 @@ KNOBS = {
         "CHUNK_DH_TILES": GemmConfig(tile_m=256, tile_n=192),
         "CHUNK_DW_TILES": GemmConfig(tile_m=256, tile_n=192),
     },
-    # the row chunks' dh GEMM alone on cooperative 256 x 128 tiles (a 2048 x H output fills
-    # whole waves of them), then dW too
-    "coda_coop_dh": {"CHUNK_DH_TILES": GemmConfig(tile_m=256, tile_n=128)},
+    # the row chunks' dW GEMM on cooperative 256 x 128 tiles too (dh takes them by
+    # default since ce_fused.CHUNK_DH_TILES; the coda_coop_dh extra that timed dh alone on
+    # them before is that default now)
     "coda_coop_dh_dw": {
         "CHUNK_DH_TILES": GemmConfig(tile_m=256, tile_n=128),
         "CHUNK_DW_TILES": GemmConfig(tile_m=256, tile_n=128),
@@ -125,7 +124,7 @@ KNOBS = {
     # ce_fused.CHUNK_DW_TILES took 128 x 160)
     "coda_dw_heuristic": {"CHUNK_DW_TILES": None},
     # the row chunks' dh GEMM on the heuristic's tile (128 x 128; the default before
-    # ce_fused.CHUNK_DH_TILES took cooperative 256 x 128: coda_coop_dh is the default now)
+    # ce_fused.CHUNK_DH_TILES took cooperative 256 x 128)
     "coda_dh_heuristic": {"CHUNK_DH_TILES": None},
 }
 
