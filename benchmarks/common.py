@@ -32,17 +32,28 @@ def time_once(fn: Callable[[], object], reps: int) -> float:
 
 
 def interleaved(
-    contenders: dict[str, Callable[[], object]], rounds: int = 7, reps: int = 20, warmup: int = 5
+    contenders: dict[str, Callable[[], object]],
+    rounds: int = 7,
+    reps: int = 20,
+    warmup: int = 5,
+    rotate: bool = False,
 ) -> dict[str, list[float]]:
-    """Per-contender list of per-round times (ms), contenders alternating within a round."""
+    """Per-contender list of per-round times (ms), contenders alternating within a round.
+
+    ``rotate``: round r starts at the r-th contender (cyclically), so that over a multiple
+    of len(contenders) rounds each contender runs in each place once as often: on a
+    power-limited card the contender after a heavy one can start at a lower clock, a
+    bias a fixed order gives the same contender every round."""
     for fn in contenders.values():
         for _ in range(warmup):
             fn()
     torch.cuda.synchronize()
     times: dict[str, list[float]] = {name: [] for name in contenders}
-    for _ in range(rounds):
-        for name, fn in contenders.items():
-            times[name].append(time_once(fn, reps))
+    names = list(contenders)
+    for r in range(rounds):
+        shift = r % len(names) if rotate else 0
+        for name in names[shift:] + names[:shift]:
+            times[name].append(time_once(contenders[name], reps))
     return times
 
 

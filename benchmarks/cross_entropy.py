@@ -2,7 +2,7 @@
 
     python benchmarks/cross_entropy.py [--H 2048 4096 8192] [--M 8192 16384] [--V 128256]
         [--rounds 5] [--sweep CHUNK_SIZE ...] [--rows-sweep CHUNK_ROWS ...]
-        [--dtype bf16|fp16] [--out benchmarks/results/cross_entropy_h200.json]
+        [--dtype bf16|fp16] [--rotate] [--out benchmarks/results/cross_entropy_h200.json]
     python benchmarks/cross_entropy.py --H 2048 --M 8192 --rounds 3          # a short run
 
 For each shape (H, M, V) and pass ("fwd": the loss of inputs that require grad, as in
@@ -179,7 +179,7 @@ def peak_gib(run: Callable[[], object]) -> tuple[float, float]:
     return peak / GiB, (peak - returned) / GiB
 
 
-def floor_ms(h, W, kind: str, rounds: int, reps: int) -> dict:
+def floor_ms(h, W, kind: str, rounds: int, reps: int, rotate: bool = False) -> dict:
     """The GEMMs of the pass alone (the logits-sized ones a fused loss cannot avoid)."""
     M, V = h.shape[0], W.shape[0]
     logits = torch.empty(M, V, dtype=h.dtype, device=h.device)
@@ -197,7 +197,9 @@ def floor_ms(h, W, kind: str, rounds: int, reps: int) -> dict:
             gemm(logits, W.t(), out=dh)
             gemm(logits.t(), h.t(), out=dW)
 
-    times = common.interleaved({"cublas": cublas, "coda": coda}, rounds=rounds, reps=reps)
+    times = common.interleaved(
+        {"cublas": cublas, "coda": coda}, rounds=rounds, reps=reps, rotate=rotate
+    )
     return {
         "cublas_ms": common.median(times["cublas"]),
         "coda_gemm_ms": common.median(times["coda"]),
@@ -224,6 +226,7 @@ def bench_shape(
     sweep: list[int],
     rows_sweep: list[int],
     dtype: torch.dtype = torch.bfloat16,
+    rotate: bool = False,
 ) -> dict:
     g = torch.Generator(device="cuda").manual_seed(0)
     h = (torch.randn(M, H, device="cuda", generator=g) / 2).to(dtype).requires_grad_()
@@ -255,12 +258,13 @@ def bench_shape(
                 space[f"{name}_peak_gib"] = peak
             space[f"{name}_workspace_gib"] = work
             runs[name] = run
-        times = common.interleaved(runs, rounds=rounds, reps=reps, warmup=2)
+        times = common.interleaved(runs, rounds=rounds, reps=reps, warmup=2, rotate=rotate)
         for name, ts in times.items():
             (space if name in EXTRA else row)[f"{name}_ms"] = common.median(ts)
         out["rows"].append(row)
         out["workspace"].append(space)
-        out["floor"].append({**key, **floor_ms(h.detach(), W.detach(), kind, rounds, reps)})
+        floor = floor_ms(h.detach(), W.detach(), kind, rounds, reps, rotate)
+        out["floor"].append({**key, **floor})
         gc.collect()
         torch.cuda.empty_cache()
     key = {"H": H, "M": M, "V": V}
@@ -336,6 +340,7 @@ def main(argv=None) -> None:
     p.add_argument(
         "--dtype", default="bf16", choices=("bf16", "fp16"), help="h and W (the issue's: bf16)"
     )
+    p.add_argument("--rotate", action="store_true", help="start each round at the next contender")
     p.add_argument("--out", default="benchmarks/results/cross_entropy_h200.json")
     args = p.parse_args(argv)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
@@ -349,7 +354,9 @@ def main(argv=None) -> None:
             # a static torch.compile per shape (one shared cache would turn dynamic)
             torch._dynamo.reset()
             fns["compile"] = torch.compile(eager_loss)
-            part = bench_shape(H, M, args.V, args.rounds, fns, args.sweep, args.rows_sweep, dtype)
+            part = bench_shape(
+                H, M, args.V, args.rounds, fns, args.sweep, args.rows_sweep, dtype, args.rotate
+            )
             for k in result:
                 result[k] += part[k]
             # after every shape: a run cut short keeps the shapes it finished

@@ -2,6 +2,7 @@
 
     python benchmarks/gemm.py [--out benchmarks/results/gemm_h200.json] [--rounds 7]
                               [--layouts fwd,dgrad,wgrad] [--H 2048,4096,8192]
+                              [--tokens 16384] [--ffn 4096:14336,...] [--rotate]
 
 out = A @ B^T in bf16 with bf16 output. Rows carry a ``layout``:
 
@@ -12,7 +13,12 @@ out = A @ B^T in bf16 with bf16 output. Rows carry a ``layout``:
   K = 16384 tokens.
 
 The Llama block's projections at hidden size H: QKV (H -> H + 2 * 8 KV heads * 128),
-O (H -> H), gate+up (H -> 2 * FFN) and down (FFN -> H), FFN = round_up(8H/3, 256).
+O (H -> H), gate+up (H -> 2 * FFN) and down (FFN -> H), FFN = round_up(8H/3, 256)
+unless ``--ffn H:FFN`` names another (Llama 3's: 2048:8192,4096:14336,8192:28672, the
+sizes of ``benchmarks/train_step.py``'s block); ``--tokens`` replaces the 16384 tokens
+(``train_step.py``'s block runs 8192). ``--rotate``: cuBLAS and coda take turns starting
+a round (``common.interleaved(rotate=True)``), so that neither always runs right after
+the other's previous round.
 cuBLAS runs ``torch.mm`` on exactly the same (transposed) views. Writes JSON (device,
 versions, command, rows, geomean per layout) and a PNG chart, then prints a table.
 """
@@ -46,22 +52,31 @@ SHAPES = [
 TOKENS = 16384
 
 
-def llama_projections(h: int) -> dict[str, tuple[int, int]]:
-    """(out_features, in_features) of the Llama block's weights at hidden size ``h``."""
-    ffn = -(-8 * h // 3 // 256) * 256
+def llama_projections(h: int, ffn: int | None = None) -> dict[str, tuple[int, int]]:
+    """(out_features, in_features) of the Llama block's weights at hidden size ``h``
+    (FFN width ``ffn``, by default round_up(8h/3, 256))."""
+    ffn = ffn or -(-8 * h // 3 // 256) * 256
     return {"qkv": (h + 2 * 8 * 128, h), "o": (h, h), "gate_up": (2 * ffn, h), "down": (h, ffn)}
 
 
-def layout_shape(layout: str, out_f: int, in_f: int) -> tuple[int, int, int]:
-    """(M, N, K) of the ``layout`` GEMM of a Linear(in_f -> out_f) over TOKENS tokens."""
+def layout_shape(layout: str, out_f: int, in_f: int, tokens: int = TOKENS) -> tuple[int, int, int]:
+    """(M, N, K) of the ``layout`` GEMM of a Linear(in_f -> out_f) over ``tokens`` tokens."""
     if layout == "fwd":
-        return TOKENS, out_f, in_f
+        return tokens, out_f, in_f
     if layout == "dgrad":
-        return TOKENS, in_f, out_f
-    return out_f, in_f, TOKENS
+        return tokens, in_f, out_f
+    return out_f, in_f, tokens
 
 
-def bench_shape(m: int, n: int, k: int, rounds: int, config=None, layout: str = "fwd") -> dict:
+def ffn_sizes(spec: str) -> dict[int, int]:
+    """``--ffn`` "H:FFN,..." as {H: FFN}."""
+    pairs = (item.split(":") for item in spec.split(",") if item)
+    return {int(h): int(f) for h, f in pairs}
+
+
+def bench_shape(
+    m: int, n: int, k: int, rounds: int, config=None, layout: str = "fwd", rotate: bool = False
+) -> dict:
     torch.manual_seed(0)
     a0 = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     b0 = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
@@ -79,6 +94,7 @@ def bench_shape(m: int, n: int, k: int, rounds: int, config=None, layout: str = 
         },
         rounds=rounds,
         reps=reps,
+        rotate=rotate,
     )
     err = (d_coda.float() - d_cublas.float()).abs().max().item()
     coda_ms, cublas_ms = common.median(times["coda"]), common.median(times["cublas"])
@@ -121,22 +137,33 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default="benchmarks/results/gemm_h200.json")
     p.add_argument("--rounds", type=int, default=7)
-    p.add_argument("--shapes", default="", help="fwd subset, e.g. 8192x8192x8192,16384x2048x2048")
+    p.add_argument("--shapes", default="", help="fwd subset (MxNxK,...) or none")
     p.add_argument("--layouts", default="fwd,dgrad,wgrad")
     p.add_argument("--H", default="2048,4096,8192", help="Llama hidden sizes ('' for none)")
+    p.add_argument("--tokens", type=int, default=TOKENS, help="tokens of the Llama GEMMs")
+    p.add_argument("--ffn", default="", help="FFN widths other than round_up(8H/3, 256): H:FFN,...")
+    p.add_argument(
+        "--rotate", action="store_true", help="alternate which contender starts each round"
+    )
     args = p.parse_args(argv)
+    ffn = ffn_sizes(args.ffn)
     layouts = [x for x in args.layouts.split(",") if x]
     shapes = SHAPES
-    if args.shapes:
+    if args.shapes == "none":
+        shapes = []
+    elif args.shapes:
         shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     rows = []
     if "fwd" in layouts:
-        rows += [dict(bench_shape(m, n, k, args.rounds), proj="") for m, n, k in shapes]
+        rows += [
+            dict(bench_shape(m, n, k, args.rounds, rotate=args.rotate), proj="")
+            for m, n, k in shapes
+        ]
     for h in [int(x) for x in args.H.split(",") if x]:
-        for proj, (out_f, in_f) in llama_projections(h).items():
+        for proj, (out_f, in_f) in llama_projections(h, ffn.get(h)).items():
             for layout in layouts:
-                m, n, k = layout_shape(layout, out_f, in_f)
-                row = bench_shape(m, n, k, args.rounds, layout=layout)
+                m, n, k = layout_shape(layout, out_f, in_f, args.tokens)
+                row = bench_shape(m, n, k, args.rounds, layout=layout, rotate=args.rotate)
                 rows.append(dict(row, proj=proj, H=h))
                 torch.cuda.empty_cache()
     by_layout = {

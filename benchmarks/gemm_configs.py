@@ -1,62 +1,199 @@
-"""Sweep PingPong GEMM configs against cuBLAS on the benchmark shapes (tuning aid).
+"""Sweep PingPong GEMM configs against cuBLAS, in every operand layout (tuning aid).
 
     python benchmarks/gemm_configs.py [--out benchmarks/results/gemm_configs_h200.json]
+        [--rounds 3] [--layouts fwd] [--H ''] [--tokens 16384] [--ffn H:FFN,...]
+        [--shapes [layout:]MxNxK,...|none] [--extra 256x128_c2x1_g8,...]
+        [--no-candidates] [--precompile 12]
 
-For each shape, every candidate config of coda.runtime.autotune and cuBLAS are timed in
-interleaved rounds; the table shows cublas_ms / config_ms per config (higher is better).
+For each shape, every config :func:`coda.runtime.autotune.candidates` would time (the
+heuristic's config first, its tile with other swizzle-group heights, then
+``CANDIDATES``) and cuBLAS (``torch.mm`` on the same views) run in interleaved rounds;
+each row gives cublas_ms / config_ms per config (higher is better) and the best config.
+Each round starts at another contender (``common.interleaved(rotate=True)``): a fixed
+order measured the config after cuBLAS 2-4% slow on the H200.
+Shapes: ``benchmarks/gemm.py``'s seven reference shapes (forward only) unless
+``--shapes`` names others (``MxNxK`` in each of ``--layouts``, ``layout:MxNxK`` in
+one; ``none``: no such shapes), plus the Llama block projections
+of ``--H`` in each of ``--layouts`` (the same shapes and flags as ``gemm.py``).
+
+``--precompile N`` first compiles every (config, operand layout) kernel in N processes at
+once (a kernel does not depend on the problem's size), into the on-disk kernel cache the
+timing process then loads from: on the lent GPU machine most of a sweep is otherwise one
+core compiling.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import subprocess
 import sys
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
-from gemm import SHAPES  # noqa: E402
+from gemm import SHAPES, TOKENS, ffn_sizes, layout_shape, llama_projections  # noqa: E402
 
-from coda.mainloop.config import choose_config  # noqa: E402
+from coda.mainloop.config import GemmConfig  # noqa: E402
 from coda.matmul import gemm  # noqa: E402
-from coda.runtime.autotune import CANDIDATES  # noqa: E402
+from coda.runtime.autotune import candidates  # noqa: E402
+from coda.testing.layouts import operands  # noqa: E402
 
 
 def label(cfg) -> str:
-    return f"{cfg.tile_m}x{cfg.tile_n}_c{cfg.cluster_m}x{cfg.cluster_n}_e{cfg.epi_n}_g{cfg.group_m}"
+    kind = "" if cfg.tile_m == 128 else "coop"
+    return (
+        f"{kind}{cfg.tile_m}x{cfg.tile_n}_c{cfg.cluster_m}x{cfg.cluster_n}"
+        f"_e{cfg.epi_n}_g{cfg.group_m}" + (f"_s{cfg.split_k}" if cfg.split_k > 1 else "")
+    )
 
 
-def sweep_shape(m: int, n: int, k: int, rounds: int) -> dict:
-    a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+def problems(args) -> list[tuple[str, str, int, int, int]]:
+    """(layout, projection, M, N, K) of every shape the sweep times."""
+    layouts = [x for x in args.layouts.split(",") if x]
+    found = []
+    if args.shapes == "none":
+        pass
+    elif args.shapes:
+        for item in args.shapes.split(","):
+            where, _, shape = item.rpartition(":")
+            mnk = tuple(int(v) for v in shape.split("x"))
+            found += [(layout, "", *mnk) for layout in ([where] if where else layouts)]
+    elif "fwd" in layouts:
+        found += [("fwd", "", *s) for s in SHAPES]
+    ffn = ffn_sizes(args.ffn)
+    for h in [int(x) for x in args.H.split(",") if x]:
+        for proj, (out_f, in_f) in llama_projections(h, ffn.get(h)).items():
+            for layout in layouts:
+                found.append((layout, proj, *layout_shape(layout, out_f, in_f, args.tokens)))
+    return found
+
+
+#: configs timed beside ``candidates`` (``--extra``), as "TMxTN_cCMxCN_gG" labels
+EXTRA: list = []
+
+
+def parse_config(text: str) -> GemmConfig:
+    """A config from a label such as ``256x128_c2x1_g8`` (tile, cluster, swizzle group)."""
+    tile, cluster, group = text.split("_")
+    tm, tn = (int(v) for v in tile.split("x"))
+    cm, cn = (int(v) for v in cluster.lstrip("c").split("x"))
+    return GemmConfig(tile_m=tm, tile_n=tn, cluster_m=cm, cluster_n=cn, group_m=int(group[1:]))
+
+
+#: whether every config of ``candidates`` runs (``--no-candidates``: the heuristic's only)
+CANDIDATES_ON = [True]
+
+
+def configs_of(m: int, n: int, k: int) -> tuple:
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    found = candidates(m, n, k, sms)
+    return tuple(dict.fromkeys((*(found if CANDIDATES_ON[0] else found[:1]), *EXTRA)))
+
+
+def sweep_shape(layout: str, m: int, n: int, k: int, rounds: int) -> dict:
+    torch.manual_seed(0)
+    a0 = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    b0 = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+    a, b = operands(a0, b0, layout)
+    del a0, b0
     out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
     bt = b.t()
+    configs = configs_of(m, n, k)
     contenders = {"cublas": lambda: torch.mm(a, bt, out=out)}
-    for cfg in CANDIDATES:
+    for cfg in configs:
         contenders[label(cfg)] = lambda cfg=cfg: gemm(a, b, out=out, config=cfg)
     reps = max(3, min(30, int(2e13 / (2 * m * n * k))))
-    times = common.interleaved(contenders, rounds=rounds, reps=reps)
-    row = {"M": m, "N": n, "K": k, "heuristic": label(choose_config(m, n, k))}
-    for name in contenders:
-        if name != "cublas":
-            row[name] = common.median_ratio(times["cublas"], times[name])
+    times = common.interleaved(contenders, rounds=rounds, reps=reps, rotate=True)
+    row = {"layout": layout, "M": m, "N": n, "K": k, "heuristic": label(configs[0])}
+    row["cublas_ms"] = common.median(times["cublas"])
+    for cfg in configs:
+        row[label(cfg)] = common.median_ratio(times["cublas"], times[label(cfg)])
+    row["best"] = max((label(c) for c in configs), key=lambda name: row[name])
     return row
 
 
+def compile_part(args, part: int, parts: int) -> None:
+    """Compile this process's share of the (config, layout) kernels, on small operands."""
+    jobs = sorted(
+        {(layout, cfg) for layout, _, m, n, k in problems(args) for cfg in configs_of(m, n, k)},
+        key=repr,
+    )
+    for layout, cfg in jobs[part::parts]:
+        a, b = operands(
+            torch.randn(512, 256, device="cuda", dtype=torch.bfloat16),
+            torch.randn(512, 256, device="cuda", dtype=torch.bfloat16),
+            layout,
+        )
+        gemm(a, b, config=cfg)
+    torch.cuda.synchronize()
+
+
+def precompile(argv: list[str], procs: int) -> None:
+    """Run ``procs`` copies of this script with ``--compile-part`` and wait for them."""
+    script = os.path.abspath(__file__)
+    running = [
+        subprocess.Popen([sys.executable, script, *argv, "--compile-part", f"{i}/{procs}"])
+        for i in range(procs)
+    ]
+    codes = [p.wait() for p in running]
+    if any(codes):
+        raise SystemExit(f"precompile processes failed: exit codes {codes}")
+
+
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default="benchmarks/results/gemm_configs_h200.json")
     p.add_argument("--rounds", type=int, default=3)
-    args = p.parse_args(argv)
-    rows = []
-    for m, n, k in SHAPES:
-        rows.append(sweep_shape(m, n, k, args.rounds))
-        print(rows[-1], flush=True)
-    common.write_json(
-        args.out, {**common.environment(), "metric": "cublas_ms/config_ms", "rows": rows}
+    p.add_argument("--layouts", default="fwd")
+    p.add_argument("--H", default="", help="Llama hidden sizes, e.g. 2048,4096")
+    p.add_argument("--tokens", type=int, default=TOKENS)
+    p.add_argument("--ffn", default="", help="FFN widths other than round_up(8H/3, 256): H:FFN,...")
+    p.add_argument("--shapes", default="", help="MxNxK,... in each layout, or none")
+    p.add_argument("--precompile", type=int, default=0, help="compile in this many processes first")
+    p.add_argument("--extra", default="", help="more configs: TMxTN_cCMxCN_gG,...")
+    p.add_argument(
+        "--no-candidates", action="store_true", help="the heuristic's config and --extra only"
     )
-    common.print_table(rows, ["M", "N", "K", "heuristic"] + [label(c) for c in CANDIDATES])
+    p.add_argument("--compile-part", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    EXTRA.extend(parse_config(c) for c in args.extra.split(",") if c)
+    CANDIDATES_ON[0] = not args.no_candidates
+    if args.compile_part:
+        part, parts = (int(x) for x in args.compile_part.split("/"))
+        compile_part(args, part, parts)
+        return
+    if args.precompile:
+        skip = {"--precompile"}
+        passed = [a for i, a in enumerate(argv) if a not in skip and argv[i - 1] not in skip]
+        precompile(passed, args.precompile)
+    rows = []
+    for layout, proj, m, n, k in problems(args):
+        rows.append(dict(sweep_shape(layout, m, n, k, args.rounds), proj=proj))
+        print(rows[-1], flush=True)
+        torch.cuda.empty_cache()
+    common.write_json(
+        args.out,
+        {
+            **common.environment(),
+            "metric": "cublas_ms/config_ms",
+            "command": " ".join(["python3", "benchmarks/gemm_configs.py", *argv]),
+            "rows": rows,
+        },
+    )
+    common.print_table(rows, ["layout", "proj", "M", "N", "K", "heuristic", "best", "cublas_ms"])
+    for r in rows:
+        print(
+            r["layout"],
+            r["proj"],
+            r["M"],
+            r["N"],
+            r["K"],
+            f"heuristic {r[r['heuristic']]:.3f}",
+            f"best {r['best']} {r[r['best']]:.3f}",
+        )
 
 
 if __name__ == "__main__":
