@@ -4,6 +4,9 @@ Protocol (DESIGN.md section 7): contenders are timed in interleaved rounds (A B 
 in one process so clock and thermal drift cancel; each measurement is the mean of
 ``reps`` back-to-back launches timed with CUDA events after warm-up; the reported time
 is the median over rounds, and ratios are computed per round before taking the median.
+With ``rotate=True`` each round starts at the next contender (A B, B A, ...): on the
+power-limited H200 a fixed order measured the contender run right after a heavy one up
+to several percent slow (docs/gemm.md, "Cooperative 256 x 128 tiles for long K").
 """
 
 from __future__ import annotations

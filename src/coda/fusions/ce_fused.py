@@ -151,11 +151,12 @@ BACKWARD_TILES: str | None = "gemm"
 #: dh on cooperative 256 x 128 tiles, chosen by the whole pass: forward + backward
 #: against the heuristic's 128 x 128 PingPong tiles in the same rounds, H200, V = 128256,
 #: at (H, M) = (2048, 8192) / (2048, 16384) / (4096, 16384): 0.984 / 0.990 / 0.980 in a
-#: 7-round A/B, 11 of 13 readings over five runs below 1 (docs/cross-entropy.md,
-#: "Measured", has them all). Why is not established: in isolation the plain 256 x 128
-#: GEMM measured slower at H = 2048 and 4096 (docs/cross-entropy-history.md), and wave
-#: quantization does not explain H = 4096 (2048 x 4096 leaves 1.94 waves of clusters on
-#: either tile).
+#: 7-round A/B, 11 of 13 readings over five runs below 1. Those runs timed the
+#: heuristic's tile as an A/B extra in a fixed place of each round; a run with the order
+#: rotated and a same-path control (``results/cross_entropy_dh_rotated_h200.json``) read
+#: the extra 2.0% slow where both run the same path and 1.1-2.6% slow at these shapes:
+#: within that bias, so the tile is neutral as far as measured (docs/cross-entropy.md,
+#: "Measured"), and it stays.
 CHUNK_DH_TILES: GemmConfig | str | None = GemmConfig(tile_m=256, tile_n=128)
 #: The dW GEMM of a row chunk (V x H, K = the chunk's rows, A M-major, B N-major, fp32
 #: reduce-add into the dW sum) on 128 x 160 tiles: the heuristic's 128 x 128 reads the big
