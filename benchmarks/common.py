@@ -15,6 +15,7 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import threading
 import time
@@ -78,6 +79,34 @@ class PowerSampler(threading.Thread):
     def stop(self) -> None:
         self._stop_event.set()
         self.join()
+
+
+def precompile(script: str, argv: list[str], procs: int) -> None:
+    """Run ``procs`` copies of ``script`` with ``argv`` plus ``--compile-part i/procs`` and
+    wait for them: each compiles its share of the kernels a benchmark will time into the
+    on-disk kernel cache (kernels whose keys have a stable identity), which the timing
+    process then loads. On the lent GPU machine a cold run is otherwise one core
+    compiling. ``argv`` must not hold ``--precompile`` itself."""
+    running = [
+        subprocess.Popen([sys.executable, script, *argv, "--compile-part", f"{i}/{procs}"])
+        for i in range(procs)
+    ]
+    codes = [p.wait() for p in running]
+    if any(codes):
+        raise SystemExit(f"precompile processes failed: exit codes {codes}")
+
+
+def without_option(argv: list[str], option: str) -> list[str]:
+    """``argv`` without ``option`` and its value (``--opt V`` or ``--opt=V``)."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == option:
+            skip = True
+        elif not a.startswith(option + "="):
+            out.append(a)
+    return out
 
 
 def sampled(fn: Callable[[], object], seconds: float, batch: int = 1) -> dict:

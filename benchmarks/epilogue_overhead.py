@@ -2,6 +2,7 @@
 
     python benchmarks/epilogue_overhead.py [--out benchmarks/results/epilogue_overhead_h200.json]
                                            [--sizes 2048,4096,8192] [--layouts fwd,dgrad,wgrad]
+                                           [--rotate] [--precompile 14]
 
 For each representative epilogue of ``coda.testing.catalog``, each shape (M=16384,
 N=K in ``--sizes``) and each operand layout (``coda.testing.layouts``: forward, dgrad
@@ -20,6 +21,9 @@ committed one) adds each row's ``baseline_ratio`` (the same epilogue, layout and
 there; null where it has none) and prints the rows whose ratio rose by more than
 ``--tolerance`` (default 0.02) as regressions (what would have flagged the log-sum-exp's
 finalize regression found on 2026-11-27, ``results/epilogue_overhead_rerun_h200.json``).
+``--rotate``: fused and plain take turns starting a round (A B, B A, ...) instead of the
+fused kernel always first (``common.interleaved(rotate=True)``). ``--precompile N``
+compiles every timed kernel in N processes first (``common.precompile``).
 The PNG beside the JSON shows every row's fused / plain against the 1.03 target
 (``--replot FILE`` redraws it from a written JSON, on any machine with matplotlib).
 """
@@ -55,6 +59,7 @@ def bench(
     staggered: bool = False,
     epi_n: int | None = None,
     rolled: bool = False,
+    rotate: bool = False,
 ) -> dict:
     epi = EPILOGUES[name]
     A, B, tensors = common.cuda_inputs(epi, m, n, k)
@@ -76,7 +81,13 @@ def bench(
     if rolled:
         roll = attrs.evolve(cfg, rolled_epilogue=True)
         methods["rolled"] = lambda: epi(A, B, config=roll, **tensors)
-    times = common.interleaved(methods, rounds=rounds, reps=max(3, min(30, int(2e13 / flops))))
+    if rounds == 0:  # --compile-part: one call of each, compiling what the timing runs
+        for fn in methods.values():
+            fn()
+        torch.cuda.synchronize()
+        return {}
+    reps = max(3, min(30, int(2e13 / flops)))
+    times = common.interleaved(methods, rounds=rounds, reps=reps, rotate=rotate)
     fused, plain = common.median(times["fused"]), common.median(times["plain"])
     extra = {}
     if staggered:
@@ -175,19 +186,36 @@ def main(argv=None) -> None:
     p.add_argument("--rolled", action="store_true", help="also time GemmConfig.rolled_epilogue")
     p.add_argument("--baseline", default=None, help="an earlier result JSON to compare rows with")
     p.add_argument("--tolerance", type=float, default=0.02, help="ratio rise that is a regression")
+    p.add_argument("--rotate", action="store_true", help="start each round at the other contender")
+    p.add_argument("--precompile", type=int, default=0, help="compile in this many processes first")
+    p.add_argument("--compile-part", default=None, help=argparse.SUPPRESS)
     common.add_replot_option(p)
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = p.parse_args(argv)
     if common.replotted(args, chart):
         return
+    jobs = [
+        (name, size, layout)
+        for size in (int(x) for x in args.sizes.split(","))
+        for layout in args.layouts.split(",")
+        for name in args.epilogues.split(",")
+    ]
+    extras = (args.staggered, args.epi_n, args.rolled)
+    if args.compile_part:
+        part, parts = (int(x) for x in args.compile_part.split("/"))
+        for name, size, layout in jobs[part::parts]:
+            bench(name, M, size, size, 0, layout, *extras)
+        return
+    if args.precompile:
+        passed = common.without_option(argv, "--precompile")
+        common.precompile(os.path.abspath(__file__), passed, args.precompile)
     baseline = None
     if args.baseline:  # read first: a bad path fails before any GPU work
         with open(args.baseline) as f:
             baseline = json.load(f)["rows"]
     rows = [
-        bench(name, M, size, size, args.rounds, layout, args.staggered, args.epi_n, args.rolled)
-        for size in (int(x) for x in args.sizes.split(","))
-        for layout in args.layouts.split(",")
-        for name in args.epilogues.split(",")
+        bench(name, M, size, size, args.rounds, layout, *extras, rotate=args.rotate)
+        for name, size, layout in jobs
     ]
     worst = max(r["ratio"] for r in rows)
     regressed = against_baseline(rows, baseline, args.tolerance) if baseline is not None else []

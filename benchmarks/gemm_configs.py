@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
 
 import torch
@@ -130,18 +129,6 @@ def compile_part(args, part: int, parts: int) -> None:
     torch.cuda.synchronize()
 
 
-def precompile(argv: list[str], procs: int) -> None:
-    """Run ``procs`` copies of this script with ``--compile-part`` and wait for them."""
-    script = os.path.abspath(__file__)
-    running = [
-        subprocess.Popen([sys.executable, script, *argv, "--compile-part", f"{i}/{procs}"])
-        for i in range(procs)
-    ]
-    codes = [p.wait() for p in running]
-    if any(codes):
-        raise SystemExit(f"precompile processes failed: exit codes {codes}")
-
-
 def main(argv=None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -166,9 +153,8 @@ def main(argv=None) -> None:
         compile_part(args, part, parts)
         return
     if args.precompile:
-        skip = {"--precompile"}
-        passed = [a for i, a in enumerate(argv) if a not in skip and argv[i - 1] not in skip]
-        precompile(passed, args.precompile)
+        passed = common.without_option(argv, "--precompile")
+        common.precompile(os.path.abspath(__file__), passed, args.precompile)
     rows = []
     for layout, proj, m, n, k in problems(args):
         rows.append(dict(sweep_shape(layout, m, n, k, args.rounds), proj=proj))
