@@ -1,0 +1,99 @@
+"""CPU checks of the benchmark plumbing added for fair A/Bs (``benchmarks/common.py``,
+``gemm.py``, ``gemm_configs.py``): the rotated round order of ``common.interleaved``,
+the argument helpers of the parallel precompile, and the shapes the GEMM scripts time."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import pytest
+
+HERE = os.path.dirname(__file__)
+sys.path.insert(0, os.path.join(HERE, "..", "benchmarks"))
+common = pytest.importorskip("common")
+gemm_bench = pytest.importorskip("gemm")
+gemm_configs = pytest.importorskip("gemm_configs")
+
+
+def _order(monkeypatch, names, rounds, rotate):
+    """The sequence in which ``common.interleaved`` times its contenders (warm-up calls
+    excluded), with the CUDA timing replaced by a recorder."""
+    seen = []
+    monkeypatch.setattr(common, "time_once", lambda fn, reps: seen.append(fn()) or 1.0)
+    monkeypatch.setattr(common.torch.cuda, "synchronize", lambda: None)
+    contenders = {n: (lambda n=n: n) for n in names}
+    times = common.interleaved(contenders, rounds=rounds, reps=1, warmup=0, rotate=rotate)
+    assert {n: len(v) for n, v in times.items()} == {n: rounds for n in names}
+    return seen
+
+
+def test_fixed_order_repeats_the_same_round(monkeypatch):
+    assert _order(monkeypatch, "abc", 2, rotate=False) == list("abcabc")
+
+
+def test_rotated_rounds_put_every_contender_in_every_place(monkeypatch):
+    seen = _order(monkeypatch, "abc", 6, rotate=True)
+    rounds = [seen[i : i + 3] for i in range(0, 18, 3)]
+    assert rounds[:3] == [list("abc"), list("bca"), list("cab")]
+    for place in range(3):  # over a multiple of 3 rounds, each name twice in each place
+        assert sorted(r[place] for r in rounds) == sorted("aabbcc")
+    # two contenders: A B, B A, ... (each follows the other and itself equally often)
+    assert _order(monkeypatch, "ab", 4, rotate=True) == list("abbaabba")
+
+
+def test_without_option_drops_the_option_and_its_value():
+    argv = ["--rounds", "3", "--precompile", "14", "--rotate", "--precompile=2", "--x"]
+    assert common.without_option(argv, "--precompile") == ["--rounds", "3", "--rotate", "--x"]
+    assert common.without_option(["--precompiled", "1"], "--precompile") == ["--precompiled", "1"]
+
+
+def test_llama_gemm_shapes_take_tokens_and_ffn_widths():
+    assert gemm_bench.ffn_sizes("2048:8192,4096:14336") == {2048: 8192, 4096: 14336}
+    assert gemm_bench.ffn_sizes("") == {}
+    proj = gemm_bench.llama_projections(4096, 14336)
+    assert proj["gate_up"] == (2 * 14336, 4096) and proj["down"] == (4096, 14336)
+    assert gemm_bench.llama_projections(4096)["down"] == (4096, 11008)  # round_up(8H/3, 256)
+    out_f, in_f = proj["down"]
+    assert gemm_bench.layout_shape("fwd", out_f, in_f, 8192) == (8192, 4096, 14336)
+    assert gemm_bench.layout_shape("dgrad", out_f, in_f, 8192) == (8192, 14336, 4096)
+    assert gemm_bench.layout_shape("wgrad", out_f, in_f, 8192) == (4096, 14336, 8192)
+    assert gemm_bench.layout_shape("wgrad", out_f, in_f) == (4096, 14336, 16384)
+
+
+def _args(**kw):
+    base = dict(layouts="fwd", H="", tokens=16384, ffn="", shapes="")
+    return argparse.Namespace(**{**base, **kw})
+
+
+def test_config_sweep_shapes():
+    ref = gemm_configs.problems(_args())
+    assert [p[2:] for p in ref] == [tuple(s) for s in gemm_bench.SHAPES]
+    assert gemm_configs.problems(_args(shapes="none")) == []
+    got = gemm_configs.problems(_args(shapes="wgrad:4096x2048x16384,64x32x16", layouts="fwd,dgrad"))
+    assert got == [
+        ("wgrad", "", 4096, 2048, 16384),
+        ("fwd", "", 64, 32, 16),
+        ("dgrad", "", 64, 32, 16),
+    ]
+    block = gemm_configs.problems(
+        _args(shapes="none", layouts="fwd,wgrad", H="4096", tokens=8192, ffn="4096:14336")
+    )
+    assert len(block) == 8  # four projections x two layouts
+    assert ("fwd", "down", 8192, 4096, 14336) in block
+    assert ("wgrad", "gate_up", 28672, 4096, 8192) in block
+
+
+def test_config_labels_parse_back():
+    cfg = gemm_configs.parse_config("256x128_c2x1_g1")
+    assert (cfg.tile_m, cfg.tile_n, cfg.cluster_m, cfg.cluster_n, cfg.group_m) == (
+        256,
+        128,
+        2,
+        1,
+        1,
+    )
+    assert gemm_configs.label(cfg) == "coop256x128_c2x1_e32_g1"
+    pingpong = gemm_configs.parse_config("128x192_c1x2_g8")
+    assert gemm_configs.label(pingpong) == "128x192_c1x2_e32_g8"
