@@ -9,8 +9,9 @@ For each shape, every config :func:`coda.runtime.autotune.candidates` would time
 heuristic's config first, its tile with other swizzle-group heights, then
 ``CANDIDATES``) and cuBLAS (``torch.mm`` on the same views) run in interleaved rounds;
 each row gives cublas_ms / config_ms per config (higher is better) and the best config.
-Each round starts at another contender (``common.interleaved(rotate=True)``): a fixed
-order measured the config after cuBLAS 2-4% slow on the H200.
+Each round starts at another contender (``common.interleaved(rotate=True)``): in a fixed
+order the config timed right after cuBLAS read several percent slow on the H200
+(docs/gemm.md, "Cooperative 256 x 128 tiles for long K").
 Shapes: ``benchmarks/gemm.py``'s seven reference shapes (forward only) unless
 ``--shapes`` names others (``MxNxK`` in each of ``--layouts``, ``layout:MxNxK`` in
 one; ``none``: no such shapes), plus the Llama block projections
@@ -138,7 +139,7 @@ def main(argv=None) -> None:
     p.add_argument("--H", default="", help="Llama hidden sizes, e.g. 2048,4096")
     p.add_argument("--tokens", type=int, default=TOKENS)
     p.add_argument("--ffn", default="", help="FFN widths other than round_up(8H/3, 256): H:FFN,...")
-    p.add_argument("--shapes", default="", help="MxNxK,... in each layout, or none")
+    p.add_argument("--shapes", default="", help="[layout:]MxNxK,... or none")
     p.add_argument("--precompile", type=int, default=0, help="compile in this many processes first")
     p.add_argument("--extra", default="", help="more configs: TMxTN_cCMxCN_gG,...")
     p.add_argument(
@@ -146,7 +147,7 @@ def main(argv=None) -> None:
     )
     p.add_argument("--compile-part", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    EXTRA.extend(parse_config(c) for c in args.extra.split(",") if c)
+    EXTRA[:] = [parse_config(c) for c in args.extra.split(",") if c]
     CANDIDATES_ON[0] = not args.no_candidates
     if args.compile_part:
         part, parts = (int(x) for x in args.compile_part.split("/"))
