@@ -53,12 +53,17 @@ def interleaved(
             fn()
     torch.cuda.synchronize()
     times: dict[str, list[float]] = {name: [] for name in contenders}
-    names = list(contenders)
     for r in range(rounds):
-        shift = r % len(names) if rotate else 0
-        for name in names[shift:] + names[:shift]:
+        for name in round_order(list(contenders), r, rotate):
             times[name].append(time_once(contenders[name], reps))
     return times
+
+
+def round_order(names: list, r: int, rotate: bool) -> list:
+    """The order of round ``r`` of an interleaved run: ``names`` as given, or with
+    ``rotate`` starting at the (r mod len)-th."""
+    shift = r % len(names) if rotate and names else 0
+    return names[shift:] + names[:shift]
 
 
 class PowerSampler(threading.Thread):

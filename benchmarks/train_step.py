@@ -46,7 +46,9 @@ Liger model's own steps, so the eager and compiled models keep Hugging Face's fu
 Timing (DESIGN.md 7): ``--warmup`` steps per method (torch.compile and coda's kernel
 compilation happen there), then ``--rounds`` rounds; in a round each method runs
 ``--reps`` steps back to back, timed by CUDA events; methods alternate within a round
-(``interleaved``) and the median over rounds is reported. ``--mode isolated`` builds
+(``interleaved``; ``--rotate``: each round, of the steps and of the block section,
+starts at the next one, as ``common.interleaved(rotate=True)``) and the median over
+rounds is reported. ``--mode isolated`` builds
 one method's model at a time and runs its rounds alone (for GPUs too small for four
 models and their optimizers); ``auto`` (default) picks interleaved when an estimate of
 four resident models plus one step's workspace fits in the GPU's memory (an H200 fits
@@ -442,8 +444,8 @@ def bench_config(
                 meth.close()
         meth = None
         _free()
-        for _ in progress(range(args.rounds), args.rounds, f"{name} rounds"):
-            for m in list(live):
+        for r in progress(range(args.rounds), args.rounds, f"{name} rounds"):
+            for m in common.round_order(list(live), r, args.rotate):
                 try:
                     times[m].append(timed(live[m].step, args.reps))
                 except Exception as exc:
@@ -710,8 +712,8 @@ def bench_block(size: LlamaSize, M: int, args: argparse.Namespace, errors: list[
                 errors.append(f"block H={size.hidden} {pass_} {key}: {_short(exc)}")
                 traceback.print_exc()
         times: dict[str, list[float]] = {k: [] for k in fns}
-        for _ in range(args.rounds):
-            for key in list(fns):
+        for r in range(args.rounds):
+            for key in common.round_order(list(fns), r, args.rotate):
                 try:
                     times[key].append(timed(fns[key], args.block_reps))
                 except Exception as exc:
@@ -813,6 +815,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--mode", choices=("auto", "interleaved", "isolated"), default="auto")
     p.add_argument("--quick", action="store_true", help="2 rounds, 1 rep, 2 warm-up steps")
+    p.add_argument(
+        "--rotate", action="store_true", help="start each round at the next method (and block)"
+    )
     g = p.add_mutually_exclusive_group()
     g.add_argument("--no-block", action="store_true", help="skip the one-block section")
     g.add_argument("--block-only", action="store_true", help="only the one-block section")

@@ -43,6 +43,19 @@ def test_rotated_rounds_put_every_contender_in_every_place(monkeypatch):
     assert _order(monkeypatch, "ab", 4, rotate=True) == list("abbaabba")
 
 
+def test_round_order_is_what_the_step_and_block_loops_run():
+    # train_step.py's step rounds and block section take their order from round_order
+    assert [common.round_order(list("abcd"), r, True) for r in range(5)] == [
+        list("abcd"),
+        list("bcda"),
+        list("cdab"),
+        list("dabc"),
+        list("abcd"),
+    ]
+    assert common.round_order(list("abcd"), 3, False) == list("abcd")
+    assert common.round_order([], 1, True) == []
+
+
 def test_without_option_drops_the_option_and_its_value():
     argv = ["--rounds", "3", "--precompile", "14", "--rotate", "--precompile=2", "--x"]
     assert common.without_option(argv, "--precompile") == ["--rounds", "3", "--rotate", "--x"]
