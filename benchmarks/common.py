@@ -11,6 +11,7 @@ to several percent slow (docs/gemm.md, "Cooperative 256 x 128 tiles for long K")
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -322,6 +323,35 @@ def save_figure(plt, fig, png: str) -> None:
 def png_beside(json_path: str) -> str:
     """The chart's path next to its JSON."""
     return os.path.splitext(json_path)[0] + ".png"
+
+
+def add_rotate_option(parser) -> None:
+    parser.add_argument(
+        "--rotate", action="store_true", help="start each round at the next contender"
+    )
+
+
+def add_precompile_options(parser) -> None:
+    parser.add_argument(
+        "--precompile", type=int, default=0, help="compile in this many processes first"
+    )
+    parser.add_argument("--compile-part", default=None, help=argparse.SUPPRESS)
+
+
+def precompiled(args, argv: list[str], script: str, jobs: list, compile_one) -> bool:
+    """The ``--precompile`` / ``--compile-part`` dispatch of a benchmark script. In a
+    ``--compile-part i/n`` process: ``compile_one`` on its share of ``jobs`` (every n-th
+    from the i-th), then True (the process has nothing else to run). With ``--precompile
+    N``: N such processes of ``script``, waited for (:func:`precompile`), then False."""
+    if args.compile_part:
+        part, parts = (int(x) for x in args.compile_part.split("/"))
+        for job in jobs[part::parts]:
+            compile_one(job)
+        torch.cuda.synchronize()
+        return True
+    if args.precompile:
+        precompile(script, without_option(argv, "--precompile"), args.precompile)
+    return False
 
 
 def add_replot_option(parser) -> None:

@@ -340,7 +340,7 @@ def main(argv=None) -> None:
     p.add_argument(
         "--dtype", default="bf16", choices=("bf16", "fp16"), help="h and W (the issue's: bf16)"
     )
-    p.add_argument("--rotate", action="store_true", help="start each round at the next contender")
+    common.add_rotate_option(p)
     p.add_argument("--out", default="benchmarks/results/cross_entropy_h200.json")
     args = p.parse_args(argv)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]

@@ -49,24 +49,23 @@ from coda.testing.layouts import operands  # noqa: E402
 M = 16384
 
 
-def bench(
+def contenders(
     name: str,
     m: int,
     n: int,
     k: int,
-    rounds: int,
     layout: str = "fwd",
     staggered: bool = False,
     epi_n: int | None = None,
     rolled: bool = False,
-    rotate: bool = False,
-) -> dict:
+) -> tuple:
+    """(config, {method: call}) of one row: the fused kernel, the plain GEMM in the same
+    config and layout, and the optional variants."""
     epi = EPILOGUES[name]
     A, B, tensors = common.cuda_inputs(epi, m, n, k)
     A, B = operands(A, B, layout)
     cfg = choose_epilogue_config(m, n, k)
     out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
-    flops = 2 * m * n * k
     methods = {
         "fused": lambda: epi(A, B, config=cfg, **tensors),
         "plain": lambda: gemm(A, B, out=out, config=cfg),
@@ -81,12 +80,23 @@ def bench(
     if rolled:
         roll = attrs.evolve(cfg, rolled_epilogue=True)
         methods["rolled"] = lambda: epi(A, B, config=roll, **tensors)
-    if rounds == 0:  # --compile-part: one call of each, compiling what the timing runs
-        for fn in methods.values():
-            fn()
-        torch.cuda.synchronize()
-        return {}
-    reps = max(3, min(30, int(2e13 / flops)))
+    return cfg, methods
+
+
+def bench(
+    name: str,
+    m: int,
+    n: int,
+    k: int,
+    rounds: int,
+    layout: str = "fwd",
+    staggered: bool = False,
+    epi_n: int | None = None,
+    rolled: bool = False,
+    rotate: bool = False,
+) -> dict:
+    cfg, methods = contenders(name, m, n, k, layout, staggered, epi_n, rolled)
+    reps = max(3, min(30, int(2e13 / (2 * m * n * k))))
     times = common.interleaved(methods, rounds=rounds, reps=reps, rotate=rotate)
     fused, plain = common.median(times["fused"]), common.median(times["plain"])
     extra = {}
@@ -186,9 +196,8 @@ def main(argv=None) -> None:
     p.add_argument("--rolled", action="store_true", help="also time GemmConfig.rolled_epilogue")
     p.add_argument("--baseline", default=None, help="an earlier result JSON to compare rows with")
     p.add_argument("--tolerance", type=float, default=0.02, help="ratio rise that is a regression")
-    p.add_argument("--rotate", action="store_true", help="start each round at the other contender")
-    p.add_argument("--precompile", type=int, default=0, help="compile in this many processes first")
-    p.add_argument("--compile-part", default=None, help=argparse.SUPPRESS)
+    common.add_rotate_option(p)
+    common.add_precompile_options(p)
     common.add_replot_option(p)
     argv = list(sys.argv[1:] if argv is None else argv)
     args = p.parse_args(argv)
@@ -201,14 +210,14 @@ def main(argv=None) -> None:
         for name in args.epilogues.split(",")
     ]
     extras = (args.staggered, args.epi_n, args.rolled)
-    if args.compile_part:
-        part, parts = (int(x) for x in args.compile_part.split("/"))
-        for name, size, layout in jobs[part::parts]:
-            bench(name, M, size, size, 0, layout, *extras)
+
+    def compile_one(job: tuple) -> None:  # one call of each method compiles its kernels
+        name, size, layout = job
+        for call in contenders(name, M, size, size, layout, *extras)[1].values():
+            call()
+
+    if common.precompiled(args, argv, os.path.abspath(__file__), jobs, compile_one):
         return
-    if args.precompile:
-        passed = common.without_option(argv, "--precompile")
-        common.precompile(os.path.abspath(__file__), passed, args.precompile)
     baseline = None
     if args.baseline:  # read first: a bad path fails before any GPU work
         with open(args.baseline) as f:

@@ -142,9 +142,7 @@ def main(argv=None) -> None:
     p.add_argument("--H", default="2048,4096,8192", help="Llama hidden sizes ('' for none)")
     p.add_argument("--tokens", type=int, default=TOKENS, help="tokens of the Llama GEMMs")
     p.add_argument("--ffn", default="", help="FFN widths other than round_up(8H/3, 256): H:FFN,...")
-    p.add_argument(
-        "--rotate", action="store_true", help="alternate which contender starts each round"
-    )
+    common.add_rotate_option(p)
     args = p.parse_args(argv)
     ffn = ffn_sizes(args.ffn)
     layouts = [x for x in args.layouts.split(",") if x]

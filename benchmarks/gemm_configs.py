@@ -70,10 +70,6 @@ def problems(args) -> list[tuple[str, str, int, int, int]]:
     return found
 
 
-#: configs timed beside ``candidates`` (``--extra``), as "TMxTN_cCMxCN_gG" labels
-EXTRA: list = []
-
-
 def parse_config(text: str) -> GemmConfig:
     """A config from a label such as ``256x128_c2x1_g8`` (tile, cluster, swizzle group)."""
     tile, cluster, group = text.split("_")
@@ -82,17 +78,15 @@ def parse_config(text: str) -> GemmConfig:
     return GemmConfig(tile_m=tm, tile_n=tn, cluster_m=cm, cluster_n=cn, group_m=int(group[1:]))
 
 
-#: whether every config of ``candidates`` runs (``--no-candidates``: the heuristic's only)
-CANDIDATES_ON = [True]
-
-
-def configs_of(m: int, n: int, k: int) -> tuple:
+def configs_of(m: int, n: int, k: int, extra: tuple, every_candidate: bool) -> tuple:
+    """The configs timed for (m, n, k): ``candidates`` (the heuristic's first; only it
+    unless ``every_candidate``), then ``extra``."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     found = candidates(m, n, k, sms)
-    return tuple(dict.fromkeys((*(found if CANDIDATES_ON[0] else found[:1]), *EXTRA)))
+    return tuple(dict.fromkeys((*(found if every_candidate else found[:1]), *extra)))
 
 
-def sweep_shape(layout: str, m: int, n: int, k: int, rounds: int) -> dict:
+def sweep_shape(layout: str, m: int, n: int, k: int, rounds: int, configs: tuple) -> dict:
     torch.manual_seed(0)
     a0 = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     b0 = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
@@ -100,7 +94,6 @@ def sweep_shape(layout: str, m: int, n: int, k: int, rounds: int) -> dict:
     del a0, b0
     out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
     bt = b.t()
-    configs = configs_of(m, n, k)
     contenders = {"cublas": lambda: torch.mm(a, bt, out=out)}
     for cfg in configs:
         contenders[label(cfg)] = lambda cfg=cfg: gemm(a, b, out=out, config=cfg)
@@ -114,20 +107,16 @@ def sweep_shape(layout: str, m: int, n: int, k: int, rounds: int) -> dict:
     return row
 
 
-def compile_part(args, part: int, parts: int) -> None:
-    """Compile this process's share of the (config, layout) kernels, on small operands."""
-    jobs = sorted(
-        {(layout, cfg) for layout, _, m, n, k in problems(args) for cfg in configs_of(m, n, k)},
-        key=repr,
+def compile_one(job: tuple) -> None:
+    """Compile the kernel of one (layout, config), on small operands (a kernel does not
+    depend on the problem's size)."""
+    layout, cfg = job
+    a, b = operands(
+        torch.randn(512, 256, device="cuda", dtype=torch.bfloat16),
+        torch.randn(512, 256, device="cuda", dtype=torch.bfloat16),
+        layout,
     )
-    for layout, cfg in jobs[part::parts]:
-        a, b = operands(
-            torch.randn(512, 256, device="cuda", dtype=torch.bfloat16),
-            torch.randn(512, 256, device="cuda", dtype=torch.bfloat16),
-            layout,
-        )
-        gemm(a, b, config=cfg)
-    torch.cuda.synchronize()
+    gemm(a, b, config=cfg)
 
 
 def main(argv=None) -> None:
@@ -140,25 +129,23 @@ def main(argv=None) -> None:
     p.add_argument("--tokens", type=int, default=TOKENS)
     p.add_argument("--ffn", default="", help="FFN widths other than round_up(8H/3, 256): H:FFN,...")
     p.add_argument("--shapes", default="", help="[layout:]MxNxK,... or none")
-    p.add_argument("--precompile", type=int, default=0, help="compile in this many processes first")
     p.add_argument("--extra", default="", help="more configs: TMxTN_cCMxCN_gG,...")
     p.add_argument(
         "--no-candidates", action="store_true", help="the heuristic's config and --extra only"
     )
-    p.add_argument("--compile-part", default=None, help=argparse.SUPPRESS)
+    common.add_precompile_options(p)
     args = p.parse_args(argv)
-    EXTRA[:] = [parse_config(c) for c in args.extra.split(",") if c]
-    CANDIDATES_ON[0] = not args.no_candidates
-    if args.compile_part:
-        part, parts = (int(x) for x in args.compile_part.split("/"))
-        compile_part(args, part, parts)
+    extra = tuple(parse_config(c) for c in args.extra.split(",") if c)
+    shapes = [
+        (layout, proj, m, n, k, configs_of(m, n, k, extra, not args.no_candidates))
+        for layout, proj, m, n, k in problems(args)
+    ]
+    jobs = sorted({(s[0], cfg) for s in shapes for cfg in s[5]}, key=repr)
+    if common.precompiled(args, argv, os.path.abspath(__file__), jobs, compile_one):
         return
-    if args.precompile:
-        passed = common.without_option(argv, "--precompile")
-        common.precompile(os.path.abspath(__file__), passed, args.precompile)
     rows = []
-    for layout, proj, m, n, k in problems(args):
-        rows.append(dict(sweep_shape(layout, m, n, k, args.rounds), proj=proj))
+    for layout, proj, m, n, k, configs in shapes:
+        rows.append(dict(sweep_shape(layout, m, n, k, args.rounds, configs), proj=proj))
         print(rows[-1], flush=True)
         torch.cuda.empty_cache()
     common.write_json(

@@ -815,9 +815,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--mode", choices=("auto", "interleaved", "isolated"), default="auto")
     p.add_argument("--quick", action="store_true", help="2 rounds, 1 rep, 2 warm-up steps")
-    p.add_argument(
-        "--rotate", action="store_true", help="start each round at the next method (and block)"
-    )
+    common.add_rotate_option(p)
     g = p.add_mutually_exclusive_group()
     g.add_argument("--no-block", action="store_true", help="skip the one-block section")
     g.add_argument("--block-only", action="store_true", help="only the one-block section")

@@ -110,3 +110,31 @@ def test_config_labels_parse_back():
     assert gemm_configs.label(cfg) == "coop256x128_c2x1_e32_g1"
     pingpong = gemm_configs.parse_config("128x192_c1x2_g8")
     assert gemm_configs.label(pingpong) == "128x192_c1x2_e32_g8"
+
+
+def test_precompiled_dispatch_compiles_each_share_once(monkeypatch, tmp_path):
+    """A ``--compile-part i/n`` process compiles every n-th job from the i-th and stops;
+    ``--precompile N`` runs N such processes of the script (here one that records its
+    share) and the caller goes on to time."""
+    monkeypatch.setattr(common.torch.cuda, "synchronize", lambda: None)
+    jobs = list(range(7))
+    done = []
+    part = argparse.Namespace(compile_part="1/3", precompile=0)
+    assert common.precompiled(part, [], "unused.py", jobs, done.append) is True
+    assert done == [1, 4]
+    plain = argparse.Namespace(compile_part=None, precompile=0)
+    assert common.precompiled(plain, [], "unused.py", jobs, done.append) is False
+    assert done == [1, 4]
+
+    script = tmp_path / "record.py"
+    script.write_text(
+        "import sys, pathlib\n"
+        "i = sys.argv.index('--compile-part')\n"
+        "name = sys.argv[i + 1].replace('/', '_')\n"
+        "pathlib.Path(sys.argv[1], name).write_text(' '.join(sys.argv[2:i]))\n"
+    )
+    spawn = argparse.Namespace(compile_part=None, precompile=3)
+    argv = [str(tmp_path), "--x", "--precompile", "3"]
+    assert common.precompiled(spawn, argv, str(script), jobs, done.append) is False
+    assert sorted(p.name for p in tmp_path.glob("*_3")) == ["0_3", "1_3", "2_3"]
+    assert {(tmp_path / f"{i}_3").read_text() for i in range(3)} == {"--x"}
