@@ -140,6 +140,19 @@ def sampled(fn: Callable[[], object], seconds: float, batch: int = 1) -> dict:
     }
 
 
+def interleaved_sampled(
+    contenders: dict[str, Callable[[], object]], rounds: int, seconds: float, batch: int
+) -> dict[str, list[dict]]:
+    """Per-contender list of per-round :func:`sampled` results (ms, watts, sm_mhz,
+    joules, passes): each contender back to back for ``seconds`` in batches of ``batch``,
+    rounds rotated (:func:`round_order`)."""
+    runs: dict[str, list[dict]] = {name: [] for name in contenders}
+    for r in range(rounds):
+        for name in round_order(list(contenders), r, True):
+            runs[name].append(sampled(contenders[name], seconds, batch))
+    return runs
+
+
 def cuda_inputs(epi, m: int, n: int, k: int, seed: int = 0) -> tuple:
     """(A, B, tensors) for ``epi`` at (m, n, k), bf16 operands, on the GPU
     (``coda.testing.strategies.make_inputs``; scalars stay Python numbers)."""

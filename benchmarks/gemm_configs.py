@@ -3,7 +3,7 @@
     python benchmarks/gemm_configs.py [--out benchmarks/results/gemm_configs_h200.json]
         [--rounds 3] [--layouts fwd] [--H ''] [--tokens 16384] [--ffn H:FFN,...]
         [--shapes [layout:]MxNxK,...|none] [--extra 256x128_c2x1_g8,...]
-        [--no-candidates] [--precompile 12]
+        [--no-candidates] [--precompile 12] [--seconds 0.6]
 
 For each shape, every config :func:`coda.runtime.autotune.candidates` would time (the
 heuristic's config first, its tile with other swizzle-group heights, then
@@ -16,6 +16,12 @@ Shapes: ``benchmarks/gemm.py``'s seven reference shapes (forward only) unless
 ``--shapes`` names others (``MxNxK`` in each of ``--layouts``, ``layout:MxNxK`` in
 one; ``none``: no such shapes), plus the Llama block projections
 of ``--H`` in each of ``--layouts`` (the same shapes and flags as ``gemm.py``).
+
+``--seconds S``: each contender of a round runs back to back for S seconds instead of
+one timed batch, while board power and SM clock are sampled (``common.sampled``), so that
+every kernel is timed at the clock its own power draw settles to (the card runs these
+GEMMs at its power limit); rows then carry ``power``: per contender the medians over
+rounds of ``sm_mhz``, ``watts`` and ``joules`` (energy per call).
 
 ``--precompile N`` first compiles every (config, operand layout) kernel in N processes at
 once (a kernel does not depend on the problem's size), into the on-disk kernel cache the
@@ -86,7 +92,9 @@ def configs_of(m: int, n: int, k: int, extra: tuple, every_candidate: bool) -> t
     return tuple(dict.fromkeys((*(found if every_candidate else found[:1]), *extra)))
 
 
-def sweep_shape(layout: str, m: int, n: int, k: int, rounds: int, configs: tuple) -> dict:
+def sweep_shape(
+    layout: str, m: int, n: int, k: int, rounds: int, configs: tuple, seconds: float = 0.0
+) -> dict:
     torch.manual_seed(0)
     a0 = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     b0 = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
@@ -98,12 +106,23 @@ def sweep_shape(layout: str, m: int, n: int, k: int, rounds: int, configs: tuple
     for cfg in configs:
         contenders[label(cfg)] = lambda cfg=cfg: gemm(a, b, out=out, config=cfg)
     reps = max(3, min(30, int(2e13 / (2 * m * n * k))))
-    times = common.interleaved(contenders, rounds=rounds, reps=reps, rotate=True)
+    power = {}
+    if seconds:
+        runs = common.interleaved_sampled(contenders, rounds, seconds, reps)
+        times = {name: [x["ms"] for x in xs] for name, xs in runs.items()}
+        power = {
+            name: {f: common.median([x[f] for x in xs]) for f in ("sm_mhz", "watts", "joules")}
+            for name, xs in runs.items()
+        }
+    else:
+        times = common.interleaved(contenders, rounds=rounds, reps=reps, rotate=True)
     row = {"layout": layout, "M": m, "N": n, "K": k, "heuristic": label(configs[0])}
     row["cublas_ms"] = common.median(times["cublas"])
     for cfg in configs:
         row[label(cfg)] = common.median_ratio(times["cublas"], times[label(cfg)])
     row["best"] = max((label(c) for c in configs), key=lambda name: row[name])
+    if power:
+        row["power"] = power
     return row
 
 
@@ -133,6 +152,9 @@ def main(argv=None) -> None:
     p.add_argument(
         "--no-candidates", action="store_true", help="the heuristic's config and --extra only"
     )
+    p.add_argument(
+        "--seconds", type=float, default=0.0, help="sustained runs of this long, power sampled"
+    )
     common.add_precompile_options(p)
     args = p.parse_args(argv)
     extra = tuple(parse_config(c) for c in args.extra.split(",") if c)
@@ -145,7 +167,8 @@ def main(argv=None) -> None:
         return
     rows = []
     for layout, proj, m, n, k, configs in shapes:
-        rows.append(dict(sweep_shape(layout, m, n, k, args.rounds, configs), proj=proj))
+        row = sweep_shape(layout, m, n, k, args.rounds, configs, args.seconds)
+        rows.append(dict(row, proj=proj))
         print(rows[-1], flush=True)
         torch.cuda.empty_cache()
     common.write_json(

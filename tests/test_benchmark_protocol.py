@@ -138,3 +138,21 @@ def test_precompiled_dispatch_compiles_each_share_once(monkeypatch, tmp_path):
     assert common.precompiled(spawn, argv, str(script), jobs, done.append) is False
     assert sorted(p.name for p in tmp_path.glob("*_3")) == ["0_3", "1_3", "2_3"]
     assert {(tmp_path / f"{i}_3").read_text() for i in range(3)} == {"--x"}
+
+
+def test_sustained_rounds_rotate_and_keep_every_measurement(monkeypatch):
+    """``common.interleaved_sampled`` (the sustained runs of ``gemm_configs.py --seconds``
+    and ``block_clocks.py``): rounds rotated as ``interleaved``'s, one ``sampled`` result
+    per contender per round, handed back unchanged."""
+    seen = []
+
+    def fake_sampled(fn, seconds, batch):
+        name = fn()
+        seen.append(name)
+        return {"ms": float(len(seen)), "name": name, "seconds": seconds, "batch": batch}
+
+    monkeypatch.setattr(common, "sampled", fake_sampled)
+    runs = common.interleaved_sampled({n: (lambda n=n: n) for n in "ab"}, 4, 0.5, 3)
+    assert seen == list("abbaabba")
+    assert [r["ms"] for r in runs["a"]] == [1.0, 4.0, 5.0, 8.0]
+    assert all(r["name"] == "b" and (r["seconds"], r["batch"]) == (0.5, 3) for r in runs["b"])

@@ -353,10 +353,12 @@ def test_catalogue_epilogue_on_cooperative_tiles(name, shape, layout):
     _check(EPILOGUES[name], shape, layout, config=GemmConfig(tile_m=256, tile_n=128))
 
 
+@pytest.mark.parametrize("tile_n", [192, 128])
 @pytest.mark.parametrize("name", ["rmsnorm_fwd", "swiglu_bwd", "lse_target", "dgamma_colsum"])
-def test_catalogue_epilogue_on_wide_cooperative_tiles(name):
-    """256 x 192 tiles (the plain GEMM's pick for long runs) with 1 x 2 clusters."""
-    cfg = GemmConfig(tile_m=256, tile_n=192, cluster_m=1, cluster_n=2)
+def test_catalogue_epilogue_on_wide_cooperative_tiles(name, tile_n):
+    """256 x 192 tiles (the plain GEMM's pick for long runs) and 256 x 128 (its pick for
+    long K, which ``config="gemm"`` hands light epilogues) with 1 x 2 clusters."""
+    cfg = GemmConfig(tile_m=256, tile_n=tile_n, cluster_m=1, cluster_n=2)
     _check(EPILOGUES[name], (1000, 1160, 200), "wgrad", config=cfg)
     _check(EPILOGUES[name], (600, 776, 520), "fwd", config=cfg)
 

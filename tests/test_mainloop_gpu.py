@@ -154,12 +154,13 @@ def test_gemm_cooperative_and_wide_subtiles_every_layout(config, layout, shape):
     _check_layout(config, layout, shape, seed=7)
 
 
-@pytest.mark.parametrize("layout", ["fwd", "wgrad"])
+@pytest.mark.parametrize("layout", ["fwd", "dgrad", "wgrad"])
 @pytest.mark.parametrize(
     "config",
     [
         GemmConfig(tile_m=256, tile_n=128),
         GemmConfig(tile_m=256, tile_n=192),
+        GemmConfig(tile_m=256, tile_n=128, cluster_m=1, cluster_n=2),  # long-K heuristic
         GemmConfig(tile_n=128, epi_n=64),
     ],
     ids=str,

@@ -53,11 +53,39 @@ def test_long_running_problems_take_wide_tiles():
     assert tile(128256, 2048, 16384) == (256, 192)  # dW, 8.6 TFLOP
     assert tile(16384, 2048, 128256) == (256, 128)  # dh, 8.6 TFLOP: 192 wide leaves a last wave
     assert tile(8192, 2048, 128256) == (128, 128)  # dh, 4.3 TFLOP: PingPong, fuller last wave
-    # the same tile counts below the power-limited size keep the wave-quantization pick
+    # the same tile counts below the power-limited size keep the wave-quantization pick,
+    # but for the cooperative long-K tile on K >= LONG_K (below)
     assert tile(16384, 4096, 4096) == (128, 128)
-    assert tile(4096, 4096, 16384) == (128, 128)
+    assert tile(4096, 4096, 16384) == (256, 128)
     # split-K candidates stay PingPong
     assert choose_config(2048, 2048, 128256, split_ok=True).tile_m == 128
+
+
+def test_long_k_problems_take_cooperative_tiles_in_1x2_clusters():
+    """K in [LONG_K, 32768] below the power-limited size: cooperative 256 x 128 tiles in a
+    1 x 2 cluster where the wave-quantized cost says so (the picks measured faster run
+    back to back on an H200: gemm_configs_sustained_coop_h200.json)."""
+
+    def pick(m, n, k):
+        c = choose_config(m, n, k, 132)
+        return c.tile_m, c.tile_n, c.cluster_m, c.cluster_n
+
+    coop = (256, 128, 1, 2)
+    assert pick(4096, 2048, 16384) == coop  # H = 2048 QKV wgrad
+    assert pick(2048, 2048, 16384) == coop  # O wgrad
+    assert pick(16384, 4096, 22016) == coop  # H = 4096 gate / up dgrad
+    assert pick(16384, 4096, 11008) == coop  # down projection, forward
+    # a last wave the 256-row tile would leave two thirds empty: PingPong
+    assert pick(11264, 2048, 16384) == (128, 128, 2, 1)
+    assert pick(4096, 11008, 16384) == (128, 128, 2, 1)
+    # short K, the LM head's vocabulary-long K, one tile row: as before
+    assert pick(16384, 4096, 4096)[0] == 128
+    assert pick(8192, 2048, 128256) == (128, 128, 2, 1)
+    assert pick(128, 4096, 16384)[0] == 128
+    # every pick is a valid config whose cluster divides the grid
+    for m, n, k in [(4096, 2048, 16384), (300, 136, 20000), (256, 264, 10240)]:
+        c = choose_config(m, n, k, 132)
+        assert isinstance(c, GemmConfig)
 
 
 def test_map_passes_take_wide_subtiles_with_narrow_fallbacks():
@@ -293,14 +321,23 @@ def test_long_k_problems_take_short_swizzle_groups_only_on_hbm3_cards():
     ]
     others = [(16384, 22016, 4096), (16384, 4096, 4096), (16384, 2048, 5632), (8192, 8192, 8192)]
     for m, n, k in long_k:
-        assert choose_config(m, n, k, 132, short_groups=True).group_m == LONG_K_GROUP_M
+        short = choose_config(m, n, k, 132, short_groups=True)
+        assert short.group_m == LONG_K_GROUP_M and short.tile_m == 128
         assert choose_config(m, n, k, 132).group_m == GemmConfig().group_m
     for m, n, k in others:
         assert choose_config(m, n, k, 132, short_groups=True) == choose_config(m, n, k, 132)
-    # the rest of the config is the same either way
-    for m, n, k in long_k:
-        a = choose_config(m, n, k, 132, short_groups=True)
-        assert attrs.evolve(a, group_m=GemmConfig().group_m) == choose_config(m, n, k, 132)
+    # the H200 takes the cooperative long-K tile where it costs less (not on H100s: their
+    # short groups were measured on PingPong tiles); the rest of the H100's config is the
+    # H200's PingPong pick
+    h200 = [choose_config(m, n, k, 132) for m, n, k in long_k]
+    assert [(c.tile_m, c.cluster_m, c.cluster_n) for c in h200] == [
+        (256, 1, 2),
+        (128, 2, 1),
+        (256, 1, 2),
+        (256, 1, 2),
+    ]
+    a = choose_config(4096, 11008, 16384, 132, short_groups=True)
+    assert attrs.evolve(a, group_m=GemmConfig().group_m) == h200[1]
 
 
 def test_short_swizzle_groups_follow_the_device_memory(monkeypatch):

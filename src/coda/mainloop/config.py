@@ -243,6 +243,25 @@ def long_running(m: int, n: int, k: int) -> bool:
 _LONG_RUN_EFFICIENCY_COOPERATIVE = {192: 1.1, 128: 1.02}
 
 
+#: Cooperative (tile_m, tile_n) offered on long-K problems below ``LONG_RUN_FLOPS`` (K >=
+#: ``LONG_K``, e.g. a Llama block's weight gradients, K = tokens, and its down projection),
+#: in a 1 x 2 cluster (A multicast to the two CTAs of neighbouring N tiles), costed at
+#: ``_LONG_K_COOPERATIVE_EFFICIENCY`` (PingPong 128 x 192: 1.0). What it is for: a training
+#: step keeps the card at its power limit, where a GEMM's time follows its energy, and
+#: PingPong 128 x 128 tiles in 2 x 1 clusters read up to 3x cuBLAS's DRAM bytes on these
+#: shapes (``benchmarks/gemm_counters.py``, Nsight Compute) and ran at a 5-7% lower SM
+#: clock than cuBLAS at the same ~690 W. Run back to back for 0.4 s each (``gemm_configs.py
+#: --seconds``, H200, 2026-11-28), the shapes this picks ran 3.7-6.6% faster than the
+#: 128 x 128 PingPong tile and within -1.5..+2.6% of 128 x 192; in short bursts
+#: (``gemm.py``'s protocol) within -3..+5% of the previous pick
+#: (``benchmarks/results/gemm_configs_sustained_coop_h200.json``, ``..._burst_...``).
+#: Up to ``_LONG_K_COOPERATIVE_MAX_K``: the range measured (K = 11008-28672); the LM
+#: head's vocabulary-long K (128256) keeps the picks fitted on it (split-K, 128 x 128).
+_LONG_K_COOPERATIVE = (256, 128)
+_LONG_K_COOPERATIVE_EFFICIENCY = 1.01
+_LONG_K_COOPERATIVE_MAX_K = 32768
+
+
 #: On cards with less DRAM bandwidth than an H200 (``short_groups``), PingPong GEMMs with
 #: K >= LONG_K and N <= LONG_K_MAX_N walk the tiles in swizzle groups of LONG_K_GROUP_M
 #: cluster rows instead of the default 8. Measured on an H100 (``benchmarks/gemm_raster.py``,
@@ -277,9 +296,15 @@ def choose_config(
     work is then a 256-row tile, costing twice a 128-row one's k-tiles, at
     ``_LONG_RUN_EFFICIENCY_COOPERATIVE``).
 
+    Long-K problems (``LONG_K`` <= K <= 32768) below ``LONG_RUN_FLOPS`` also get the cooperative
+    256 x 128 tile in a 1 x 2 cluster as a candidate, at ``_LONG_K_COOPERATIVE_EFFICIENCY``
+    (``_LONG_K_COOPERATIVE``): less DRAM and L2 traffic per FLOP, so a higher clock at the
+    power limit a training step keeps the card at.
+
     ``short_groups`` (the card's DRAM bandwidth is below an H200's, e.g. an H100: see
     :func:`coda.runtime.checks.short_swizzle_groups`): long-K problems take swizzle groups
-    of ``LONG_K_GROUP_M`` cluster rows (``LONG_K``).
+    of ``LONG_K_GROUP_M`` cluster rows (``LONG_K``) instead (the cooperative long-K
+    candidate was measured on the H200 only).
 
     ``split_ok`` (the caller stores into an fp32 output it zeroed or accumulates into):
     split-K is also considered, a unit of work costing its share of the k-tiles plus
@@ -293,23 +318,37 @@ def choose_config(
     efficiency = dict(_TILE_EFFICIENCY)
     if long_run:
         efficiency[128] = _LONG_RUN_EFFICIENCY_128
-    clusters = max(1, num_sms // cluster_m)
     max_split = min(MAX_SPLIT_K, k_tiles // MIN_SPLIT_K_TILES) if split_ok else 1
 
-    def cost(choice: tuple[int, int, int]) -> float:
-        tile_m, tile_n, splits = choice
-        rows = -(-m // tile_m)
-        units = -(-rows // cluster_m) * -(-n // tile_n) * splits
-        per_unit = -(-k_tiles // splits) + (SPLIT_EPILOGUE_K_TILES if splits > 1 else 0)
-        eff = efficiency[tile_n] if tile_m == 128 else _LONG_RUN_EFFICIENCY_COOPERATIVE[tile_n]
-        return -(-units // clusters) * per_unit * tile_n * (tile_m // 128) / eff
+    def ceil(a: int, b: int) -> int:
+        return -(-a // b)
+
+    def cost(choice: tuple[int, int, int, int, int, float]) -> float:
+        """Wave-quantized time: waves of clusters x k-tiles per unit x tile area / eff."""
+        tile_m, tile_n, splits, cm, cn, eff = choice
+        units = ceil(ceil(m, tile_m), cm) * ceil(ceil(n, tile_n), cn) * splits
+        per_unit = ceil(k_tiles, splits) + (SPLIT_EPILOGUE_K_TILES if splits > 1 else 0)
+        waves = ceil(units, max(1, num_sms // (cm * cn)))
+        return waves * per_unit * tile_n * (tile_m // 128) / eff
 
     # list order breaks ties: PingPong 192 first, then fewer splits, then cooperative
-    choices = [(128, t, s) for s in range(1, max(1, max_split) + 1) for t in _TILE_EFFICIENCY]
+    choices = [
+        (128, t, s, cluster_m, 1, efficiency[t])
+        for s in range(1, max(1, max_split) + 1)
+        for t in _TILE_EFFICIENCY
+    ]
     if long_run and tiles_m >= 2:
-        choices += [(256, t, 1) for t in _LONG_RUN_EFFICIENCY_COOPERATIVE]
-    tile_m, tile_n, splits = min(choices, key=cost)
-    cfg = GemmConfig(tile_m=tile_m, tile_n=tile_n, cluster_m=cluster_m, split_k=splits)
+        coop = _LONG_RUN_EFFICIENCY_COOPERATIVE
+        choices += [(256, t, 1, cluster_m, 1, e) for t, e in coop.items()]
+    elif (
+        LONG_K <= k <= _LONG_K_COOPERATIVE_MAX_K
+        and not short_groups
+        and tiles_m >= 2
+        and n > _LONG_K_COOPERATIVE[1]
+    ):
+        choices.append((*_LONG_K_COOPERATIVE, 1, 1, 2, _LONG_K_COOPERATIVE_EFFICIENCY))
+    tile_m, tile_n, splits, cm, cn, _ = min(choices, key=cost)
+    cfg = GemmConfig(tile_m=tile_m, tile_n=tile_n, cluster_m=cm, cluster_n=cn, split_k=splits)
     if short_groups and tile_m == 128 and k >= LONG_K and n <= LONG_K_MAX_N:
         cfg = attrs.evolve(cfg, group_m=LONG_K_GROUP_M)
     return cfg
