@@ -249,10 +249,10 @@ _LONG_RUN_EFFICIENCY_COOPERATIVE = {192: 1.1, 128: 1.02}
 #: ``_LONG_K_COOPERATIVE_EFFICIENCY`` (PingPong 128 x 192: 1.0). What it is for: a training
 #: step keeps the card at its power limit, where a GEMM's time follows its energy, and
 #: PingPong 128 x 128 tiles in 2 x 1 clusters read up to 3x cuBLAS's DRAM bytes on these
-#: shapes (``benchmarks/gemm_counters.py``, Nsight Compute) and ran at a 5-7% lower SM
-#: clock than cuBLAS at the same ~690 W. Run back to back for 0.4 s each (``gemm_configs.py
+#: shapes (``benchmarks/gemm_counters.py``, Nsight Compute) and ran at SM clocks a median
+#: 6-8% below cuBLAS's at the same ~690 W. Run back to back for 0.4 s each (``gemm_configs.py
 #: --seconds``, H200, 2026-11-28), the shapes this picks ran 3.7-6.6% faster than the
-#: 128 x 128 PingPong tile and within -1.5..+2.6% of 128 x 192; in short bursts
+#: 128 x 128 PingPong tile and -0.1..+2.6% against 128 x 192; in short bursts
 #: (``gemm.py``'s protocol) within -3..+5% of the previous pick
 #: (``benchmarks/results/gemm_configs_sustained_coop_h200.json``, ``..._burst_...``).
 #: Up to ``_LONG_K_COOPERATIVE_MAX_K``: the range measured (K = 11008-28672); the LM
