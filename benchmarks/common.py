@@ -153,6 +153,38 @@ def interleaved_sampled(
     return runs
 
 
+def timed_rounds(
+    contenders: dict[str, Callable[[], object]],
+    rounds: int,
+    reps: int,
+    rotate: bool,
+    seconds: float = 0.0,
+) -> tuple[dict[str, list[float]], dict[str, dict[str, float]]]:
+    """Per-contender per-round ms, and per-contender power medians. ``seconds`` = 0:
+    :func:`interleaved` (short bursts of ``reps`` calls; no power). ``seconds`` > 0:
+    :func:`interleaved_sampled` (each contender back to back for ``seconds`` at the clock
+    its power draw settles to, rounds rotated), and for each contender the medians over
+    rounds of ``sm_mhz``, ``watts`` and ``joules`` (energy per call)."""
+    if not seconds:
+        return interleaved(contenders, rounds=rounds, reps=reps, rotate=rotate), {}
+    runs = interleaved_sampled(contenders, rounds, seconds, reps)
+    times = {name: [x["ms"] for x in xs] for name, xs in runs.items()}
+    power = {
+        name: {f: median([x[f] for x in xs]) for f in ("sm_mhz", "watts", "joules")}
+        for name, xs in runs.items()
+    }
+    return times, power
+
+
+def add_seconds_option(parser) -> None:
+    parser.add_argument(
+        "--seconds",
+        type=float,
+        default=0.0,
+        help="each contender back to back this long per round (the power limit), power sampled",
+    )
+
+
 def cuda_inputs(epi, m: int, n: int, k: int, seed: int = 0) -> tuple:
     """(A, B, tensors) for ``epi`` at (m, n, k), bf16 operands, on the GPU
     (``coda.testing.strategies.make_inputs``; scalars stay Python numbers)."""

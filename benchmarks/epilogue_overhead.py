@@ -2,7 +2,7 @@
 
     python benchmarks/epilogue_overhead.py [--out benchmarks/results/epilogue_overhead_h200.json]
                                            [--sizes 2048,4096,8192] [--layouts fwd,dgrad,wgrad]
-                                           [--rotate] [--precompile 14]
+                                           [--rotate] [--precompile 14] [--seconds 0.5]
 
 For each representative epilogue of ``coda.testing.catalog``, each shape (M=16384,
 N=K in ``--sizes``) and each operand layout (``coda.testing.layouts``: forward, dgrad
@@ -24,6 +24,11 @@ finalize regression found on 2026-11-27, ``results/epilogue_overhead_rerun_h200.
 ``--rotate``: fused and plain take turns starting a round (A B, B A, ...) instead of the
 fused kernel always first (``common.interleaved(rotate=True)``). ``--precompile N``
 compiles every timed kernel in N processes first (``common.precompile``).
+``--seconds S``: each method runs back to back for S seconds per round (rounds rotated)
+while board power and SM clock are sampled, so both kernels are timed at the clock their
+own power draw settles to, as in a training step (``common.timed_rounds``); rows then add
+``fused_sm_mhz``, ``plain_sm_mhz``, ``fused_joules`` and ``plain_joules`` (medians over
+rounds; joules = energy per call).
 The PNG beside the JSON shows every row's fused / plain against the 1.03 target
 (``--replot FILE`` redraws it from a written JSON, on any machine with matplotlib).
 """
@@ -94,14 +99,19 @@ def bench(
     epi_n: int | None = None,
     rolled: bool = False,
     rotate: bool = False,
+    seconds: float = 0.0,
 ) -> dict:
     cfg, methods = contenders(name, m, n, k, layout, staggered, epi_n, rolled)
     reps = max(3, min(30, int(2e13 / (2 * m * n * k))))
-    times = common.interleaved(methods, rounds=rounds, reps=reps, rotate=rotate)
+    times, power = common.timed_rounds(methods, rounds, reps, rotate, seconds)
     fused, plain = common.median(times["fused"]), common.median(times["plain"])
     extra = {}
+    if power:
+        for method in ("fused", "plain"):
+            extra[f"{method}_sm_mhz"] = power[method]["sm_mhz"]
+            extra[f"{method}_joules"] = power[method]["joules"]
     if staggered:
-        extra = {
+        extra |= {
             "staggered_ms": common.median(times["staggered"]),
             "staggered_ratio": common.median_ratio(times["staggered"], times["plain"]),
         }
@@ -197,6 +207,7 @@ def main(argv=None) -> None:
     p.add_argument("--baseline", default=None, help="an earlier result JSON to compare rows with")
     p.add_argument("--tolerance", type=float, default=0.02, help="ratio rise that is a regression")
     common.add_rotate_option(p)
+    common.add_seconds_option(p)
     common.add_precompile_options(p)
     common.add_replot_option(p)
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -222,8 +233,9 @@ def main(argv=None) -> None:
     if args.baseline:  # read first: a bad path fails before any GPU work
         with open(args.baseline) as f:
             baseline = json.load(f)["rows"]
+    timing = {"rotate": args.rotate, "seconds": args.seconds}
     rows = [
-        bench(name, M, size, size, args.rounds, layout, *extras, rotate=args.rotate)
+        bench(name, M, size, size, args.rounds, layout, *extras, **timing)
         for name, size, layout in jobs
     ]
     worst = max(r["ratio"] for r in rows)
@@ -232,6 +244,8 @@ def main(argv=None) -> None:
     common.write_json(args.out, payload)
     chart(payload, common.png_beside(args.out))
     cols = ["epilogue", "layout", "M", "N", "K", "fused_ms", "plain_ms", "ratio"]
+    if args.seconds:
+        cols += ["fused_sm_mhz", "plain_sm_mhz", "fused_joules", "plain_joules"]
     if args.staggered:
         cols += ["staggered_ms", "staggered_ratio"]
     if args.rolled:

@@ -106,16 +106,7 @@ def sweep_shape(
     for cfg in configs:
         contenders[label(cfg)] = lambda cfg=cfg: gemm(a, b, out=out, config=cfg)
     reps = max(3, min(30, int(2e13 / (2 * m * n * k))))
-    power = {}
-    if seconds:
-        runs = common.interleaved_sampled(contenders, rounds, seconds, reps)
-        times = {name: [x["ms"] for x in xs] for name, xs in runs.items()}
-        power = {
-            name: {f: common.median([x[f] for x in xs]) for f in ("sm_mhz", "watts", "joules")}
-            for name, xs in runs.items()
-        }
-    else:
-        times = common.interleaved(contenders, rounds=rounds, reps=reps, rotate=True)
+    times, power = common.timed_rounds(contenders, rounds, reps, True, seconds)
     row = {"layout": layout, "M": m, "N": n, "K": k, "heuristic": label(configs[0])}
     row["cublas_ms"] = common.median(times["cublas"])
     for cfg in configs:
@@ -152,9 +143,7 @@ def main(argv=None) -> None:
     p.add_argument(
         "--no-candidates", action="store_true", help="the heuristic's config and --extra only"
     )
-    p.add_argument(
-        "--seconds", type=float, default=0.0, help="sustained runs of this long, power sampled"
-    )
+    common.add_seconds_option(p)
     common.add_precompile_options(p)
     args = p.parse_args(argv)
     extra = tuple(parse_config(c) for c in args.extra.split(",") if c)

@@ -156,3 +156,25 @@ def test_sustained_rounds_rotate_and_keep_every_measurement(monkeypatch):
     assert seen == list("abbaabba")
     assert [r["ms"] for r in runs["a"]] == [1.0, 4.0, 5.0, 8.0]
     assert all(r["name"] == "b" and (r["seconds"], r["batch"]) == (0.5, 3) for r in runs["b"])
+
+
+def test_timed_rounds_bursts_or_sustained(monkeypatch):
+    """``common.timed_rounds``: without ``seconds`` the bursts of ``interleaved`` and no
+    power; with it, ``interleaved_sampled``'s ms per round and the medians of clock,
+    power and energy per contender."""
+    monkeypatch.setattr(common, "time_once", lambda fn, reps: 2.0)
+    monkeypatch.setattr(common.torch.cuda, "synchronize", lambda: None)
+    names = {n: (lambda n=n: n) for n in "ab"}
+    times, power = common.timed_rounds(names, 3, 1, True)
+    assert times == {"a": [2.0] * 3, "b": [2.0] * 3} and power == {}
+    readings = iter(range(100))
+
+    def fake_sampled(fn, seconds, batch):
+        i = next(readings)
+        return {"ms": float(i), "sm_mhz": 1000.0 + i, "watts": 600.0, "joules": 0.5 + i}
+
+    monkeypatch.setattr(common, "sampled", fake_sampled)
+    times, power = common.timed_rounds(names, 3, 1, True, seconds=0.2)
+    assert times == {"a": [0.0, 3.0, 4.0], "b": [1.0, 2.0, 5.0]}  # a b, b a, a b
+    assert power["a"] == {"sm_mhz": 1003.0, "watts": 600.0, "joules": 3.5}
+    assert power["b"]["sm_mhz"] == 1002.0
