@@ -36,20 +36,11 @@ MEASURED = ("ms", "sm_mhz", "watts", "joules")
 COLUMNS = ("contender", "pass", *MEASURED, "profiled_span_ms", "profiled_gpu_ms")
 
 
-def builders(blk: ts.Block) -> dict:
-    return {
-        "coda": blk.coda,
-        "compile": blk.hf,
-        "cublas_floor": lambda backward: blk.floor(ts.cublas_mm, backward),
-        "coda_floor": lambda backward: blk.floor(ts.coda_mm, backward),
-    }
-
-
 def bench(size: ts.LlamaSize, M: int, pass_: str, args: argparse.Namespace) -> list[dict]:
     blk = ts.Block(size, M)
     backward = pass_ == "fwd+bwd"
     fns = {}
-    for key, build in builders(blk).items():
+    for key, build in blk.contenders().items():
         fn = build(backward)
         for _ in range(3):
             fn()

@@ -74,14 +74,20 @@ def ffn_sizes(spec: str) -> dict[int, int]:
     return {int(h): int(f) for h, f in pairs}
 
 
-def bench_shape(
-    m: int, n: int, k: int, rounds: int, config=None, layout: str = "fwd", rotate: bool = False
-) -> dict:
+def layout_operands(layout: str, m: int, n: int, k: int) -> tuple:
+    """(A, B) of an (m, n, k) problem in ``layout``'s operand views
+    (``coda.testing.layouts.operands``), random bf16 on the GPU, seed 0: what the GEMM
+    scripts time coda and cuBLAS (``torch.mm(A, B.t())``) on."""
     torch.manual_seed(0)
     a0 = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     b0 = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
-    a, b = operands(a0, b0, layout)
-    del a0, b0
+    return operands(a0, b0, layout)
+
+
+def bench_shape(
+    m: int, n: int, k: int, rounds: int, config=None, layout: str = "fwd", rotate: bool = False
+) -> dict:
+    a, b = layout_operands(layout, m, n, k)
     d_coda = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
     d_cublas = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
     bt = b.t()

@@ -39,7 +39,14 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
-from gemm import SHAPES, TOKENS, ffn_sizes, layout_shape, llama_projections  # noqa: E402
+from gemm import (  # noqa: E402
+    SHAPES,
+    TOKENS,
+    ffn_sizes,
+    layout_operands,
+    layout_shape,
+    llama_projections,
+)
 
 from coda.mainloop.config import GemmConfig  # noqa: E402
 from coda.matmul import gemm  # noqa: E402
@@ -95,11 +102,7 @@ def configs_of(m: int, n: int, k: int, extra: tuple, every_candidate: bool) -> t
 def sweep_shape(
     layout: str, m: int, n: int, k: int, rounds: int, configs: tuple, seconds: float = 0.0
 ) -> dict:
-    torch.manual_seed(0)
-    a0 = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-    b0 = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
-    a, b = operands(a0, b0, layout)
-    del a0, b0
+    a, b = layout_operands(layout, m, n, k)
     out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
     bt = b.t()
     contenders = {"cublas": lambda: torch.mm(a, bt, out=out)}

@@ -20,18 +20,15 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from gemm import layout_operands  # noqa: E402
 from gemm_configs import parse_config  # noqa: E402
 
 from coda.matmul import gemm  # noqa: E402
-from coda.testing.layouts import operands  # noqa: E402
 
 
 def pair(layout: str, m: int, n: int, k: int, config) -> tuple:
     """(coda call, cuBLAS call) of one problem, on the same operand views and output."""
-    torch.manual_seed(0)
-    a0 = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-    b0 = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
-    a, b = operands(a0, b0, layout)
+    a, b = layout_operands(layout, m, n, k)
     out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
     bt = b.t()
     kwargs = {"config": config} if config is not None else {}

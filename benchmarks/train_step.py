@@ -627,6 +627,16 @@ class Block:
 
         return _one_pass(call, inputs, self.dy2, backward)
 
+    def contenders(self) -> dict[str, Callable[[bool], Callable[[], Any]]]:
+        """Name -> builder of one pass (``backward`` -> callable): the fused layer, the HF
+        layer under torch.compile, and the two GEMM + SDPA floors."""
+        return {
+            "coda": self.coda,
+            "compile": self.hf,
+            "cublas_floor": functools.partial(self.floor, cublas_mm),
+            "coda_floor": functools.partial(self.floor, coda_mm),
+        }
+
     def floor(self, mm: Callable[[torch.Tensor, torch.Tensor], Any], backward: bool):
         s, M = self.size, self.M
         H, Fd, D = s.hidden, s.intermediate, s.hidden // s.heads
@@ -695,12 +705,7 @@ def bench_block(size: LlamaSize, M: int, args: argparse.Namespace, errors: list[
     for pass_ in ("fwd", "fwd+bwd"):
         backward = pass_ == "fwd+bwd"
         fns: dict[str, Callable[[], Any]] = {}
-        builders: dict[str, Callable[[bool], Callable[[], Any]]] = {
-            "coda": blk.coda,
-            "compile": blk.hf,
-            "cublas_floor": functools.partial(blk.floor, cublas_mm),
-            "coda_floor": functools.partial(blk.floor, coda_mm),
-        }
+        builders = blk.contenders()
         for key, build in builders.items():
             try:
                 fn = build(backward)
