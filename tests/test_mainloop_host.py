@@ -62,7 +62,7 @@ def test_long_running_problems_take_wide_tiles():
 
 
 def test_long_k_problems_take_cooperative_tiles_in_1x2_clusters():
-    """K in [LONG_K, 32768] below the power-limited size: cooperative 256 x 128 tiles in a
+    """K in [8192, 32768] below the power-limited size: cooperative 256 x 128 tiles in a
     1 x 2 cluster where the wave-quantized cost says so (the picks measured faster run
     back to back on an H200: gemm_configs_sustained_coop_h200.json)."""
 
@@ -75,6 +75,12 @@ def test_long_k_problems_take_cooperative_tiles_in_1x2_clusters():
     assert pick(2048, 2048, 16384) == coop  # O wgrad
     assert pick(16384, 4096, 22016) == coop  # H = 4096 gate / up dgrad
     assert pick(16384, 4096, 11008) == coop  # down projection, forward
+    # from K = 8192: the weight gradients of 8192 tokens (gemm_configs_sustained_k8192_h200.json)
+    assert pick(4096, 4096, 8192) == coop  # H = 4096 O wgrad
+    assert pick(2048, 2048, 8192) == coop  # H = 2048 O wgrad
+    assert pick(28672, 4096, 8192) == coop  # gate / up wgrad
+    assert pick(16384, 8192, 8192)[:2] == (128, 192)  # many tiles: PingPong 128 x 192 still
+    assert pick(4096, 4096, 6144)[0] == 128  # below 8192
     # a last wave the 256-row tile would leave two thirds empty: PingPong
     assert pick(11264, 2048, 16384) == (128, 128, 2, 1)
     assert pick(4096, 11008, 16384) == (128, 128, 2, 1)

@@ -244,7 +244,8 @@ _LONG_RUN_EFFICIENCY_COOPERATIVE = {192: 1.1, 128: 1.02}
 
 
 #: Cooperative (tile_m, tile_n) offered on long-K problems below ``LONG_RUN_FLOPS`` (K >=
-#: ``LONG_K``, e.g. a Llama block's weight gradients, K = tokens, and its down projection),
+#: ``_LONG_K_COOPERATIVE_MIN_K``, e.g. a Llama block's weight gradients, K = tokens, and its
+#: down projection),
 #: in a 1 x 2 cluster (A multicast to the two CTAs of neighbouring N tiles), costed at
 #: ``_LONG_K_COOPERATIVE_EFFICIENCY`` (PingPong 128 x 192: 1.0). What it is for: a training
 #: step keeps the card at its power limit, where a GEMM's time follows its energy, and
@@ -255,10 +256,16 @@ _LONG_RUN_EFFICIENCY_COOPERATIVE = {192: 1.1, 128: 1.02}
 #: 128 x 128 PingPong tile and -0.1..+2.6% against 128 x 192; in short bursts
 #: (``gemm.py``'s protocol) within -3..+5% of the previous pick
 #: (``benchmarks/results/gemm_configs_sustained_coop_h200.json``, ``..._burst_...``).
-#: Up to ``_LONG_K_COOPERATIVE_MAX_K``: the range measured (K = 11008-28672); the LM
+#: From K = 8192 (a batch of 8192 tokens' weight gradients; first K >= 10240, ``LONG_K``):
+#: on the 13 shapes with K = 8192 of the Llama blocks at 8192 and 16384 tokens the pick
+#: changes on 11, each faster run back to back (+0.1..+6.4%; +0.6..+6.4% where it
+#: replaces 128 x 128) and -5.8..+2.4% in short bursts
+#: (``benchmarks/results/gemm_configs_sustained_k8192_h200.json``, ``..._burst_...``).
+#: Up to ``_LONG_K_COOPERATIVE_MAX_K``: the range measured (K = 8192-28672); the LM
 #: head's vocabulary-long K (128256) keeps the picks fitted on it (split-K, 128 x 128).
 _LONG_K_COOPERATIVE = (256, 128)
 _LONG_K_COOPERATIVE_EFFICIENCY = 1.01
+_LONG_K_COOPERATIVE_MIN_K = 8192
 _LONG_K_COOPERATIVE_MAX_K = 32768
 
 
@@ -296,7 +303,7 @@ def choose_config(
     work is then a 256-row tile, costing twice a 128-row one's k-tiles, at
     ``_LONG_RUN_EFFICIENCY_COOPERATIVE``).
 
-    Long-K problems (``LONG_K`` <= K <= 32768) below ``LONG_RUN_FLOPS`` also get the cooperative
+    Long-K problems (8192 <= K <= 32768) below ``LONG_RUN_FLOPS`` also get the cooperative
     256 x 128 tile in a 1 x 2 cluster as a candidate, at ``_LONG_K_COOPERATIVE_EFFICIENCY``
     (``_LONG_K_COOPERATIVE``): less DRAM and L2 traffic per FLOP, so a higher clock at the
     power limit a training step keeps the card at.
@@ -341,7 +348,7 @@ def choose_config(
         coop = _LONG_RUN_EFFICIENCY_COOPERATIVE
         choices += [(256, t, 1, cluster_m, 1, e) for t, e in coop.items()]
     elif (
-        LONG_K <= k <= _LONG_K_COOPERATIVE_MAX_K
+        _LONG_K_COOPERATIVE_MIN_K <= k <= _LONG_K_COOPERATIVE_MAX_K
         and not short_groups
         and tiles_m >= 2
         and n > _LONG_K_COOPERATIVE[1]
