@@ -256,7 +256,8 @@ _LONG_RUN_EFFICIENCY_COOPERATIVE = {192: 1.1, 128: 1.02}
 #: 128 x 128 PingPong tile and -0.1..+2.6% against 128 x 192; in short bursts
 #: (``gemm.py``'s protocol) within -3..+5% of the previous pick
 #: (``benchmarks/results/gemm_configs_sustained_coop_h200.json``, ``..._burst_...``).
-#: From K = 8192 (a batch of 8192 tokens' weight gradients; first K >= 10240, ``LONG_K``):
+#: From K = 8192 (a batch of 8192 tokens' weight gradients) since 2026-11-28; before, from
+#: ``LONG_K`` = 10240:
 #: on the 13 shapes with K = 8192 of the Llama blocks at 8192 and 16384 tokens the pick
 #: changes on 11, each faster run back to back (+0.1..+6.4%; +0.6..+6.4% where it
 #: replaces 128 x 128) and -5.8..+2.4% in short bursts
