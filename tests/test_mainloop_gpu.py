@@ -432,3 +432,38 @@ def test_short_swizzle_groups_on_a_long_k_ragged_gemm(layout):
         assert not out.isnan().any(), "unwritten output elements"
         err, base = _errors(a0, b0, out, torch.bfloat16)
         assert err <= 2 * base + 1e-6, (group_m, err, base)
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("shape", [(2500, 3000, 9000), (2000, 2000, 8192)], ids=str)
+def test_default_heuristic_on_ragged_long_k(layout, shape):
+    """The heuristic's cooperative 256 x 128 / 1 x 2 pick for K >= 8192 (a batch's weight
+    gradients), ragged, every layout: a NaN-poisoned bf16 out fully written within the
+    float64 error rule, and an fp32 out accumulated into."""
+    from coda.mainloop.config import choose_config
+    from coda.runtime.checks import short_swizzle_groups
+
+    m, n, k = shape
+    device = torch.device("cuda")
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    cfg = choose_config(m, n, k, sms, short_groups=short_swizzle_groups(device))
+    if not short_swizzle_groups(device):  # H200-class memory: the cooperative pick
+        assert (cfg.tile_m, cfg.cluster_m, cfg.cluster_n) == (256, 1, 2)
+    g = torch.Generator(device="cuda").manual_seed(m + k)
+    a0 = torch.randn(m, k, device="cuda", generator=g).to(torch.bfloat16)
+    b0 = torch.randn(n, k, device="cuda", generator=g).to(torch.bfloat16)
+    a, b = operands(a0, b0, layout)
+    out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+    gemm(a, b, out=out)
+    assert not out.isnan().any(), "unwritten output elements"
+    err, base = _errors(a0, b0, out, torch.bfloat16)
+    assert err <= 2 * base + 1e-6, (err, base)
+    init = torch.randn(m, n, device="cuda", generator=g)
+    acc = init.clone()
+    gemm(a, b, out=acc, accumulate=True)
+    ref = init.double() + a0.double() @ b0.double().t()
+    eager = init + a0.float() @ b0.float().t()
+    scale = ref.abs().max().item()
+    err = (acc.double() - ref).abs().max().item() / scale
+    base = (eager.double() - ref).abs().max().item() / scale
+    assert err <= 2 * base + 1e-5, (err, base)
