@@ -703,52 +703,9 @@ class PingPongGemm(Producers, EpilogueIO):
                 # ---- mainloop (takes its turn on the tensor cores, unless cooperative)
                 clocks = None
                 if const_expr(mainloop):
-                    if const_expr(not cooperative):
-                        self._turn_wait(_Barrier.MMA_TURN, wg)
-                    if const_expr(wants_clocks):
-                        clocks = [cute.arch.clock64()]
-                    release = read.clone()
-                    ab_pipe.consumer_wait(read)
-                    self._mma_ktile(
-                        tiled_mma, acc, tCrA, tCrB, k_blocks, read.index, zero_init=True
+                    read, clocks = self._tile_mainloop(
+                        tiled_mma, acc, tCrA, tCrB, k_blocks, k_tiles, ab_pipe, read, wg, ab_peers
                     )
-                    read.advance()
-                    if const_expr(wants_waits):
-                        # a profiling hook: where the k-loop's cycles go after its first
-                        # k-tile (whose stage wait also holds the tensor-core turn's)
-                        w_full = Int64(0)
-                        w_issue = Int64(0)
-                        w_mma = Int64(0)
-                    for _k in cutlass.range(1, k_tiles, unroll=1):
-                        if const_expr(wants_waits):
-                            c0 = cute.arch.clock64()
-                        ab_pipe.consumer_wait(read)
-                        if const_expr(wants_waits):
-                            c1 = cute.arch.clock64()
-                            w_full += c1 - c0
-                        self._mma_ktile(
-                            tiled_mma, acc, tCrA, tCrB, k_blocks, read.index, zero_init=False
-                        )
-                        if const_expr(wants_waits):
-                            c0 = cute.arch.clock64()
-                            w_issue += c0 - c1
-                        warpgroup.wait_group(1)
-                        if const_expr(wants_waits):
-                            w_mma += cute.arch.clock64() - c0
-                        self._release(ab_pipe, release, cfg.cluster_m * cfg.cluster_n, ab_peers)
-                        release.advance()
-                        read.advance()
-                    if const_expr(not cooperative):
-                        self._turn_arrive(_Barrier.MMA_TURN, 1 - wg)
-                    if const_expr(wants_waits):
-                        c0 = cute.arch.clock64()
-                    warpgroup.wait_group(0)
-                    if const_expr(wants_clocks):
-                        clocks.append(cute.arch.clock64())
-                    if const_expr(wants_waits):
-                        w_mma += clocks[1] - c0
-                        clocks += [w_full, w_issue, w_mma]
-                    self._release(ab_pipe, release, cfg.cluster_m * cfg.cluster_n, ab_peers)
                 elif const_expr(wants_clocks):
                     clocks = [cute.arch.clock64()] * 2
                     if const_expr(wants_waits):
@@ -795,6 +752,73 @@ class PingPongGemm(Producers, EpilogueIO):
                     store_pipe.producer_tail()
 
     # ------------------------------------------------------------------- helpers
+    @cute.jit
+    def _tile_mainloop(
+        self,
+        tiled_mma,
+        acc,
+        tCrA,
+        tCrB,
+        k_blocks: cutlass.Constexpr,
+        k_tiles,
+        ab_pipe,
+        read,
+        wg,
+        ab_peers,
+    ):
+        """One tile's mainloop: the warpgroup's turn on the tensor cores (PingPong), the
+        WGMMAs of every k-tile from the A/B ring (``read``), each stage released once the
+        next k-tile's WGMMAs are issued. Returns ``read`` advanced past the tile and, for a
+        profiling visitor (``wants_clocks``), the tile's clocks: the mainloop's start and
+        end (and with ``wants_waits`` the k-loop's stage-wait, WGMMA-issue and WGMMA-wait
+        cycles after its first k-tile, whose stage wait also holds the turn's)."""
+        cfg = self.config
+        cooperative = self.cooperative
+        wants_clocks = getattr(self.visitor, "wants_clocks", False)
+        wants_waits = wants_clocks and getattr(self.visitor, "wants_waits", False)
+        clocks = None
+        if const_expr(not cooperative):
+            self._turn_wait(_Barrier.MMA_TURN, wg)
+        if const_expr(wants_clocks):
+            clocks = [cute.arch.clock64()]
+        release = read.clone()
+        ab_pipe.consumer_wait(read)
+        self._mma_ktile(tiled_mma, acc, tCrA, tCrB, k_blocks, read.index, zero_init=True)
+        read.advance()
+        if const_expr(wants_waits):
+            w_full = Int64(0)
+            w_issue = Int64(0)
+            w_mma = Int64(0)
+        for _k in cutlass.range(1, k_tiles, unroll=1):
+            if const_expr(wants_waits):
+                c0 = cute.arch.clock64()
+            ab_pipe.consumer_wait(read)
+            if const_expr(wants_waits):
+                c1 = cute.arch.clock64()
+                w_full += c1 - c0
+            self._mma_ktile(tiled_mma, acc, tCrA, tCrB, k_blocks, read.index, zero_init=False)
+            if const_expr(wants_waits):
+                c0 = cute.arch.clock64()
+                w_issue += c0 - c1
+            warpgroup.wait_group(1)
+            if const_expr(wants_waits):
+                w_mma += cute.arch.clock64() - c0
+            self._release(ab_pipe, release, cfg.cluster_m * cfg.cluster_n, ab_peers)
+            release.advance()
+            read.advance()
+        if const_expr(not cooperative):
+            self._turn_arrive(_Barrier.MMA_TURN, 1 - wg)
+        if const_expr(wants_waits):
+            c0 = cute.arch.clock64()
+        warpgroup.wait_group(0)
+        if const_expr(wants_clocks):
+            clocks.append(cute.arch.clock64())
+        if const_expr(wants_waits):
+            w_mma += clocks[1] - c0
+            clocks += [w_full, w_issue, w_mma]
+        self._release(ab_pipe, release, cfg.cluster_m * cfg.cluster_n, ab_peers)
+        return read, clocks
+
     @cute.jit
     def _tile_epilogue(
         self, parts, tm, tn, t, clocks, lread, interior: cutlass.Constexpr[bool]
