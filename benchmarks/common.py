@@ -115,29 +115,50 @@ def without_option(argv: list[str], option: str) -> list[str]:
     return out
 
 
+def energy_mj() -> float | None:
+    """The GPU's cumulative energy counter in millijoules (NVML's
+    ``nvmlDeviceGetTotalEnergyConsumption``, through torch's NVML handle), or None where
+    NVML or the counter is unavailable."""
+    try:
+        import pynvml
+
+        handle = torch.cuda._get_pynvml_handler()
+        return float(pynvml.nvmlDeviceGetTotalEnergyConsumption(handle))
+    except Exception:  # no NVML, no GPU, a counter the board does not keep
+        return None
+
+
 def sampled(fn: Callable[[], object], seconds: float, batch: int = 1) -> dict:
     """``fn`` back to back for ``seconds`` while a :class:`PowerSampler` samples: batches
     of ``batch`` calls, each batch timed with CUDA events and synchronized (``batch`` = 1:
-    every call on its own). Returns the median ms per call, the mean board watts, the
-    median SM MHz, ``joules`` (watts x ms: energy per call) and the calls made."""
+    every call on its own). Returns the median ms per call, the median SM MHz, the calls
+    made, and the energy: from the board's energy counter read before and after the loop
+    (``energy_source`` "counter": ``joules`` = the loop's energy / its calls, ``watts`` =
+    its energy / its wall time), else from the power samples (``energy_source``
+    "samples": ``watts`` their mean, ``joules`` = watts x ms; NVML's power reading is an
+    average over up to a second, so over windows of a few tenths of a second it lags the
+    previous contender's draw)."""
     for _ in range(2):
         fn()
     torch.cuda.synchronize()
     sampler = PowerSampler()
     sampler.start()
     times = []
+    e0 = energy_mj()
     start = time.perf_counter()
     while time.perf_counter() - start < seconds:
         times.append(time_once(fn, batch))
+    elapsed = time.perf_counter() - start
+    e1 = energy_mj()
     sampler.stop()
-    ms, watts = statistics.median(times), statistics.mean(sampler.watts)
-    return {
-        "ms": ms,
-        "watts": watts,
-        "sm_mhz": statistics.median(sampler.mhz),
-        "joules": watts * ms / 1e3,
-        "passes": len(times) * batch,
-    }
+    ms, calls = statistics.median(times), len(times) * batch
+    if e0 is not None and e1 is not None and e1 > e0:
+        joules = (e1 - e0) / 1e3
+        energy = {"watts": joules / elapsed, "joules": joules / calls, "energy_source": "counter"}
+    else:
+        watts = statistics.mean(sampler.watts)
+        energy = {"watts": watts, "joules": watts * ms / 1e3, "energy_source": "samples"}
+    return {"ms": ms, "sm_mhz": statistics.median(sampler.mhz), "passes": calls, **energy}
 
 
 def interleaved_sampled(
@@ -164,13 +185,15 @@ def timed_rounds(
     :func:`interleaved` (short bursts of ``reps`` calls; no power). ``seconds`` > 0:
     :func:`interleaved_sampled` (each contender back to back for ``seconds`` at the clock
     its power draw settles to, rounds rotated), and for each contender the medians over
-    rounds of ``sm_mhz``, ``watts`` and ``joules`` (energy per call)."""
+    rounds of ``sm_mhz``, ``watts`` and ``joules`` (energy per call) and the
+    ``energy_source`` of its rounds (:func:`sampled`)."""
     if not seconds:
         return interleaved(contenders, rounds=rounds, reps=reps, rotate=rotate), {}
     runs = interleaved_sampled(contenders, rounds, seconds, reps)
     times = {name: [x["ms"] for x in xs] for name, xs in runs.items()}
     power = {
         name: {f: median([x[f] for x in xs]) for f in ("sm_mhz", "watts", "joules")}
+        | {"energy_source": "/".join(sorted({x.get("energy_source", "samples") for x in xs}))}
         for name, xs in runs.items()
     }
     return times, power

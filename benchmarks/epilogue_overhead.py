@@ -28,7 +28,9 @@ compiles every timed kernel in N processes first (``common.precompile``).
 while board power and SM clock are sampled, so both kernels are timed at the clock their
 own power draw settles to, as in a training step (``common.timed_rounds``); rows then add
 ``fused_sm_mhz``, ``plain_sm_mhz``, ``fused_joules`` and ``plain_joules`` (medians over
-rounds; joules = energy per call).
+rounds; joules = energy per call) and ``energy_source`` ("counter": the board's energy
+counter; "samples": NVML's averaged power, which lags at windows under a second:
+``common.sampled``).
 The PNG beside the JSON shows every row's fused / plain against the 1.03 target
 (``--replot FILE`` redraws it from a written JSON, on any machine with matplotlib).
 """
@@ -110,6 +112,7 @@ def bench(
         for method in ("fused", "plain"):
             extra[f"{method}_sm_mhz"] = power[method]["sm_mhz"]
             extra[f"{method}_joules"] = power[method]["joules"]
+        extra["energy_source"] = power["fused"]["energy_source"]
     if staggered:
         extra |= {
             "staggered_ms": common.median(times["staggered"]),

@@ -171,10 +171,58 @@ def test_timed_rounds_bursts_or_sustained(monkeypatch):
 
     def fake_sampled(fn, seconds, batch):
         i = next(readings)
-        return {"ms": float(i), "sm_mhz": 1000.0 + i, "watts": 600.0, "joules": 0.5 + i}
+        got = {"ms": float(i), "sm_mhz": 1000.0 + i, "watts": 600.0, "joules": 0.5 + i}
+        return got | {"energy_source": "counter"}
 
     monkeypatch.setattr(common, "sampled", fake_sampled)
     times, power = common.timed_rounds(names, 3, 1, True, seconds=0.2)
     assert times == {"a": [0.0, 3.0, 4.0], "b": [1.0, 2.0, 5.0]}  # a b, b a, a b
-    assert power["a"] == {"sm_mhz": 1003.0, "watts": 600.0, "joules": 3.5}
+    assert power["a"] == {
+        "sm_mhz": 1003.0,
+        "watts": 600.0,
+        "joules": 3.5,
+        "energy_source": "counter",
+    }
     assert power["b"]["sm_mhz"] == 1002.0
+
+
+class _FakeSampler:
+    """A stand-in for ``PowerSampler``: fixed power and clock readings, no thread."""
+
+    def __init__(self):
+        self.watts, self.mhz = [300.0, 500.0], [1500, 1700]
+
+    def start(self):
+        pass
+
+    def stop(self):
+        pass
+
+
+def _fake_clock(monkeypatch, step):
+    """``time.perf_counter`` in ``common`` advancing ``step`` seconds per reading."""
+    now = iter(step * i for i in range(1000))
+    monkeypatch.setattr(common.time, "perf_counter", lambda: next(now))
+
+
+@pytest.mark.parametrize("counter", [True, False])
+def test_sampled_energy_from_the_counter_or_the_power_samples(monkeypatch, counter):
+    """``common.sampled``: with the board's energy counter, ``joules`` is the loop's
+    energy over its calls and ``watts`` its energy over its wall time; without it, the
+    power samples' mean and mean x ms."""
+    monkeypatch.setattr(common, "PowerSampler", _FakeSampler)
+    monkeypatch.setattr(common.torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(common, "time_once", lambda fn, batch: 2.0)  # ms per call
+    readings = iter([10_000.0, 10_600.0])  # mJ: 0.6 J over the loop
+    monkeypatch.setattr(common, "energy_mj", lambda: next(readings) if counter else None)
+    _fake_clock(monkeypatch, 0.1)
+    got = common.sampled(lambda: None, seconds=0.25, batch=5)
+    # perf_counter: 0.0 start; 0.1, 0.2 -> two batches of 5; 0.3 ends the loop; 0.4 elapsed
+    assert got["passes"] == 10 and got["ms"] == 2.0 and got["sm_mhz"] == 1600
+    if counter:
+        assert got["energy_source"] == "counter"
+        assert got["joules"] == pytest.approx(0.6 / 10)
+        assert got["watts"] == pytest.approx(0.6 / 0.4)
+    else:
+        assert got["energy_source"] == "samples"
+        assert got["watts"] == 400.0 and got["joules"] == pytest.approx(400.0 * 2.0 / 1e3)
