@@ -604,44 +604,21 @@ class PingPongGemm(Producers, EpilogueIO):
             if const_expr(cfg.cluster_m == 2 and cfg.cluster_n == 2):
                 ab_peers = (cta_rank, cta_rank ^ 1, cta_rank ^ 2)
 
-            # Epilogue partitions (fixed per warpgroup, reused for every tile).
-            coord_copy = self._make_r2s_copy(tiled_mma, cutlass.BFloat16)
-            thr_coord = coord_copy.get_slice(wg_tidx)
-            frag_geom = Fragment(coord_copy, cfg.epi_tile)
-            frag_shape = thr_coord.partition_S(cute.make_identity_tensor(cfg.epi_tile)).shape
-            tRS_rAcc = self._acc_subtile_view(acc, coord_copy)
-            tRS_rD = cute.make_rmem_tensor(frag_shape, self.acc_dtype)
-            # 32-bit shared copies staggered by lane parity (GemmConfig.staggered_copies)
-            parity = stagger_parity(wg_tidx)
-            # subtile-local (row, col) of each element, for values of width != 1
-            local = thr_coord.partition_S(cute.make_identity_tensor(cfg.epi_tile))
-            local_points = [local[j] for j in range(cute.size(local))]
-            stores = self._subtile_stores(
-                tiled_mma, wg_tidx, sD, sD_rs, frag_geom, frag_shape, local_points, parity
+            # Epilogue partitions and pipelines (fixed per warpgroup, reused for every tile).
+            parts = self._epilogue_parts(
+                tiled_mma,
+                acc,
+                wg,
+                wg_tidx,
+                is_store_warp,
+                (sD, sD_rs, mD, tma_d),
+                (sC, sC_sr, load_pipe),
+                scratch_all,
+                (M, N),
+                extras,
             )
-            loads = self._subtile_loads(
-                tiled_mma, wg_tidx, sC, sC_sr, frag_geom, frag_shape, local_points, parity
-            )
+            epi_bar, store_pipe = parts.epi_bar, parts.store_pipe
             concurrent = self.concurrent
-            # store buffers this warpgroup cycles through, from its first one
-            own_bufs = self.epi_stages // 2 if const_expr(concurrent) else self.epi_stages
-            first_buf = wg * own_bufs if const_expr(concurrent) else 0
-            scratch = scratch_all
-            if const_expr(self.scratch_floats > 0 and concurrent):
-                scratch = cute.make_tensor(
-                    scratch_all.iterator + wg * self.scratch_floats,
-                    cute.make_layout(self.scratch_floats),
-                )
-            store_pipe = pipeline.PipelineTmaStore.create(
-                num_stages=own_bufs,
-                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, THREADS_PER_WG),
-            )
-            epi_bar = pipeline.NamedBarrier(
-                barrier_id=_Barrier.EPI + wg, num_threads=THREADS_PER_WG
-            )
-            idD_all = cute.local_tile(
-                cute.make_identity_tensor((M, N)), (cfg.tile_m, cfg.tile_n), (None, None)
-            )
 
             read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages)
             lread = pipeline.make_pipeline_state(
@@ -670,28 +647,6 @@ class PingPongGemm(Producers, EpilogueIO):
                 if wg == 1:
                     lread.advance(1)
 
-            parts = _EpilogueParts(
-                wg=wg,
-                mD=mD,
-                sD=sD,
-                tma_d=tma_d,
-                ids=idD_all,
-                shape_mn=(M, N),
-                extras=extras,
-                frag=frag_geom,
-                scratch=scratch,
-                epi_bar=epi_bar,
-                thr_coord=thr_coord,
-                acc=tRS_rAcc,
-                acc_sub=tRS_rD,
-                loads=loads,
-                stores=stores,
-                load_pipe=load_pipe,
-                store_pipe=store_pipe,
-                is_store_warp=is_store_warp,
-                first_buf=first_buf,
-                own_bufs=own_bufs,
-            )
             splits = getattr(self.visitor, "splits_interior", False)
             # PingPong: the warpgroups take alternate tiles; cooperative: both take each
             t = Int32(bidz) if const_expr(cooperative) else Int32(bidz) + wg * num_clusters
@@ -752,6 +707,85 @@ class PingPongGemm(Producers, EpilogueIO):
                     store_pipe.producer_tail()
 
     # ------------------------------------------------------------------- helpers
+    def _epilogue_parts(
+        self,
+        tiled_mma,
+        acc,
+        wg,
+        wg_tidx,
+        is_store_warp,
+        out,
+        operands,
+        scratch_all,
+        shape_mn,
+        extras,
+    ) -> _EpilogueParts:
+        """What every tile's epilogue of consumer warpgroup ``wg`` shares: the register <->
+        shared copies of its subtiles (``out``: the stored outputs' TMA and register views,
+        tensors and TMA atoms; ``operands``: the loaded operands' views and their pipeline),
+        its store buffers and store pipeline, its scratch and its barrier."""
+        cfg = self.config
+        sD, sD_rs, mD, tma_d = out
+        sC, sC_sr, load_pipe = operands
+        M, N = shape_mn
+        coord_copy = self._make_r2s_copy(tiled_mma, cutlass.BFloat16)
+        thr_coord = coord_copy.get_slice(wg_tidx)
+        frag_geom = Fragment(coord_copy, cfg.epi_tile)
+        frag_shape = thr_coord.partition_S(cute.make_identity_tensor(cfg.epi_tile)).shape
+        tRS_rAcc = self._acc_subtile_view(acc, coord_copy)
+        tRS_rD = cute.make_rmem_tensor(frag_shape, self.acc_dtype)
+        # 32-bit shared copies staggered by lane parity (GemmConfig.staggered_copies)
+        parity = stagger_parity(wg_tidx)
+        # subtile-local (row, col) of each element, for values of width != 1
+        local = thr_coord.partition_S(cute.make_identity_tensor(cfg.epi_tile))
+        local_points = [local[j] for j in range(cute.size(local))]
+        stores = self._subtile_stores(
+            tiled_mma, wg_tidx, sD, sD_rs, frag_geom, frag_shape, local_points, parity
+        )
+        loads = self._subtile_loads(
+            tiled_mma, wg_tidx, sC, sC_sr, frag_geom, frag_shape, local_points, parity
+        )
+        concurrent = self.concurrent
+        # store buffers this warpgroup cycles through, from its first one
+        own_bufs = self.epi_stages // 2 if const_expr(concurrent) else self.epi_stages
+        first_buf = wg * own_bufs if const_expr(concurrent) else 0
+        scratch = scratch_all
+        if const_expr(self.scratch_floats > 0 and concurrent):
+            scratch = cute.make_tensor(
+                scratch_all.iterator + wg * self.scratch_floats,
+                cute.make_layout(self.scratch_floats),
+            )
+        store_pipe = pipeline.PipelineTmaStore.create(
+            num_stages=own_bufs,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, THREADS_PER_WG),
+        )
+        epi_bar = pipeline.NamedBarrier(barrier_id=_Barrier.EPI + wg, num_threads=THREADS_PER_WG)
+        idD_all = cute.local_tile(
+            cute.make_identity_tensor((M, N)), (cfg.tile_m, cfg.tile_n), (None, None)
+        )
+        return _EpilogueParts(
+            wg=wg,
+            mD=mD,
+            sD=sD,
+            tma_d=tma_d,
+            ids=idD_all,
+            shape_mn=(M, N),
+            extras=extras,
+            frag=frag_geom,
+            scratch=scratch,
+            epi_bar=epi_bar,
+            thr_coord=thr_coord,
+            acc=tRS_rAcc,
+            acc_sub=tRS_rD,
+            loads=loads,
+            stores=stores,
+            load_pipe=load_pipe,
+            store_pipe=store_pipe,
+            is_store_warp=is_store_warp,
+            first_buf=first_buf,
+            own_bufs=own_bufs,
+        )
+
     @cute.jit
     def _tile_mainloop(
         self,
