@@ -197,15 +197,11 @@ def test_gemm_strided_views():
 LAYOUT_SHAPES = [(128, 192, 64), (129, 200, 72), (1023, 1032, 1016), (7, 8, 13), (333, 520, 1)]
 
 
-@pytest.mark.parametrize("shape", LAYOUT_SHAPES, ids=[f"{m}x{n}x{k}" for m, n, k in LAYOUT_SHAPES])
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_gemm_every_operand_major(layout, shape):
-    """Forward, dgrad, wgrad and the fourth layout: transposed views, no copies, ragged M,
-    N, K (K need not be a multiple of 8 when no operand is K-major)."""
-    m, n, k = shape
-    if "k" in LAYOUTS[layout] and k % 8:
-        k = -(-k // 8) * 8  # a K-major operand's rows are padded, its K is then free too
-    g = torch.Generator(device="cuda").manual_seed(m + n + k)
+def _check_poisoned_gemm(m, n, k, layout, seed):
+    """coda.gemm of seeded bf16 operands stored in ``layout`` into a NaN-poisoned bf16 out:
+    every element written, within the float64 error rule. Returns (a0, b0, a, b, g): the
+    operands, their ``layout`` views and the generator, for further checks."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
     a0 = torch.randn(m, k, device="cuda", generator=g).to(torch.bfloat16)
     b0 = torch.randn(n, k, device="cuda", generator=g).to(torch.bfloat16)
     a, b = operands(a0, b0, layout)
@@ -214,6 +210,18 @@ def test_gemm_every_operand_major(layout, shape):
     assert not out.isnan().any(), "unwritten output elements"
     err, base = _errors(a0, b0, out, torch.bfloat16)
     assert err <= 2 * base + 1e-6, (err, base)
+    return a0, b0, a, b, g
+
+
+@pytest.mark.parametrize("shape", LAYOUT_SHAPES, ids=[f"{m}x{n}x{k}" for m, n, k in LAYOUT_SHAPES])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_gemm_every_operand_major(layout, shape):
+    """Forward, dgrad, wgrad and the fourth layout: transposed views, no copies, ragged M,
+    N, K (K need not be a multiple of 8 when no operand is K-major)."""
+    m, n, k = shape
+    if "k" in LAYOUTS[layout] and k % 8:
+        k = -(-k // 8) * 8  # a K-major operand's rows are padded, its K is then free too
+    _check_poisoned_gemm(m, n, k, layout, seed=m + n + k)
 
 
 def test_linear_forward_dgrad_wgrad_without_copies():
@@ -449,15 +457,7 @@ def test_default_heuristic_on_ragged_long_k(layout, shape):
     cfg = choose_config(m, n, k, sms, short_groups=short_swizzle_groups(device))
     if not short_swizzle_groups(device):  # H200-class memory: the cooperative pick
         assert (cfg.tile_m, cfg.cluster_m, cfg.cluster_n) == (256, 1, 2)
-    g = torch.Generator(device="cuda").manual_seed(m + k)
-    a0 = torch.randn(m, k, device="cuda", generator=g).to(torch.bfloat16)
-    b0 = torch.randn(n, k, device="cuda", generator=g).to(torch.bfloat16)
-    a, b = operands(a0, b0, layout)
-    out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
-    gemm(a, b, out=out)
-    assert not out.isnan().any(), "unwritten output elements"
-    err, base = _errors(a0, b0, out, torch.bfloat16)
-    assert err <= 2 * base + 1e-6, (err, base)
+    a0, b0, a, b, g = _check_poisoned_gemm(m, n, k, layout, seed=m + k)
     init = torch.randn(m, n, device="cuda", generator=g)
     acc = init.clone()
     gemm(a, b, out=acc, accumulate=True)
