@@ -14,7 +14,7 @@ import attrs
 
 from coda.primitives import math as cm
 
-__all__ = ["RstdPost", "norm_dx", "norm_dx_residual", "pair_dot"]
+__all__ = ["RstdPost", "norm_dx", "norm_dx_residual", "pair_products"]
 
 
 @attrs.frozen
@@ -41,6 +41,8 @@ def norm_dx_residual(
     return acc * gamma - x * (rstd * rstd * zdz * inv_n) + dres
 
 
-def pair_dot(a: Any, b: Any, da: Any, db: Any) -> Any:
-    """a da + b db over a column pair (pairwise "reduce"): the ZdZ terms of a pair."""
-    return a * da + b * db
+def pair_products(a: Any, b: Any, da: Any, db: Any) -> tuple[Any, Any]:
+    """(a da, b db) over a column pair (pairwise "map"): the ZdZ terms of a pair, left at
+    the pair's width so that the row sum taking them adds each product with one FMA (a
+    pairwise "reduce" to a da + b db costs an FMA, a multiply and an add)."""
+    return a * da, b * db
