@@ -250,10 +250,11 @@ class LogSumExp(_OnlineSoftmaxState):
         v, x, sub_max = self._masked_row_max(ctx, values)
         for band, r, old, new_m, base in self._rows(ctx, state, sub_max):
             members = v.frag.row_members(r)
-            total = tracing.Float32(0.0)
-            for i in members:
-                # every term is exp(v - max) <= 1: the two-instruction exp_diff
-                # (ex2.approx of one FMA) is accurate to ~2 ulp + |v - max| 2^-24 there
+            # every term is exp(v - max) <= 1: the two-instruction exp_diff (ex2.approx
+            # of one FMA) is accurate to ~2 ulp + |v - max| 2^-24 there. The sum starts
+            # at the first term (0 + t is an add the compiler must keep: -0 + 0 is +0)
+            total = cm.exp_diff(x[members[0]], base)
+            for i in members[1:]:
                 total = total + cm.exp_diff(x[i], base)
             total = tracing.fr.quad_allreduce("sum", total)
             if old is not None:
@@ -500,11 +501,15 @@ class TargetSelect(StateTransition):
             row = tracing.row_of(ctx, r)
             want = tracing.load_index(target, row, ctx.shape_mn[0], self.ignore_index)
             want = tracing.index_below(want, v.shape_mn[1])
-            picked = tracing.Float32(0.0)
+            # A row's target is one column, held by at most one element of one lane of the
+            # quad: each lane keeps the element it holds there, by selects alone (no FP32
+            # add an element), across the band's subtiles; the quad's lanes combine once,
+            # at the band's end (``trace_end_band``).
+            old = band.old(ctx, r)
+            picked = tracing.Float32(0.0) if old is None else old[0]
             for i in v.frag.row_members(r):
-                picked = picked + tracing.select_eq(v.coords[i][1], want, x[i])
-            picked = tracing.fr.quad_allreduce("sum", picked)
-            band.fold(ctx, "sum", r, picked)
+                picked = tracing.select_eq_else(v.coords[i][1], want, x[i], picked)
+            band.put(r, (picked,))
 
     rollable = True
 
@@ -517,4 +522,6 @@ class TargetSelect(StateTransition):
     def trace_end_band(self, ctx: Any, state: dict) -> None:
         from coda.primitives import tracing
 
-        tracing.write_band(ctx, state[ctx.subtile[0]], self.partial_names)
+        band = state[ctx.subtile[0]]
+        tracing.quad_allreduce_band(band, "sum")  # 0 on every lane but (at most) one
+        tracing.write_band(ctx, band, self.partial_names)

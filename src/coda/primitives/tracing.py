@@ -340,6 +340,18 @@ def row_reduce(op: str, vals, frag: fr.Fragment) -> dict[int, Any]:
     return out
 
 
+def quad_allreduce_band(band: BandRows, op: str) -> None:
+    """Combine each row's values of ``band`` (``k`` = 1) across the quad's lanes, in
+    place: for a row state whose lanes each keep their own elements' part over a band's
+    subtiles and meet once, at the band's end (``Primitive.trace_end_band``;
+    ``TargetSelect``). (Done for ``TileReduce`` sums too, on the H200 it made RMSNorm
+    forward's kernel slower, 1.07-1.10 -> 1.12-1.14 of the plain GEMM at N = K = 2048:
+    its SASS took 24 FADD and 24 SHFL out but 37 IMAD and 31 LDC in, a register
+    allocation that rematerializes addresses; not kept.)"""
+    for r, vals in list(band.items()):
+        band.put(r, (fr.quad_allreduce(op, vals[0]),))
+
+
 def row_of(ctx: TraceSubtile, r: int):
     """Global row index of the thread's row offset ``r`` in this subtile."""
     return ctx.coords[ctx.frag.row_members(r)[0]][0]
@@ -464,6 +476,15 @@ def index_below(index, limit):
 def select_eq(a, b, value):
     """``value`` where a == b, else 0."""
     out = Float32(0.0)
+    if a == b:
+        out = value
+    return out
+
+
+@cute.jit
+def select_eq_else(a, b, value, other):
+    """``value`` where a == b, else ``other`` (a select: no arithmetic)."""
+    out = other
     if a == b:
         out = value
     return out
