@@ -344,10 +344,8 @@ def quad_allreduce_band(band: BandRows, op: str) -> None:
     """Combine each row's values of ``band`` (``k`` = 1) across the quad's lanes, in
     place: for a row state whose lanes each keep their own elements' part over a band's
     subtiles and meet once, at the band's end (``Primitive.trace_end_band``;
-    ``TargetSelect``). (Done for ``TileReduce`` sums too, on the H200 it made RMSNorm
-    forward's kernel slower, 1.07-1.10 -> 1.12-1.14 of the plain GEMM at N = K = 2048:
-    its SASS took 24 FADD and 24 SHFL out but 37 IMAD and 31 LDC in, a register
-    allocation that rematerializes addresses; not kept.)"""
+    ``TargetSelect``). ``TileReduce``'s row sums do not: measured slower that way
+    (docs/fused-epilogues.md, "Fewer FP32 instructions, measured")."""
     for r, vals in list(band.items()):
         band.put(r, (fr.quad_allreduce(op, vals[0]),))
 
