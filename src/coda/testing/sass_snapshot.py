@@ -10,13 +10,16 @@ Sits in ``coda.testing`` (it builds kernels from the catalogue, so it stands abo
 
 ``write`` compiles :data:`KERNELS` (``--only name,...`` for some) with the disk cache off
 and writes ``<name>.sass`` per kernel; ``compare`` lists each kernel as SAME or DIFF (and
-exits 1 on any DIFF or missing file). The set covers the mainloop's schedules and the
-epilogue paths a change to ``coda.mainloop.kernel`` can touch: PingPong and cooperative
-tiles, split-K, 2 x 2 clusters, operand layouts, M x N loads and stores, row and column
-reductions, the kernel's own finalize, the concurrent epilogues of a map pass, staggered
-copies, the rolled epilogue and 64-column subtiles. (Used on 2026-11-28: moving the tile's
-mainloop and the epilogue's parts into helpers of ``PingPongGemm`` left all of them
-bitwise identical.)
+exits 1 on any DIFF or missing file); ``counts DIR [DIR2]`` prints each kernel's
+instruction profile (``coda.runtime.sass.instruction_profile``: all instructions, the FP32
+pipe's, MUFU, SHFL, IMAD, spills, adds of zero), before -> after given two folders, for a
+change meant to take instructions out rather than keep the code the same. The set covers
+the mainloop's schedules and the epilogue paths a change to ``coda.mainloop.kernel`` can
+touch: PingPong and cooperative tiles, split-K, 2 x 2 clusters, operand layouts, M x N
+loads and stores, row and column reductions, the kernel's own finalize, the concurrent
+epilogues of a map pass, staggered copies, the rolled epilogue and 64-column subtiles.
+(Used on 2026-11-28: moving the tile's mainloop and the epilogue's parts into helpers of
+``PingPongGemm`` left all of them bitwise identical.)
 """
 
 from __future__ import annotations
@@ -179,6 +182,32 @@ def compare(before: str, after: str) -> dict[str, str]:
     return verdict
 
 
+def counts(folder: str) -> dict[str, dict[str, int]]:
+    """{kernel name: ``coda.runtime.sass.instruction_profile``} of every ``.sass`` in a
+    folder written by ``write``."""
+    from coda.runtime.sass import instruction_profile
+
+    found = {}
+    for f in sorted(os.listdir(folder)):
+        if f.endswith(".sass"):
+            with open(os.path.join(folder, f)) as text:
+                found[f[:-5]] = instruction_profile(text.read())
+    return found
+
+
+def _print_counts(folders: list[str]) -> None:
+    tables = [counts(d) for d in folders]
+    names = sorted({n for t in tables for n in t})
+    keys = list(next((p for t in tables for p in t.values()), {}))
+    print("kernel".ljust(40) + "".join(k.rjust(14) for k in keys))
+    for name in names:
+        cells = []
+        for k in keys:
+            got = [str(t[name][k]) if name in t else "-" for t in tables]
+            cells.append(" -> ".join(got).rjust(14))
+        print(name.ljust(40) + "".join(cells))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -188,9 +217,16 @@ def main(argv: list[str] | None = None) -> int:
     c = sub.add_parser("compare", help="compare two folders written by 'write'")
     c.add_argument("before")
     c.add_argument("after")
+    n = sub.add_parser(
+        "counts", help="instruction counts (FP32 pipe, MUFU, ...) of one folder, or before -> after"
+    )
+    n.add_argument("folders", nargs="+")
     args = parser.parse_args(argv)
     if args.command == "write":
         write(args.folder, [n for n in args.only.split(",") if n] or None)
+        return 0
+    if args.command == "counts":
+        _print_counts(args.folders)
         return 0
     verdict = compare(args.before, args.after)
     for name, state in verdict.items():
