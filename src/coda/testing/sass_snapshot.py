@@ -217,10 +217,10 @@ def main(argv: list[str] | None = None) -> int:
     c = sub.add_parser("compare", help="compare two folders written by 'write'")
     c.add_argument("before")
     c.add_argument("after")
-    n = sub.add_parser(
+    k = sub.add_parser(
         "counts", help="instruction counts (FP32 pipe, MUFU, ...) of one folder, or before -> after"
     )
-    n.add_argument("folders", nargs="+")
+    k.add_argument("folders", nargs="+")
     args = parser.parse_args(argv)
     if args.command == "write":
         write(args.folder, [n for n in args.only.split(",") if n] or None)
