@@ -72,7 +72,6 @@ from coda.geometry import ceil_div  # noqa: E402
 from coda.mainloop.config import choose_epilogue_config  # noqa: E402
 from coda.primitives import Elementwise, TileLoad, TileReduce, TileStore, ops  # noqa: E402
 from coda.primitives import math as cm  # noqa: E402
-from coda.testing.catalog import pair_products  # noqa: E402
 from coda.testing.probes import MainloopCycles, store_if  # noqa: E402
 
 #: clocks are written as their low 24 bits (exact in fp32); spans stay far below 2^23
@@ -248,7 +247,7 @@ def _swiglu_bwd_packed(narrow_w: str) -> Epilogue:
         .add(TileLoad("gu", bf16, width=2))
         .add(Elementwise("dgu", fn, ins=("gu", "acc"), pairwise="map"))
         .add(TileStore("dgu", bf16))
-        .add(Elementwise("zdz_terms", pair_products, ins=("gu", "dgu"), pairwise="map"))
+        .add(Elementwise("zdz_terms", ops.pair_products, ins=("gu", "dgu"), pairwise="map"))
         .add(TileReduce("zdz", of="zdz_terms", op="sum"))
     )
 

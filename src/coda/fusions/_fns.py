@@ -14,7 +14,7 @@ import attrs
 
 from coda.primitives import math as cm
 
-__all__ = ["RstdPost", "norm_dx", "norm_dx_residual", "pair_products"]
+__all__ = ["RstdPost", "norm_dx", "norm_dx_residual"]
 
 
 @attrs.frozen
@@ -39,10 +39,3 @@ def norm_dx_residual(
 ) -> Any:
     """``norm_dx`` plus the gradient arriving through the residual stream."""
     return acc * gamma - x * (rstd * rstd * zdz * inv_n) + dres
-
-
-def pair_products(a: Any, b: Any, da: Any, db: Any) -> tuple[Any, Any]:
-    """(a da, b db) over a column pair (pairwise "map"): the ZdZ terms of a pair, left at
-    the pair's width so that the row sum taking them adds each product with one FMA (a
-    pairwise "reduce" to a da + b db costs an FMA, a multiply and an add)."""
-    return a * da, b * db

@@ -41,7 +41,7 @@ import functools
 import torch
 
 from coda.epilogue import Epilogue
-from coda.fusions._fns import RstdPost, norm_dx, norm_dx_residual, pair_products
+from coda.fusions._fns import RstdPost, norm_dx, norm_dx_residual
 from coda.primitives import (
     Elementwise,
     ScalarLoad,
@@ -161,7 +161,7 @@ def swiglu_backward(dtype: torch.dtype) -> Epilogue:
             TileLoad("gu", dtype, width=2),
             _rstd(),
             Elementwise("dgu", ops.swiglu_backward, ins=("gu", "acc"), pairwise="map"),
-            Elementwise("zdz_terms", pair_products, ins=("gu", "dgu"), pairwise="map"),
+            Elementwise("zdz_terms", ops.pair_products, ins=("gu", "dgu"), pairwise="map"),
             TileReduce("zdz", of="zdz_terms", op="sum"),
             Elementwise("dgu_scaled", ops.scale, ins=("dgu", "rstd")),
             TileStore("dgu_scaled", dtype, name="dgu"),

@@ -20,6 +20,7 @@ __all__ = [
     "identity",
     "mul",
     "neg",
+    "pair_products",
     "rope",
     "rope_inverse",
     "scale",
@@ -110,6 +111,14 @@ def swiglu_backward(g: Any, u: Any, dy: Any) -> tuple[Any, Any]:
     du = dys * g  # dy silu(g)
     dg = u * (dys + du * (1.0 - s))  # = dys u (1 + g (1 - s))
     return dg, du
+
+
+def pair_products(a: Any, b: Any, da: Any, db: Any) -> tuple[Any, Any]:
+    """(a da, b db) over a column pair, pairwise "map" (e.g. the ZdZ terms of SwiGLU's
+    backward, (g dg, u du)). Left at the pair's width, a TileReduce sum takes each product
+    with one FMA; a pairwise "reduce" to a da + b db would cost an FMA, a multiply and an
+    add."""
+    return a * da, b * db
 
 
 def rope(x: Any, y: Any, pos: Any, freq: Any) -> tuple[Any, Any]:

@@ -50,12 +50,6 @@ def _row_scale(a, r, s):
     return a * r * s
 
 
-def pair_products(a, b, da, db):
-    """(a da, b db) for a pair: the ZdZ terms of a pairwise op, summed per row by a
-    TileReduce at the pair's width (one FMA a product)."""
-    return a * da, b * db
-
-
 EPILOGUES: dict[str, Epilogue] = {
     "residual_store": Epilogue()
     .add(TileLoad("residual", bf16))
@@ -86,7 +80,7 @@ EPILOGUES: dict[str, Epilogue] = {
     .add(TileLoad("gu", bf16, width=2))
     .add(Elementwise("dgu", ops.swiglu_backward, ins=("gu", "acc"), pairwise="map"))
     .add(TileStore("dgu", bf16))
-    .add(Elementwise("zdz_terms", pair_products, ins=("gu", "dgu"), pairwise="map"))
+    .add(Elementwise("zdz_terms", ops.pair_products, ins=("gu", "dgu"), pairwise="map"))
     .add(TileReduce("zdz", of="zdz_terms", op="sum")),
     "rope": Epilogue()
     .add(VecLoad("pos", per="row", dtype=torch.float32))
