@@ -4,7 +4,8 @@
                                            [--sizes 2048,4096,8192] [--layouts fwd,dgrad,wgrad]
                                            [--rotate] [--precompile 14] [--seconds 0.5]
 
-For each representative epilogue of ``coda.testing.catalog``, each shape (M=16384,
+For each representative epilogue of ``coda.testing.catalog`` (``--epilogues`` may also
+name the training ops' of :data:`TRAINING_EPILOGUES`), each shape (M=16384,
 N=K in ``--sizes``) and each operand layout (``coda.testing.layouts``: forward, dgrad
 with B N-major, wgrad with A M-major and B N-major), the fused kernel
 (``epi(A, B, **tensors)``, finalize included) and the plain GEMM (``coda.gemm`` with the
@@ -16,11 +17,14 @@ the plain GEMM with W-column epilogue subtiles (``GemmConfig.epi_n``) in the sam
 (row fields ``epi{W}_ms``, ``epi{W}_plain_ms``, ``epi{W}_ratio``: its fused / the
 default plain, and ``epi{W}_own_ratio``: its fused / its plain). ``--rolled`` also
 times the fused kernel with ``GemmConfig.rolled_epilogue`` (``rolled_ms``,
-``rolled_ratio``: its fused / plain). ``--baseline PATH`` (an earlier result, e.g. the
-committed one) adds each row's ``baseline_ratio`` (the same epilogue, layout and shape
-there; null where it has none) and prints the rows whose ratio rose by more than
-``--tolerance`` (default 0.02) as regressions (what would have flagged the log-sum-exp's
-finalize regression found on 2026-11-27, ``results/epilogue_overhead_rerun_h200.json``).
+``rolled_ratio``: its fused / plain). ``--buffers E/L`` also times it with ``E`` epilogue
+store buffers and ``L`` load buffers (``GemmConfig.epi_stages`` / ``load_stages``: fewer
+buffers leave shared memory for more A/B stages; ``buffers_ms``, ``buffers_ratio``).
+``--baseline PATH`` (an earlier result, e.g. the committed one) adds each row's
+``baseline_ratio`` (the same epilogue, layout and shape there; null where it has none)
+and prints the rows whose ratio rose by more than ``--tolerance`` (default 0.02) as
+regressions (what would have flagged the log-sum-exp's finalize regression found on
+2026-11-27, ``results/epilogue_overhead_rerun_h200.json``).
 ``--rotate``: fused and plain take turns starting a round (A B, B A, ...) instead of the
 fused kernel always first (``common.interleaved(rotate=True)``). ``--precompile N``
 compiles every timed kernel in N processes first (``common.precompile``).
@@ -48,12 +52,29 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
 
+from coda.epilogue import Epilogue  # noqa: E402
+from coda.fusions import epilogues as fusion_epilogues  # noqa: E402
 from coda.mainloop.config import choose_epilogue_config  # noqa: E402
 from coda.matmul import gemm  # noqa: E402
 from coda.testing.catalog import EPILOGUES  # noqa: E402
 from coda.testing.layouts import operands  # noqa: E402
 
 M = 16384
+
+#: the training ops' GEMM epilogues that ``--epilogues`` may name beside the catalogue's
+TRAINING_EPILOGUES = {
+    # the MLP's down-projection dgrad: SwiGLU backward, rstd-scaled (dg, du), rZdZ, y
+    "fusion_swiglu_bwd": lambda: fusion_epilogues.swiglu_backward(torch.bfloat16),
+}
+
+
+def epilogue_named(name: str) -> Epilogue:
+    """A catalogue epilogue or one of :data:`TRAINING_EPILOGUES`, by name."""
+    if name in EPILOGUES:
+        return EPILOGUES[name]
+    if name in TRAINING_EPILOGUES:
+        return TRAINING_EPILOGUES[name]()
+    raise SystemExit(f"unknown epilogue {name!r}: one of {[*EPILOGUES, *TRAINING_EPILOGUES]}")
 
 
 def contenders(
@@ -65,10 +86,11 @@ def contenders(
     staggered: bool = False,
     epi_n: int | None = None,
     rolled: bool = False,
+    buffers: tuple[int, int] | None = None,
 ) -> tuple:
     """(config, {method: call}) of one row: the fused kernel, the plain GEMM in the same
     config and layout, and the optional variants."""
-    epi = EPILOGUES[name]
+    epi = epilogue_named(name)
     A, B, tensors = common.cuda_inputs(epi, m, n, k)
     A, B = operands(A, B, layout)
     cfg = choose_epilogue_config(m, n, k)
@@ -87,6 +109,9 @@ def contenders(
     if rolled:
         roll = attrs.evolve(cfg, rolled_epilogue=True)
         methods["rolled"] = lambda: epi(A, B, config=roll, **tensors)
+    if buffers:
+        few = attrs.evolve(cfg, epi_stages=buffers[0], load_stages=buffers[1])
+        methods["buffers"] = lambda: epi(A, B, config=few, **tensors)
     return cfg, methods
 
 
@@ -100,10 +125,11 @@ def bench(
     staggered: bool = False,
     epi_n: int | None = None,
     rolled: bool = False,
+    buffers: tuple[int, int] | None = None,
     rotate: bool = False,
     seconds: float = 0.0,
 ) -> dict:
-    cfg, methods = contenders(name, m, n, k, layout, staggered, epi_n, rolled)
+    cfg, methods = contenders(name, m, n, k, layout, staggered, epi_n, rolled, buffers)
     reps = max(3, min(30, int(2e13 / (2 * m * n * k))))
     times, power = common.timed_rounds(methods, rounds, reps, rotate, seconds)
     fused, plain = common.median(times["fused"]), common.median(times["plain"])
@@ -122,6 +148,11 @@ def bench(
         extra |= {
             "rolled_ms": common.median(times["rolled"]),
             "rolled_ratio": common.median_ratio(times["rolled"], times["plain"]),
+        }
+    if buffers:
+        extra |= {
+            "buffers_ms": common.median(times["buffers"]),
+            "buffers_ratio": common.median_ratio(times["buffers"], times["plain"]),
         }
     if epi_n:
         extra |= {
@@ -207,6 +238,12 @@ def main(argv=None) -> None:
     p.add_argument("--staggered", action="store_true", help="also time GemmConfig.staggered_copies")
     p.add_argument("--epi-n", type=int, default=None, help="also time this epilogue subtile width")
     p.add_argument("--rolled", action="store_true", help="also time GemmConfig.rolled_epilogue")
+    p.add_argument(
+        "--buffers",
+        default=None,
+        metavar="E/L",
+        help="also time GemmConfig(epi_stages=E, load_stages=L): fewer epilogue buffers",
+    )
     p.add_argument("--baseline", default=None, help="an earlier result JSON to compare rows with")
     p.add_argument("--tolerance", type=float, default=0.02, help="ratio rise that is a regression")
     common.add_rotate_option(p)
@@ -223,7 +260,10 @@ def main(argv=None) -> None:
         for layout in args.layouts.split(",")
         for name in args.epilogues.split(",")
     ]
-    extras = (args.staggered, args.epi_n, args.rolled)
+    for name in {job[0] for job in jobs}:  # an unknown name fails before any GPU work
+        epilogue_named(name)
+    buffers = tuple(int(x) for x in args.buffers.split("/")) if args.buffers else None
+    extras = (args.staggered, args.epi_n, args.rolled, buffers)
 
     def compile_one(job: tuple) -> None:  # one call of each method compiles its kernels
         name, size, layout = job
@@ -253,6 +293,8 @@ def main(argv=None) -> None:
         cols += ["staggered_ms", "staggered_ratio"]
     if args.rolled:
         cols += ["rolled_ms", "rolled_ratio"]
+    if buffers:
+        cols += ["buffers_ms", "buffers_ratio"]
     if args.epi_n:
         w = args.epi_n
         cols += [f"epi{w}_ms", f"epi{w}_plain_ms", f"epi{w}_ratio", f"epi{w}_own_ratio"]

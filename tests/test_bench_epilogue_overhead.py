@@ -59,3 +59,11 @@ def test_replot_draws_the_chart_from_a_written_json_without_a_gpu(tmp_path):
     png = tmp_path / "table.png"
     has_matplotlib = overhead.common.pyplot() is not None
     assert png.exists() == has_matplotlib
+
+
+def test_training_epilogues_are_named_beside_the_catalogue():
+    epi = overhead.epilogue_named("fusion_swiglu_bwd")
+    assert "rzdz" in {s.name for s in epi.outputs}
+    assert overhead.epilogue_named("swiglu_bwd") is overhead.EPILOGUES["swiglu_bwd"]
+    with pytest.raises(SystemExit, match="unknown epilogue"):
+        overhead.epilogue_named("swiglu_bwdd")

@@ -285,6 +285,48 @@ def test_concurrent_epilogues_take_turns_when_their_load_ring_does_not_fit():
     assert k.concurrent and k.load_stages == 24
 
 
+def test_kernels_with_a_mainloop_keep_five_ab_stages_before_deep_epilogue_buffers():
+    """The training ops' SwiGLU backward (3 stored and 2 loaded 16-bit subtile streams)
+    left 4 A/B stages with 4 store and 4 load buffers; it now takes 2 of each for a 5th
+    stage (measured faster: ``benchmarks/results/epilogue_buffers_h200.json``). Kernels
+    with 5 or more keep their 4 / 4 buffers; a map pass (no mainloop) keeps its deep ones."""
+    from coda import Elementwise, Epilogue, TileLoad, TileStore, ops
+    from coda.fusions import epilogues as fusion_epilogues
+    from coda.mainloop.dtypes import to_cutlass
+    from coda.mainloop.kernel import FEWEST_MAINLOOP_AB_STAGES, PingPongGemm
+    from coda.runtime.epilogue_kernels import epilogue_choice
+    from coda.runtime.fused import FusedVisitor
+    from coda.testing.catalog import EPILOGUES
+
+    bf16 = torch.bfloat16
+
+    def plan(epi, mnk):
+        cfg = epilogue_choice(epi, bf16, *mnk, num_sms=132, majors=("k", "k"))[0]
+        k = PingPongGemm(cfg, to_cutlass(bf16), FusedVisitor(epi))
+        return k.smem.ab_stages, k.epi_stages, k.load_stages
+
+    assert FEWEST_MAINLOOP_AB_STAGES == 5
+    swiglu_bwd = fusion_epilogues.swiglu_backward(bf16)
+    assert plan(swiglu_bwd, (16384, 11008, 4096)) == (5, 2, 2)
+    assert plan(EPILOGUES["swiglu_bwd"], (16384, 4096, 4096)) == (5, 4, 4)
+    assert plan(EPILOGUES["rmsnorm_fwd"], (16384, 4096, 4096)) == (5, 4, 4)
+    assert plan(EPILOGUES["residual_store"], (16384, 4096, 4096)) == (6, 4, 4)
+    # the same streams as a map pass (dy loaded, no GEMM): its deep buffers come first
+    as_map = Epilogue(
+        (
+            TileLoad("dy", bf16),
+            TileLoad("gu", bf16, width=2),
+            Elementwise("dgu", ops.swiglu_backward, ins=("gu", "dy"), pairwise="map"),
+            TileStore("dgu", bf16),
+            Elementwise("y", ops.swiglu, ins=("gu",), pairwise="reduce"),
+            TileStore("y", bf16),
+        )
+    )
+    assert not as_map.reads_acc
+    ab, epi_stages, load_stages = plan(as_map, (16384, 11008, 4096))
+    assert (epi_stages, load_stages) != (2, 2) and ab < 5
+
+
 def test_autotune_candidates_start_with_the_heuristic_and_its_raster_variants():
     from coda.runtime import autotune
 

@@ -10,7 +10,8 @@ import attrs
 import pytest
 import torch
 
-from coda import Elementwise, Epilogue, TileLoad, TileReduce, VecLoad, ops
+from coda import Elementwise, Epilogue, ScalarLoad, TileLoad, TileReduce, VecLoad, ops
+from coda.fusions import epilogues as fusion_epilogues
 from coda.runtime import gemm_kernels
 from coda.runtime.epilogue_kernels import epilogue_choice
 from coda.runtime.fused import FusedVisitor, zero_outside
@@ -47,10 +48,62 @@ def test_ops_that_are_not_zero_on_zeros_stay_masked():
     assert zero_outside(epi) == {"acc", "x", "u"}
 
 
+def _shift_by_probe(a, r):
+    """0 on zeros only where r is 1.5 (one of the analysis' two probe values)."""
+    return a + (r - 1.5)
+
+
+@pytest.mark.parametrize("per", ["row", "col"])
+def test_products_with_a_vector_are_zero_past_the_edge_the_vector_spans(per):
+    """acc * r with r a row vector is 0 in the columns past N of the rows inside M (where
+    r holds a real value per row): a per-row sum of it needs no mask; a per-column sum
+    still does (rows past M hold whatever r is there), and the strict set is unchanged.
+    A column vector the other way round."""
+    epi = Epilogue().add(
+        VecLoad("r", per=per, dtype=torch.float32),
+        ScalarLoad("alpha"),
+        Elementwise("s", ops.scale, ins=("acc", "r")),
+        Elementwise("t", ops.mul, ins=("s", "alpha")),
+        Elementwise("u", ops.add, ins=("acc", "r")),  # r where acc is 0: not kept
+        Elementwise("w", _shift_by_probe, ins=("acc", "r")),  # 0 at one probe only
+        TileReduce("row_sum", of="t", op="sum"),
+        TileReduce("col_sum", of="t", op="sum", per="col"),
+    )
+    zero = zero_outside(epi)
+    assert zero == {"acc"}
+    kept, other = (zero.past_n, zero.past_m) if per == "row" else (zero.past_m, zero.past_n)
+    assert kept == {"acc", "s", "t"}
+    assert other == {"acc"}
+    row_sum, col_sum = epi.primitives[-2:]
+    assert row_sum.masks_edges(zero) is (per == "col")
+    assert col_sum.masks_edges(zero) is (per == "row")
+    # a primitive handed a plain frozenset reads it as zero past both edges
+    assert row_sum.masks_edges(frozenset(zero)) and col_sum.masks_edges(frozenset(zero))
+
+
+def test_the_fusions_backward_producers_sum_without_masks():
+    """The training ops' SwiGLU backward and the RoPE / norm passes reduce rZdZ from
+    rstd-scaled values (products with a row vector): their row sums are unmasked."""
+    for epi in (
+        fusion_epilogues.swiglu_backward(bf16),
+        fusion_epilogues.rope_backward(bf16),
+        fusion_epilogues.scaled_grad(bf16),
+    ):
+        zero = zero_outside(epi)
+        assert "rzdz_terms" in zero.past_n and "rzdz_terms" not in zero
+        assert not FusedVisitor(epi).splits_interior
+
+
+def _fusion_swiglu_backward():
+    return fusion_epilogues.swiglu_backward(bf16)
+
+
 @pytest.mark.compile
-@pytest.mark.parametrize("name", ["rmsnorm_fwd", "swiglu_bwd", "dgamma_colsum"])
+@pytest.mark.parametrize(
+    "name", ["rmsnorm_fwd", "swiglu_bwd", "dgamma_colsum", "fusion_swiglu_backward"]
+)
 def test_sums_over_zero_outside_values_compile_without_bounds_selects(name, tmp_path):
-    epi = EPILOGUES[name]
+    epi = _fusion_swiglu_backward() if name.startswith("fusion") else EPILOGUES[name]
     cfg = epilogue_choice(epi, bf16, 16384, 2048, 2048, num_sms=132, majors=("k", "k"))[0]
     key = gemm_kernels.GemmKernelKey(cfg, bf16, FusedVisitor(epi), 132, "k", "k")
     _, cubin = gemm_kernels.compile_artifacts(key, str(tmp_path))

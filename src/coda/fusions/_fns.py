@@ -28,14 +28,15 @@ class RstdPost:
         return cm.rsqrt(total / n + self.eps)
 
 
-def norm_dx(acc: Any, gamma: Any, x: Any, rstd: Any, zdz: Any, inv_n: Any) -> Any:
-    """RMSNorm backward in the dgrad epilogue, with acc = (rstd dz) W = rstd g:
-    dx = rstd (g gamma - x rstd ZdZ / N) = acc gamma - x (rstd^2 ZdZ / N)."""
-    return acc * gamma - x * (rstd * rstd * zdz * inv_n)
+def norm_dx(acc: Any, gamma: Any, x: Any, rstd: Any, rzdz: Any, inv_n: Any) -> Any:
+    """RMSNorm backward in the dgrad epilogue, with acc = (rstd dz) W = rstd g and
+    rzdz = rstd ZdZ (the producers form it from the rstd-scaled gradient):
+    dx = rstd (g gamma - x rstd ZdZ / N) = acc gamma - x (rstd rZdZ / N)."""
+    return acc * gamma - x * (rstd * rzdz * inv_n)
 
 
 def norm_dx_residual(
-    acc: Any, gamma: Any, x: Any, rstd: Any, zdz: Any, inv_n: Any, dres: Any
+    acc: Any, gamma: Any, x: Any, rstd: Any, rzdz: Any, inv_n: Any, dres: Any
 ) -> Any:
     """``norm_dx`` plus the gradient arriving through the residual stream."""
-    return acc * gamma - x * (rstd * rstd * zdz * inv_n) + dres
+    return acc * gamma - x * (rstd * rzdz * inv_n) + dres

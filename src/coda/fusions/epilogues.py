@@ -23,15 +23,20 @@ Forward:
 
 Backward:
 
-* ``scaled_grad(dtype)`` (``run_map``): dzs = rstd * dz, ZdZ = sum z dz.
+* ``scaled_grad(dtype)`` (``run_map``): dzs = rstd * dz, rZdZ = sum z dzs.
 * ``swiglu_backward(dtype)``: after acc = dY W_down (= dy, the gradient of SwiGLU's
-  output): (dg, du) from the saved gu; ZdZ = sum(g dg + u du); store rstd * (dg, du)
-  (width 2) and the recomputed y = silu(g) * u (for the down-projection's wgrad).
-* ``rope_backward(dtype)`` (``run_map``): dzs = rstd * rotate^-1(dy); ZdZ = sum y dy
-  (rotations are orthogonal, so <y, dy> = <z, dz>).
+  output): (dg, du) of rstd * dy from the saved gu (SwiGLU's backward is linear in dy, so
+  they come out rstd-scaled: one multiply a pair instead of two); rZdZ = sum(g dg + u du);
+  store them (width 2) and the recomputed y = silu(g) * u (for the down-projection's
+  wgrad).
+* ``rope_backward(dtype)`` (``run_map``): dys = rstd * dy, dzs = rotate^-1(dys);
+  rZdZ = sum y dys (rotations are orthogonal, so <y, dy> = <z, dz>).
 * ``norm_dgrad(dtype, gamma_dtype, residual)``: after acc = dzs W = rstd g:
-  dx = acc * gamma - x * rstd^2 * ZdZ / N (+ the residual stream's gradient ``dres``);
+  dx = acc * gamma - x * rstd * rZdZ / N (+ the residual stream's gradient ``dres``);
   dgamma = column sums of acc * x = sum_m g * x_hat.
+
+The three backward producers hand ``norm_dgrad`` rZdZ = rstd * ZdZ (output ``rzdz``), not
+ZdZ: each forms it from the rstd-scaled gradient it stores anyway, at no extra cost.
 """
 
 from __future__ import annotations
@@ -148,8 +153,8 @@ def scaled_grad(dtype: torch.dtype) -> Epilogue:
             _rstd(),
             Elementwise("dzs", ops.scale, ins=("dz", "rstd")),
             TileStore("dzs", dtype),
-            Elementwise("zdz_terms", ops.mul, ins=("z", "dz")),
-            TileReduce("zdz", of="zdz_terms", op="sum"),
+            Elementwise("rzdz_terms", ops.mul, ins=("z", "dzs")),
+            TileReduce("rzdz", of="rzdz_terms", op="sum"),
         )
     )
 
@@ -160,11 +165,11 @@ def swiglu_backward(dtype: torch.dtype) -> Epilogue:
         (
             TileLoad("gu", dtype, width=2),
             _rstd(),
-            Elementwise("dgu", ops.swiglu_backward, ins=("gu", "acc"), pairwise="map"),
-            Elementwise("zdz_terms", ops.pair_products, ins=("gu", "dgu"), pairwise="map"),
-            TileReduce("zdz", of="zdz_terms", op="sum"),
-            Elementwise("dgu_scaled", ops.scale, ins=("dgu", "rstd")),
-            TileStore("dgu_scaled", dtype, name="dgu"),
+            Elementwise("dys", ops.scale, ins=("acc", "rstd")),
+            Elementwise("dgu", ops.swiglu_backward, ins=("gu", "dys"), pairwise="map"),
+            TileStore("dgu", dtype),
+            Elementwise("rzdz_terms", ops.pair_products, ins=("gu", "dgu"), pairwise="map"),
+            TileReduce("rzdz", of="rzdz_terms", op="sum"),
             Elementwise("y", ops.swiglu, ins=("gu",), pairwise="reduce"),
             TileStore("y", dtype),
         )
@@ -178,23 +183,23 @@ def rope_backward(dtype: torch.dtype) -> Epilogue:
             TileLoad("dy", dtype),
             TileLoad("y", dtype),
             *_rope_vectors(),
-            Elementwise("dz", ops.rope_inverse, ins=("dy", "pos", "freq"), pairwise="map"),
-            Elementwise("dzs", ops.scale, ins=("dz", "rstd")),
+            Elementwise("dys", ops.scale, ins=("dy", "rstd")),
+            Elementwise("dzs", ops.rope_inverse, ins=("dys", "pos", "freq"), pairwise="map"),
             TileStore("dzs", dtype),
-            Elementwise("zdz_terms", ops.mul, ins=("y", "dy")),
-            TileReduce("zdz", of="zdz_terms", op="sum"),
+            Elementwise("rzdz_terms", ops.mul, ins=("y", "dys")),
+            TileReduce("rzdz", of="rzdz_terms", op="sum"),
         )
     )
 
 
 @functools.cache
 def norm_dgrad(dtype: torch.dtype, gamma_dtype: torch.dtype, residual: bool) -> Epilogue:
-    ins = ("acc", "gamma", "x", "rstd", "zdz", "inv_n")
+    ins = ("acc", "gamma", "x", "rstd", "rzdz", "inv_n")
     prims = [
         TileLoad("x", dtype),
         VecLoad("gamma", per="col", dtype=gamma_dtype),
         _rstd(),
-        VecLoad("zdz", per="row", dtype=f32),
+        VecLoad("rzdz", per="row", dtype=f32),
         ScalarLoad("inv_n"),
     ]
     if residual:

@@ -18,8 +18,8 @@ Ops (namespace ``coda``; all tensors 2-D (tokens, features)), each called throug
   residual as is, da = dx @ w, dw = dx.T @ a (plain GEMMs). Saved: a, w.
 * ``rms_norm_linear(x, h, rstd, gamma, w) -> z``: a normed linear layer (the consumer in
   its plainest form), z = rstd * (h @ w.T). Backward (ZdZ trick): one pass gives
-  dzs = rstd * dz and ZdZ = <z, dz>; the dgrad GEMM dzs @ w ends with
-  dx = acc * gamma - x * rstd^2 * ZdZ / H and the dgamma column sums; dw = dzs.T @ h.
+  dzs = rstd * dz and rZdZ = <z, dzs> = rstd ZdZ; the dgrad GEMM dzs @ w ends with
+  dx = acc * gamma - x * rstd * rZdZ / H and the dgamma column sums; dw = dzs.T @ h.
   Saved: x, h, rstd, gamma, w and the output z.
 
 h and rstd are *caches* of functions of (x, gamma): consumers take x and gamma as their
@@ -70,17 +70,17 @@ def norm_dgrad(
     x: torch.Tensor,
     gamma: torch.Tensor,
     rstd: torch.Tensor,
-    zdz: torch.Tensor,
+    rzdz: torch.Tensor,
     dres: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(dx, dgamma) of a normed GEMM from its rstd-scaled output gradient dzs (M, N), its
-    weight w (N, H) and ZdZ (M,): the dgrad GEMM dzs @ w with the RMSNorm backward in its
-    epilogue (plus ``dres``, the residual stream's own gradient, when given). dgamma is
-    returned in gamma's dtype."""
+    weight w (N, H) and rZdZ = rstd ZdZ (M,): the dgrad GEMM dzs @ w with the RMSNorm
+    backward in its epilogue (plus ``dres``, the residual stream's own gradient, when
+    given). dgamma is returned in gamma's dtype."""
     epi = epilogues.norm_dgrad(x.dtype, gamma.dtype, dres is not None)
     extra = {} if dres is None else {"dres": dres}
     out = run_epilogue(
-        epi, dzs, w.t(), x=x, gamma=gamma, rstd=rstd, zdz=zdz, inv_n=1.0 / x.shape[1], **extra
+        epi, dzs, w.t(), x=x, gamma=gamma, rstd=rstd, rzdz=rzdz, inv_n=1.0 / x.shape[1], **extra
     )
     return out["dx"], out["dgamma"].to(gamma.dtype)
 
@@ -242,7 +242,7 @@ def _rms_norm_linear_backward_impl(
     s = run_map(epilogues.scaled_grad(dz.dtype), *dz.shape, dz, dz=dz, z=z, rstd=rstd)
     grads = []
     if need_norm:
-        grads += norm_dgrad(s["dzs"], w, x, gamma, rstd, s["zdz"])
+        grads += norm_dgrad(s["dzs"], w, x, gamma, rstd, s["rzdz"])
     if need_dw:
         grads.append(matmul(s["dzs"].t(), h.t(), out_dtype=w.dtype))
     return grads

@@ -15,10 +15,11 @@ angles in fp32 from the fp32 position and frequency (as Hugging Face computes th
 
 Backward from dqkv (2 GEMMs + 1 pass):
 
-1. one pass (``run_map``): dzs = rstd * rotate^-1(dy) and ZdZ = <y, dy> (= <z, dz>, the
-   rotation being orthogonal). It cannot ride on a GEMM: the inverse rotation must come
-   before the dgrad GEMM that consumes dz, and dy comes from attention's backward.
-2. dgrad: acc = dzs @ w_qkv = rstd g; epilogue dx = acc * gamma - x rstd^2 ZdZ / H and the
+1. one pass (``run_map``): dzs = rotate^-1(rstd * dy) and rZdZ = <y, rstd * dy>
+   (= rstd <z, dz>, the rotation being orthogonal). It cannot ride on a GEMM: the inverse
+   rotation must come before the dgrad GEMM that consumes dz, and dy comes from
+   attention's backward.
+2. dgrad: acc = dzs @ w_qkv = rstd g; epilogue dx = acc * gamma - x rstd rZdZ / H and the
    dgamma column sums.
 3. wgrad: dw_qkv = dzs.T @ h.
 
@@ -91,7 +92,7 @@ def _rms_norm_qkv_rope_backward_impl(
     s = run_map(epi, *dqkv.shape, dqkv, dy=dqkv, y=qkv, rstd=rstd, pos=positions, freq=freq)
     grads = []
     if need_norm:
-        grads += norm_dgrad(s["dzs"], w_qkv, x, gamma, rstd, s["zdz"])
+        grads += norm_dgrad(s["dzs"], w_qkv, x, gamma, rstd, s["rzdz"])
     if need_dw:
         grads.append(matmul(s["dzs"].t(), h.t()))
     return grads

@@ -16,11 +16,12 @@ Forward (2 GEMMs):
 
 Backward from dx_out (4 GEMMs):
 
-1. down dgrad: acc = dx_out @ w_down = dy (M, F); epilogue (dg, du) from gu, ZdZ =
-   sum(g dg + u du) (row partials), stores rstd * (dg, du) (M, 2F) and the recomputed y.
+1. down dgrad: acc = dx_out @ w_down = dy (M, F); epilogue (dg, du) of rstd * dy from gu
+   (so rstd-scaled: SwiGLU's backward is linear in dy), rZdZ = rstd ZdZ = sum(g dg + u du)
+   of those (row partials); stores them (M, 2F) and the recomputed y.
 2. down wgrad: dw_down = dx_out.T @ y.
 3. gate/up dgrad: acc = (rstd dgu) @ w_gate_up = rstd g (M, H); epilogue
-   dx = acc * gamma - x rstd^2 ZdZ / H + dx_out (the residual path), dgamma column sums.
+   dx = acc * gamma - x rstd rZdZ / H + dx_out (the residual path), dgamma column sums.
 4. gate/up wgrad: dw_gate_up = (rstd dgu).T @ h.
 
 Saved for backward: x, h, rstd, gamma, w_gate_up, w_down (all inputs, no copies) and gu
@@ -103,7 +104,7 @@ def _rms_norm_swiglu_mlp_backward_impl(
     b = run_epilogue(epilogues.swiglu_backward(x.dtype), dx_out, w_down.t(), gu=gu, rstd=rstd)
     grads = []
     if need_norm:
-        grads += norm_dgrad(b["dgu"], w_gate_up, x, gamma, rstd, b["zdz"], dres=dx_out)
+        grads += norm_dgrad(b["dgu"], w_gate_up, x, gamma, rstd, b["rzdz"], dres=dx_out)
     if need_dw_gate_up:
         grads.append(matmul(b["dgu"].t(), h.t()))
     if need_dw_down:

@@ -78,6 +78,9 @@ EPI_LOAD_WARP = PRODUCER_WARP + 1  # second warp of warpgroup 2: epilogue operan
 #: did PingPong's log-sum-exp with its two-instruction exp (``LogSumExp``).
 REGS_PRODUCER = 24
 REGS_CONSUMER = 240
+#: A/B stages a kernel with a mainloop keeps before deeper epilogue buffers
+#: (``PingPongGemm._fit_smem``; PingPong tiles taking turns)
+FEWEST_MAINLOOP_AB_STAGES = 5
 
 
 @attrs.define
@@ -226,7 +229,9 @@ class PingPongGemm(Producers, EpilogueIO):
 
     def _fit_smem(self, config: GemmConfig, concurrent: bool) -> tuple[SmemPlan, int, int] | None:
         """Deepest epilogue store/load buffering that still leaves >= 4 A/B stages (or,
-        failing that, >= 2); None when the visitor's tensors do not fit.
+        failing that, >= 2); None when the visitor's tensors do not fit. A kernel that
+        takes turns (neither concurrent nor cooperative) and has a mainloop first looks
+        for ``FEWEST_MAINLOOP_AB_STAGES`` (5), with 2 store and 2 load buffers if need be.
 
         Concurrent epilogues split the store buffers between the warpgroups (an even
         number, at least one each; >= 2 A/B stages: one k-tile per tile needs no more)
@@ -267,7 +272,14 @@ class PingPongGemm(Producers, EpilogueIO):
                 (min(e, config.epi_stages), min(ld, n_sub))
                 for e, ld in ((config.epi_stages, config.load_stages), (2, 2), (1, 2), (1, 1))
             ]
-            min_abs = (4, 2)
+            # a mainloop beside 4 A/B stages runs measurably slower than beside 5 (the
+            # training ops' SwiGLU backward, 128 x 128 tiles: 2 store and 2 load buffers
+            # for a 5th stage took fused / plain 1.244 -> 1.145 at N = K = 4096 and
+            # 1.116 -> 1.045 at 8192 in bursts, 1.181 -> 1.149 and 1.102 -> 1.089 at the
+            # power limit; benchmarks/results/epilogue_buffers_h200.json); kernels that
+            # have 5 keep their deeper buffers (from 5 to 6 stages the same trade lost at
+            # the power limit). A map pass has no mainloop: its buffers come first
+            min_abs = (FEWEST_MAINLOOP_AB_STAGES, 4, 2) if self.mainloop else (4, 2)
         scratch_bytes = 4 * self.scratch_floats * (2 if concurrent else 1)
         for min_ab in min_abs:
             for epi_st, load_st in candidates:

@@ -40,7 +40,7 @@ from coda.geometry import Problem
 from coda.primitives.context import ReferenceEnv, Subtile, Tile
 from coda.specs import TensorSpec, ValueSpec
 
-__all__ = ["COL_LANES", "Primitive", "Source"]
+__all__ = ["COL_LANES", "Primitive", "Source", "ZeroOutside"]
 
 #: Threads that finalize one column result in the epilogue's finalize kernel for short
 #: columns (``coda.runtime.finalize.lanes`` picks per problem size; a warp holds
@@ -48,6 +48,35 @@ __all__ = ["COL_LANES", "Primitive", "Source"]
 #: thread per column a 16384-row problem's column (128 tiles) was a chain of 16 rounds
 #: of 8 loads on a grid of only N threads: 8.8 us per column result at N = 2048 (H100).
 COL_LANES = 8
+
+
+class ZeroOutside(frozenset):
+    """The values a fused kernel holds as exact zeros outside M x N
+    (``coda.runtime.fused.zero_outside``), as the frozenset of those zero at every element
+    outside M x N, plus two wider sets for reductions that drop the other direction's
+    edge anyway:
+
+    * ``past_n``: zero in the columns past N of every row inside M (what a per-row sum
+      needs: rows past M are never written). Besides the set's values, an elementwise
+      result of them and of row vectors or scalars (one value per row inside M) is, when
+      its function maps zeros to zeros whatever those are, e.g. ``rstd * dz``.
+    * ``past_m``: zero in the rows past M of every column inside N (a per-column sum),
+      the same with column vectors.
+
+    Membership (``name in zero``) is the strict set, so a primitive that only knows a
+    frozenset reads it as before."""
+
+    past_n: frozenset[str]
+    past_m: frozenset[str]
+
+    def __new__(cls, both=(), past_n=(), past_m=()):
+        self = super().__new__(cls, both)
+        self.past_n = frozenset(past_n) | self
+        self.past_m = frozenset(past_m) | self
+        return self
+
+    def __reduce__(self):
+        return (type(self), (frozenset(self), self.past_n, self.past_m))
 
 
 @attrs.frozen

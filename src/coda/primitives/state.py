@@ -385,13 +385,17 @@ class SoftmaxEntropy(_OnlineSoftmaxState):
 
         v, x, sub_max = self._masked_row_max(ctx, values)
         for band, r, old, new_m, base in self._rows(ctx, state, sub_max):
-            total = tracing.Float32(0.0)
-            weighted = tracing.Float32(0.0)
+            total = weighted = None
             for i in v.frag.row_members(r):
-                # exp(x - max) <= 1 by exp_diff, as LogSumExp's terms (0 for x = -inf)
+                # exp(x - max) <= 1 by exp_diff, as LogSumExp's terms (0 for x = -inf);
+                # both sums start at their first term, as LogSumExp's (no add of 0)
                 e = cm.exp_diff(x[i], base)
-                total = total + e
-                weighted = weighted + e * cm.maximum(x[i] - base, ENTROPY_FLOOR)
+                d = cm.maximum(x[i] - base, ENTROPY_FLOOR)
+                if total is None:
+                    total, weighted = e, e * d
+                else:
+                    total = total + e
+                    weighted = weighted + e * d
             total = tracing.fr.quad_allreduce("sum", total)
             weighted = tracing.fr.quad_allreduce("sum", weighted)
             if old is not None:

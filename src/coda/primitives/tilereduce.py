@@ -194,8 +194,11 @@ class TileReduce(Primitive):
         return {}
 
     def masks_edges(self, zero_outside: frozenset[str]) -> bool:
-        # a sum over a value that is 0 outside M x N needs no mask (see trace)
-        return not (self.op in ("sum", "sumsq") and self.of in zero_outside)
+        # a sum over a value that is 0 past the edge it reduces across needs no mask (see
+        # trace): past N for a per-row sum, past M for a per-column one (the other
+        # direction's results are never written); a plain frozenset: past both
+        zero = getattr(zero_outside, "past_n" if self.per == "row" else "past_m", zero_outside)
+        return not (self.op in ("sum", "sumsq") and self.of in zero)
 
     def trace(self, ctx: Any, values: dict[str, Any], state: dict) -> None:
         from coda.primitives import tracing

@@ -57,7 +57,8 @@ class TraceTile:
     #: tile: ``TraceSubtile.per_band`` (e.g. a row vector's loads, made once per band)
     memo: dict = attrs.Factory(dict)
     #: values that are exactly 0 outside M x N in this kernel
-    #: (``coda.runtime.fused.zero_outside``): sums over them need no bounds mask
+    #: (``coda.runtime.fused.zero_outside``, a ``ZeroOutside``: with the wider sets of
+    #: values zero past N / past M): sums over them need no bounds mask
     zero_outside: frozenset = frozenset()
 
     @property

@@ -31,7 +31,7 @@ import torch
 
 from ..epilogue import Epilogue
 from ..primitives import TileLoad, TileStore
-from ..primitives.base import Primitive
+from ..primitives.base import Primitive, ZeroOutside
 from ..specs import TensorSpec
 
 
@@ -53,7 +53,7 @@ def not_rollable(epi: Epilogue) -> list[str]:
 _PROBE_COLS = 8
 
 
-def zero_outside(epi: Epilogue) -> frozenset[str]:
+def zero_outside(epi: Epilogue) -> ZeroOutside:
     """The values of ``epi`` that are exactly 0 at every element outside M x N in the
     fused kernel: ``acc`` (TMA fills A's and B's rows and K-columns past their extents
     with zeros, so the accumulator's are 0; a map pass fills acc with 0), every
@@ -63,9 +63,32 @@ def zero_outside(epi: Epilogue) -> frozenset[str]:
     bounds mask (``TraceTile.zero_outside``; TileReduce skips it). Row/col vectors,
     scalars and every other primitive's values are not assumed zero: a product of acc and
     a vector stays masked, the out-of-bounds elements of an op like sigmoid are not 0.
-    (With an inf in A or B the out-of-bounds products are NaN, not 0; the in-bounds
-    elements of the same rows or columns are then non-finite too, and so are their
-    sums, masked or not.)"""
+
+    The result's ``past_n`` (``past_m``) is the wider set of values zero in the columns
+    past N of the rows inside M (the rows past M of the columns inside N), where an
+    elementwise input may also be a row vector or a scalar (a column vector or a
+    scalar): those hold one real value per row inside M, so a function that maps zeros to
+    zeros whatever that value is (checked on two probe values) keeps the zeros, e.g. the
+    product of acc and rstd. A per-row (per-column) sum over such a value needs no mask:
+    the rows past M (columns past N) are never written.
+
+    (With an inf in A or B, or in such a vector, the out-of-bounds products are NaN, not
+    0; the in-bounds elements of the same rows or columns are then non-finite too, and so
+    are their sums, masked or not.)"""
+    return ZeroOutside(
+        _zeros_kept(epi, ()),
+        past_n=_zeros_kept(epi, ("row", "scalar")),
+        past_m=_zeros_kept(epi, ("col", "scalar")),
+    )
+
+
+#: the values a row/col vector or scalar takes in :func:`_zeros_kept`'s two probes
+_PROBE_VALUES = (1.5, -2.75)
+
+
+def _zeros_kept(epi: Epilogue, given_kinds: tuple[str, ...]) -> frozenset[str]:
+    """``zero_outside``'s analysis with the values of ``given_kinds`` (row, col, scalar)
+    allowed as inputs that hold some value there (probed with each of ``_PROBE_VALUES``)."""
     from ..primitives import Elementwise
 
     specs = epi.values
@@ -73,16 +96,35 @@ def zero_outside(epi: Epilogue) -> frozenset[str]:
     for p in epi.primitives:
         if isinstance(p, TileLoad):
             zero.add(p.name)
-        elif isinstance(p, Elementwise) and p.ins and all(n in zero for n in p.ins):
-            blocks = {n: torch.zeros(2, int(_PROBE_COLS * specs[n].width)) for n in p.ins}
-            shape = (2, int(_PROBE_COLS * specs[p.out].width))
-            try:
-                out = p.evaluate(blocks, specs, shape)
-            except Exception:  # an op that cannot run on the probe block: assume nothing
+        elif isinstance(p, Elementwise) and p.ins and any(n in zero for n in p.ins):
+            if not all(n in zero or specs[n].kind in given_kinds for n in p.ins):
                 continue
-            if bool((out == 0).all()):
+            shape = (2, int(_PROBE_COLS * specs[p.out].width))
+            if all(_maps_to_zero(p, specs, zero, shape, v) for v in _PROBE_VALUES):
                 zero.add(p.out)
     return frozenset(zero)
+
+
+def _probe_block(spec: Any, value: float) -> torch.Tensor:
+    if spec.kind == "row":
+        return torch.full((2, 1), value)
+    if spec.kind == "scalar":
+        return torch.full((1, 1), value)
+    return torch.full((1, int(_PROBE_COLS * spec.width)), value)
+
+
+def _maps_to_zero(p: Any, specs: Any, zero: set, shape: tuple[int, int], value: float) -> bool:
+    blocks = {
+        n: torch.zeros(2, int(_PROBE_COLS * specs[n].width))
+        if n in zero
+        else _probe_block(specs[n], value)
+        for n in p.ins
+    }
+    try:
+        out = p.evaluate(blocks, specs, shape)
+    except Exception:  # an op that cannot run on the probe block: assume nothing
+        return False
+    return bool((out == 0).all())
 
 
 def n_multiple(epi: Epilogue) -> int:
