@@ -251,11 +251,8 @@ class LogSumExp(_OnlineSoftmaxState):
         for band, r, old, new_m, base in self._rows(ctx, state, sub_max):
             members = v.frag.row_members(r)
             # every term is exp(v - max) <= 1: the two-instruction exp_diff (ex2.approx
-            # of one FMA) is accurate to ~2 ulp + |v - max| 2^-24 there. The sum starts
-            # at the first term (0 + t is an add the compiler must keep: -0 + 0 is +0)
-            total = cm.exp_diff(x[members[0]], base)
-            for i in members[1:]:
-                total = total + cm.exp_diff(x[i], base)
+            # of one FMA) is accurate to ~2 ulp + |v - max| 2^-24 there
+            total = tracing.sum_terms(cm.exp_diff(x[i], base) for i in members)
             total = tracing.fr.quad_allreduce("sum", total)
             if old is not None:
                 # the running sum's rescale, once per row: exp_diff too for a 32-column
@@ -388,7 +385,8 @@ class SoftmaxEntropy(_OnlineSoftmaxState):
             total = weighted = None
             for i in v.frag.row_members(r):
                 # exp(x - max) <= 1 by exp_diff, as LogSumExp's terms (0 for x = -inf);
-                # both sums start at their first term, as LogSumExp's (no add of 0)
+                # both sums start at their first term, as LogSumExp's (no add of 0:
+                # ``tracing.sum_terms``, written out here to add the two in one pass)
                 e = cm.exp_diff(x[i], base)
                 d = cm.maximum(x[i] - base, ENTROPY_FLOOR)
                 if total is None:

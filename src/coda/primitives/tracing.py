@@ -341,6 +341,16 @@ def row_reduce(op: str, vals, frag: fr.Fragment) -> dict[int, Any]:
     return out
 
 
+def sum_terms(terms):
+    """The sum of traced fp32 ``terms`` (at least one), started at the first term: Python's
+    ``sum`` starts with an add of 0.0, which the compiler must keep (-0 + 0 is +0)."""
+    terms = iter(terms)
+    total = next(terms)
+    for t in terms:
+        total = total + t
+    return total
+
+
 def quad_allreduce_band(band: BandRows, op: str) -> None:
     """Combine each row's values of ``band`` (``k`` = 1) across the quad's lanes, in
     place: for a row state whose lanes each keep their own elements' part over a band's
