@@ -15,7 +15,13 @@ half past the last row); ``--cooperative-only`` runs just those (a quicker racec
 Rolled epilogues (``GemmConfig.rolled_epilogue``: each band's subtiles in a runtime loop)
 run four catalogue epilogues in every layout, with the finalize in the GEMM kernel and in
 the finalize kernel (column-only finalizes spread over the SMs); ``--rolled-only`` runs
-just those.
+just those. Few epilogue buffers first: the training ops' SwiGLU backward in its own
+plan (5 A/B stages with 2 store and 2 load buffers for its three stored and two loaded
+streams: ``coda.mainloop.kernel.FEWEST_MAINLOOP_AB_STAGES``) and two catalogue epilogues
+with 1 store and 1 load buffer, NaN-poisoned and checked against the float64 reference
+by the fuzzer's rule, on a problem where each warpgroup runs several tiles (every ring
+wraps within a tile and across tiles); ``--few-buffers-only`` runs just those, and
+``--layout=NAME`` (repeatable) keeps those layouts.
 """
 
 import sys
@@ -23,12 +29,14 @@ import sys
 import torch
 
 from coda import Epilogue
+from coda.fusions import epilogues as fusion_epilogues
 from coda.fusions._dispatch import run_map
 from coda.mainloop.config import GemmConfig
 from coda.matmul import gemm
 from coda.primitives import TileLoad, TileStore
 from coda.runtime import finalize
 from coda.testing.catalog import EPILOGUES
+from coda.testing.fuzz import check_example
 from coda.testing.layouts import LAYOUTS, operands
 from coda.testing.strategies import make_inputs
 
@@ -38,6 +46,21 @@ a0 = torch.randn(m, k, device="cuda").to(torch.bfloat16)
 b0 = torch.randn(n, k, device="cuda").to(torch.bfloat16)
 ref = a0.float() @ b0.float().t()
 COOPERATIVE = GemmConfig(tile_m=256, tile_n=128)
+ONE_BUFFER = GemmConfig(tile_n=128, epi_stages=1, load_stages=1)
+mf, nf = 8000, 1096  # 63 x 9 tiles of 128 x 128 (both ragged): about 2 per warpgroup on 132 SMs
+picked = [a.split("=", 1)[1] for a in sys.argv if a.startswith("--layout=")]
+for layout in picked or LAYOUTS:
+    runs = [(fusion_epilogues.swiglu_backward(torch.bfloat16), None)]
+    runs += [(EPILOGUES[name], ONE_BUFFER) for name in ("rmsnorm_fwd", "swiglu_bwd")]
+    for epi, config in runs:
+        A, B, more = make_inputs(epi, mf, nf, k, torch.bfloat16, seed=5)
+        a, b = operands(A.cuda(), B.cuda(), layout)
+        record = check_example(epi, a, b, {key: v.cuda() for key, v in more.items()}, config)
+        assert not record["failed"], (layout, config, record)
+    torch.cuda.synchronize()
+    print(f"sanitize_gemm {layout} {mf}x{nf}x{k}: few-buffer epilogues match float64")
+if "--few-buffers-only" in sys.argv:
+    sys.exit(0)
 ROLLED = GemmConfig(tile_n=128, cluster_m=2, rolled_epilogue=True)
 for layout in LAYOUTS:
     a, b = operands(a0, b0, layout)
