@@ -35,9 +35,17 @@ from coda.primitives import ops
 
 ensure_arch()
 
-UNARY = tuple(
-    n for n in cm.__all__ if n not in ("maximum", "minimum", "clamp", "where", "exp_diff")
+#: functions of two arguments (their cases are written out below)
+BINARY = (
+    "maximum",
+    "minimum",
+    "clamp",
+    "where",
+    "exp_diff",
+    "sin_fast_of_product",
+    "cos_fast_of_product",
 )
+UNARY = tuple(n for n in cm.__all__ if n not in BINARY)
 
 
 def _unary_case(name):
@@ -69,6 +77,10 @@ CASES = {
     "swiglu": lambda x, y, s: cm.silu(x) * y,
     "swiglu_backward_dg": lambda x, y, s: ops.swiglu_backward(x, y, s)[0],
     "rope_x": lambda x, y, s: ops.rope(x, y, s, 0.5)[0],
+    # angles of every size: x up to past the range (3.3e6 and beyond), y ~ N(0, 1)
+    "sin_fast_of_product": lambda x, y, s: cm.sin_fast_of_product(x, y),
+    "cos_fast_of_product": lambda x, y, s: cm.cos_fast_of_product(x, y),
+    "cos_fast_of_product_scalar": lambda x, y, s: cm.cos_fast_of_product(s, x),
     "mix_scalar": lambda x, y, s: cm.sigmoid(s) * x + 2.0,
     "mix_scalar_math": lambda x, y, s: cm.exp(s) + cm.tanh(x * s - 1.5),
     "softplus_neg": lambda x, y, s: cm.softplus(-x) - 0.5 * cm.abs(y),
@@ -112,6 +124,12 @@ def torch_reference(name: str, x: torch.Tensor, y: torch.Tensor, s: float, dtype
 SINCOS_CASES = {"sin": False, "cos": True}  # name -> is cos
 #: sin / cos.approx after the same reduction: NaN past the same range as sin / cos
 FAST_SINCOS_CASES = ("sin_fast", "cos_fast")
+#: the same of an exact product: NaN where the fp32 product is past that range
+PRODUCT_CASES = {
+    "sin_fast_of_product": lambda x, y, s: x.float() * y.float(),
+    "cos_fast_of_product": lambda x, y, s: x.float() * y.float(),
+    "cos_fast_of_product_scalar": lambda x, y, s: torch.tensor(s, dtype=torch.float32) * x.float(),
+}
 
 
 def sincos_in_range(x: torch.Tensor) -> torch.Tensor:
@@ -126,6 +144,8 @@ def expected(name: str, x: torch.Tensor, y: torch.Tensor, s: float, dtype) -> to
     ref = torch_reference(name, x, y, s, dtype)
     if name in SINCOS_CASES or name in FAST_SINCOS_CASES:
         ref = torch.where(sincos_in_range(x), ref, torch.nan)
+    if name in PRODUCT_CASES:
+        ref = torch.where(sincos_in_range(PRODUCT_CASES[name](x, y, s)), ref, torch.nan)
     return ref
 
 
@@ -284,6 +304,48 @@ def test_sincos_emulation_range(name):
     assert sincos_emulated(out, SINCOS_CASES[name]).isnan().all()
 
 
+def product_angle_emulated(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """The reduced angle that ``sin_fast_of_product`` / ``cos_fast_of_product`` hand to
+    sin / cos.approx, step by step in float32 (see ``_cute_sincos_fast_of_product``)."""
+    a, b = a.float(), b.float()
+    hi = a * b
+    lo = _fma32(a, b, -hi)  # a b = hi + lo exactly
+    j = torch.round(hi * _f32(cm._SINCOS_TWO_OVER_PI / 4))
+    r = _fma32(-j, 4 * cm._SINCOS_PIO2_C1, hi)
+    r = _fma32(-j, 4 * cm._SINCOS_PIO2_C2, r)
+    r = _fma32(-j, 4 * cm._SINCOS_PIO2_C3, r)
+    return r + lo
+
+
+def test_product_angle_emulation_accuracy():
+    """RoPE angles at long context: positions up to 2^20 times Llama 3's frequencies (base
+    500000, head dim 128), and wide random products up to the range end. The angle the
+    product functions reduce is within 1e-6 rad of the float64 angle modulo 2 pi (what the
+    .approx instructions then add is ~5e-7, checked on the GPU), where an fp32 product
+    alone is off by up to |angle| 2^-24 (~8e-3 rad at 128k positions: checked here too, so
+    the bound means something)."""
+    inv_freq = 1.0 / (500000.0 ** (torch.arange(0, 128, 2, dtype=torch.float64) / 128))
+    freq = inv_freq.float()
+    g = torch.Generator().manual_seed(7)
+    pos = torch.cat([torch.arange(0, 4096), torch.randint(0, 1 << 20, (4096,), generator=g)])
+    pos = pos.float()
+    wide_a = torch.exp(torch.empty(200_000).uniform_(math.log(1e3), math.log(3e6), generator=g))
+    wide_b = torch.empty(200_000).uniform_(-1, 1, generator=g)
+    a = torch.cat([pos.repeat_interleave(freq.numel()), wide_a.float()])
+    b = torch.cat([freq.repeat(pos.numel()), wide_b.float()])
+    keep = sincos_in_range(a * b)
+    a, b = a[keep], b[keep]
+    exact = a.double() * b.double()  # exact: 24 + 24 bits
+
+    def angle_error(angle: torch.Tensor) -> float:
+        """Largest |angle - exact| modulo 2 pi (float64 is exact enough here)."""
+        diff = torch.remainder(angle.double() - exact + math.pi, 2 * math.pi) - math.pi
+        return diff.abs().max().item()
+
+    assert angle_error(product_angle_emulated(a, b)) <= 1e-6  # measured 2.4e-7
+    assert angle_error(a * b) > 1e-3  # the fp32 product alone
+
+
 # ---- dispatch without a trace -----------------------------------------------------------
 
 
@@ -423,6 +485,7 @@ def test_ptx_uses_no_local_memory(ptx):
 def accurate_ptx(tmp_path_factory):
     """The kernel of every case but the ``*_fast`` functions' and the ops built on them."""
     fast = {n for n in CASES if n.endswith("_fast")} | {"rope_x", "swiglu_backward_dg"}
+    fast |= set(PRODUCT_CASES)
     f = compile_kernel([n for n in CASES if n not in fast], tmp_path_factory.mktemp("acc_ptx"))
     return f.__ptx__
 

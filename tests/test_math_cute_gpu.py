@@ -9,8 +9,9 @@ torch branch evaluated in float64 on the same fp32 inputs and rounded to fp32: r
 range, ~3.29e6: ``test_math_cute.expected``), the same infinities. Only ``FAST_CASES``
 (``exp_fast`` and what is built on it: ex2.approx of the rounded x log2 e) need a looser
 tolerance, a relative one growing with |x| (``assert_fast_close``), and the cases of
-``sin_fast`` / ``cos_fast`` (sin / cos.approx after the same reduction) an absolute 2e-6
-(``FAST_SINCOS_TOL``): every other
+``sin_fast`` / ``cos_fast`` (sin / cos.approx after the same reduction) and of
+``sin_fast_of_product`` / ``cos_fast_of_product`` (the same of an exact product, against
+sin / cos of the float64 product) an absolute 2e-6 (``FAST_SINCOS_TOL``): every other
 transcendental is the accurate libdevice routine (a few ulp;
 see the module doc of ``coda.primitives.math``); sin/cos, coda's own Cody-Waite reduction
 and Cephes polynomials, are within ~1e-7 absolute up to |x| ~ 8.2e5 and ~7e-7 up to the
@@ -32,6 +33,7 @@ require_hopper()
 
 from test_math_cute import (  # noqa: E402
     CASES,
+    PRODUCT_CASES,
     SCALARS,
     SINCOS_CASES,
     compile_kernel,
@@ -72,6 +74,9 @@ FAST_CASES = ("exp_fast", "sigmoid_fast", "silu_fast", "swiglu_backward_dg")
 #: cases built on ``sin_fast`` / ``cos_fast`` (sin / cos.approx on [-pi, pi]: ~5e-7
 #: absolute): 2e-6 absolute, scaled by what multiplies them (RoPE: |x| + |y|)
 FAST_SINCOS_TOL = {"sin_fast": False, "cos_fast": False, "rope_x": True}
+#: ... and of an exact product (the float64 reference takes the exact product too: an fp32
+#: product would be off by up to |x y| 2^-24 rad, far past 2e-6 at these angles)
+FAST_SINCOS_TOL |= {name: False for name in PRODUCT_CASES}
 
 
 def assert_fast_close(got, ref, x):

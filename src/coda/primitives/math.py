@@ -71,6 +71,10 @@ exp_fast, sigmoid_     ``ex2.approx.ftz.f32(x log2 e)``: two instructions instea
 fast, silu_fast (****)  libdevice's eight; sigmoid / silu on it as above               |x|
 sin_fast, cos_fast     ``sin/cos.approx.f32`` of x reduced to [-pi, pi] by whole turns   (~5e-7
 (****)                 (sin/cos's three-FMA split, times 4); NaN past sin/cos's range  abs)
+sin_fast_of_product,   the same of a * b kept exact: hi = a b, lo = fma(a, b, -hi)    (~5e-7
+cos_fast_of_product    (a b = hi + lo), hi reduced as above and lo added to the        abs)
+(****)                 rest (the RoPE angle pos * freq); NaN where fp32(a b) is past
+                       the range; float64 a * b on tensors
 softplus               ``where(x > 20, x, log1p(exp(x)))`` (torch's beta=1,           2.6
                        threshold=20)
 gelu_tanh              ``0.5 x (1 + tanh(k (x + 0.044715 x^3)))``, k = sqrt(2/pi),   (*)
@@ -136,6 +140,7 @@ __all__ = [
     "clamp",
     "cos",
     "cos_fast",
+    "cos_fast_of_product",
     "erf",
     "exp",
     "exp2",
@@ -156,6 +161,7 @@ __all__ = [
     "silu_fast",
     "sin",
     "sin_fast",
+    "sin_fast_of_product",
     "softplus",
     "sqrt",
     "tanh",
@@ -441,8 +447,10 @@ def _cute_cos_poly(z: Any) -> Any:
     return _cute_fma(_cute_horner(z, (*_COS_COEFFS, -0.5)), z, 1.0)
 
 
-def _cute_sincos(x: Any, quadrant_shift: int) -> Any:
-    """sin x (``quadrant_shift`` 0) or cos x = sin(x + pi/2) (``quadrant_shift`` 1).
+def _cute_sincos(x: Any, quadrant_shift: int, lo: Any = None) -> Any:
+    """sin x (``quadrant_shift`` 0) or cos x = sin(x + pi/2) (``quadrant_shift`` 1); of
+    x + lo when ``lo`` is given (a float-float angle, |lo| <= ulp(x) / 2: added to the
+    reduced r, where it is not lost).
 
     With x = j pi/2 + r and q = (j + quadrant_shift) mod 4, the result is sin r, cos r,
     -sin r, -cos r for q = 0, 1, 2, 3 (cos x: q = j + 1 gives cos r, -sin r, -cos r, sin r).
@@ -456,6 +464,8 @@ def _cute_sincos(x: Any, quadrant_shift: int) -> Any:
     r = _cute_fma(-j, _SINCOS_PIO2_C1, x)  # |r| ~ |x - j pi/2| + |j| 4.4e-8
     r = _cute_fma(-j, _SINCOS_PIO2_C2, r)
     r = _cute_fma(-j, _SINCOS_PIO2_C3, r)
+    if lo is not None:
+        r = r + lo
     z = r * r
     q = j.to(cutlass.Int32) + quadrant_shift  # two's complement: q & 3 = j mod 4 for j < 0
     value = _cute_where((q & 1) != 0, _cute_cos_poly(z), _cute_sin_poly(r, z))
@@ -490,18 +500,22 @@ def _cute_cos(x: Any) -> Any:
     return _cute_sincos(x, 1)
 
 
-def _cute_sincos_fast(x: Any, cos: bool) -> Any:
+def _cute_sincos_fast(x: Any, cos: bool, lo: Any = None) -> Any:
     """sin x or cos x by ``sin/cos.approx.f32`` of x reduced to [-pi, pi] (whole turns
     taken off with the same three-FMA split as ``_cute_sincos``, scaled by 4: exact); NaN
-    where ``_cute_sincos`` gives NaN. Host code: the accurate ones."""
+    where ``_cute_sincos`` gives NaN. Of x + lo when ``lo`` is given (as ``_cute_sincos``).
+    Host code: the accurate ones."""
     if not _in_device_code():
-        return _cute_cos(x) if cos else _cute_sin(x)
+        value = _cute_sincos(x, 1 if cos else 0, lo)
+        return value if cos else _cute_where(x == 0.0, x, value)
     cm = _cute().math
     turns = x * (_SINCOS_TWO_OVER_PI / 4)  # fp32(1 / (2 pi)): exact scaling of fp32(2 / pi)
     j = cm.roundeven(turns)
     r = _cute_fma(-j, 4 * _SINCOS_PIO2_C1, x)
     r = _cute_fma(-j, 4 * _SINCOS_PIO2_C2, r)
     r = _cute_fma(-j, 4 * _SINCOS_PIO2_C3, r)
+    if lo is not None:
+        r = r + lo
     value = _cute_approx("cos" if cos else "sin", r)
     if not cos:
         value = _cute_where(x == 0.0, x, value)  # sin(-0) = -0, as torch
@@ -516,6 +530,33 @@ def _cute_sin_fast(x: Any) -> Any:
 @_cute_in_fp32
 def _cute_cos_fast(x: Any) -> Any:
     return _cute_sincos_fast(x, True)
+
+
+def _cute_sincos_fast_of_product(fname: str, a: Any, b: Any, cos: bool) -> Any:
+    """sin or cos of a * b in fp32 with the product kept exact: hi = fp32(a b) and
+    lo = fma(a, b, -hi), so that a b = hi + lo (the error-free product of two fp32 values);
+    hi is reduced as sin_fast / cos_fast reduce their argument and lo added to the reduced
+    angle. Results in the arguments' (promoted) dtype."""
+    import cutlass
+
+    a, b = _cute_promote(fname, (a, b))
+    dtype = a.dtype if isinstance(a, _cute().TensorSSA) else type(a)
+    if dtype is not cutlass.Float32:
+        a, b = a.to(cutlass.Float32), b.to(cutlass.Float32)
+    hi = a * b
+    lo = _cute_fma(a, b, -hi)
+    value = _cute_sincos_fast(hi, cos, lo)
+    return value if dtype is cutlass.Float32 else value.to(dtype)
+
+
+def _torch_sincos_of_product(a: Any, b: Any, fn: Any) -> torch.Tensor:
+    """fn(a * b) with the product and fn in float64, rounded to the arguments' float dtype."""
+    t = _first_tensor((a, b))
+    a, b = _as_tensor(a, t), _as_tensor(b, t)
+    dtype = torch.result_type(a, b)
+    if not dtype.is_floating_point:
+        dtype = torch.get_default_dtype()
+    return fn(a.double() * b.double()).to(dtype)
 
 
 def _cute_math(name: str) -> Callable[[Any], Any]:
@@ -590,6 +631,28 @@ sin_fast = _unary(
     "sine by sin.approx.f32 of the argument reduced to [-pi, pi] in kernels (within "
     "~1e-6 absolute: for values stored in 16 bits); torch.sin on tensors",
 )
+
+
+def cos_fast_of_product(a: Any, b: Any) -> Any:
+    """cos(a * b) with the product taken exactly (a RoPE angle, position * frequency):
+    in kernels hi = fp32(a b), lo = fma(a, b, -hi) (a b = hi + lo exactly), hi reduced to
+    [-pi, pi] as in ``cos_fast`` and lo added to what is left, then cos.approx.f32 (within
+    ~1e-6 absolute of cos of the exact product; NaN past ``cos_fast``'s range, |a b| ~
+    3.29e6); either may be a Python number. On tensors ``cos`` of the product in float64,
+    rounded to the arguments' dtype. An fp32 product alone is off by up to |a b| 2^-24:
+    ~8e-3 radians at 128k positions."""
+    if _backend("cos_fast_of_product", (a, b)) == _TORCH:
+        return _torch_sincos_of_product(a, b, torch.cos)
+    return _cute_sincos_fast_of_product("cos_fast_of_product", a, b, True)
+
+
+def sin_fast_of_product(a: Any, b: Any) -> Any:
+    """sin(a * b) with the product taken exactly: see ``cos_fast_of_product``."""
+    if _backend("sin_fast_of_product", (a, b)) == _TORCH:
+        return _torch_sincos_of_product(a, b, torch.sin)
+    return _cute_sincos_fast_of_product("sin_fast_of_product", a, b, False)
+
+
 # `abs` shadows the builtin on purpose (mirrors torch/numpy naming)
 abs = _unary("abs", torch.abs, _cute_math("abs"), "absolute value")  # noqa: A001
 

@@ -124,15 +124,14 @@ def pair_products(a: Any, b: Any, da: Any, db: Any) -> tuple[Any, Any]:
 def rope(x: Any, y: Any, pos: Any, freq: Any) -> tuple[Any, Any]:
     """Rotary embedding, pairwise "map", interleaved pairs (x, y) = (even, odd) columns:
     angle = pos * freq (pos: row vector, one position per token; freq: col vector of
-    width W/2, one frequency per pair); returns (x c - y s, y c + x s)."""
-    angle = pos * freq
-    c, s = cm.cos_fast(angle), cm.sin_fast(angle)
+    width W/2, one frequency per pair), the product taken exactly
+    (``math.cos_fast_of_product``); returns (x c - y s, y c + x s)."""
+    c, s = cm.cos_fast_of_product(pos, freq), cm.sin_fast_of_product(pos, freq)
     return x * c - y * s, y * c + x * s
 
 
 def rope_inverse(x: Any, y: Any, pos: Any, freq: Any) -> tuple[Any, Any]:
     """The inverse rotation of ``rope`` (its backward, since rotations are orthogonal):
     (x c + y s, y c - x s)."""
-    angle = pos * freq
-    c, s = cm.cos_fast(angle), cm.sin_fast(angle)
+    c, s = cm.cos_fast_of_product(pos, freq), cm.sin_fast_of_product(pos, freq)
     return x * c + y * s, y * c - x * s
