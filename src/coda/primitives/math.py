@@ -474,17 +474,19 @@ def _cute_sincos(x: Any, quadrant_shift: int, lo: Any = None) -> Any:
     return _cute_where(cm.abs(quarter_turns) <= _SINCOS_MAX_QUARTER_TURNS, value, _pymath.nan)
 
 
-def _cute_in_fp32(fn: Callable[[Any], Any]) -> Callable[[Any], Any]:
-    """``fn`` (written for fp32: its constants are fp32) evaluated in fp32 on a value of any
-    numeric dtype, the result converted back to that dtype."""
+def _cute_in_fp32(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` (written for fp32: its constants are fp32) evaluated in fp32 on values of any
+    one numeric dtype (the first argument's; ``_cute_promote`` makes them one), the result
+    converted back to that dtype."""
 
-    def op(x: Any) -> Any:
+    def op(*args: Any) -> Any:
         import cutlass
 
+        x = args[0]
         dtype = x.dtype if isinstance(x, _cute().TensorSSA) else type(x)
         if dtype is cutlass.Float32:
-            return fn(x)
-        return fn(x.to(cutlass.Float32)).to(dtype)
+            return fn(*args)
+        return fn(*(a.to(cutlass.Float32) for a in args)).to(dtype)
 
     return op
 
@@ -505,21 +507,25 @@ def _cute_sincos_fast(x: Any, cos: bool, lo: Any = None) -> Any:
     taken off with the same three-FMA split as ``_cute_sincos``, scaled by 4: exact); NaN
     where ``_cute_sincos`` gives NaN. Of x + lo when ``lo`` is given (as ``_cute_sincos``).
     Host code: the accurate ones."""
+    turns = None  # host code: _cute_sincos is NaN past the range itself
     if not _in_device_code():
         value = _cute_sincos(x, 1 if cos else 0, lo)
-        return value if cos else _cute_where(x == 0.0, x, value)
-    cm = _cute().math
-    turns = x * (_SINCOS_TWO_OVER_PI / 4)  # fp32(1 / (2 pi)): exact scaling of fp32(2 / pi)
-    j = cm.roundeven(turns)
-    r = _cute_fma(-j, 4 * _SINCOS_PIO2_C1, x)
-    r = _cute_fma(-j, 4 * _SINCOS_PIO2_C2, r)
-    r = _cute_fma(-j, 4 * _SINCOS_PIO2_C3, r)
-    if lo is not None:
-        r = r + lo
-    value = _cute_approx("cos" if cos else "sin", r)
+    else:
+        cm = _cute().math
+        turns = x * (_SINCOS_TWO_OVER_PI / 4)  # fp32(1 / (2 pi)): exact scaling of fp32(2/pi)
+        j = cm.roundeven(turns)
+        r = _cute_fma(-j, 4 * _SINCOS_PIO2_C1, x)
+        r = _cute_fma(-j, 4 * _SINCOS_PIO2_C2, r)
+        r = _cute_fma(-j, 4 * _SINCOS_PIO2_C3, r)
+        if lo is not None:
+            r = r + lo
+        value = _cute_approx("cos" if cos else "sin", r)
     if not cos:
         value = _cute_where(x == 0.0, x, value)  # sin(-0) = -0, as torch
-    return _cute_where(cm.abs(turns) <= _SINCOS_MAX_QUARTER_TURNS / 4, value, _pymath.nan)
+    if turns is None:
+        return value
+    in_range = _cute().math.abs(turns) <= _SINCOS_MAX_QUARTER_TURNS / 4
+    return _cute_where(in_range, value, _pymath.nan)
 
 
 @_cute_in_fp32
@@ -537,16 +543,13 @@ def _cute_sincos_fast_of_product(fname: str, a: Any, b: Any, cos: bool) -> Any:
     lo = fma(a, b, -hi), so that a b = hi + lo (the error-free product of two fp32 values);
     hi is reduced as sin_fast / cos_fast reduce their argument and lo added to the reduced
     angle. Results in the arguments' (promoted) dtype."""
-    import cutlass
 
-    a, b = _cute_promote(fname, (a, b))
-    dtype = a.dtype if isinstance(a, _cute().TensorSSA) else type(a)
-    if dtype is not cutlass.Float32:
-        a, b = a.to(cutlass.Float32), b.to(cutlass.Float32)
-    hi = a * b
-    lo = _cute_fma(a, b, -hi)
-    value = _cute_sincos_fast(hi, cos, lo)
-    return value if dtype is cutlass.Float32 else value.to(dtype)
+    def in_fp32(a: Any, b: Any) -> Any:
+        hi = a * b
+        lo = _cute_fma(a, b, -hi)
+        return _cute_sincos_fast(hi, cos, lo)
+
+    return _cute_in_fp32(in_fp32)(*_cute_promote(fname, (a, b)))
 
 
 def _torch_sincos_of_product(a: Any, b: Any, fn: Any) -> torch.Tensor:
