@@ -36,12 +36,16 @@ queue must hold). Configs:
 Methods, all built from ONE random init (deep copies made before any patching):
 ``coda`` (``apply_coda(model, strict=True)``: every step must run the fused stack and
 loss), ``eager`` (the unpatched model), ``compile`` (``torch.compile(model)``, default
-mode), ``liger`` (Liger-Kernel's ``apply_liger_kernel_to_llama(model=...)``: RoPE,
-RMSNorm, SwiGLU, fused linear cross-entropy; null when ``liger_kernel`` is not
-installed). Liger's instance patch also replaces module-level names of
+mode, with Hugging Face's causal mask skipped as eager mode skips it:
+``causal_mask_as_eager``; ``--compile-hf-mask`` keeps transformers' own, which under
+dynamo before torch 2.14 is an explicit mask that slows attention about 3x), ``liger``
+(Liger-Kernel's ``apply_liger_kernel_to_llama(model=...)``: RoPE, RMSNorm, SwiGLU,
+fused linear cross-entropy; null when ``liger_kernel`` is not installed). Liger's
+instance patch also replaces module-level names of
 ``transformers.models.llama.modeling_llama`` (``apply_rotary_pos_emb``, ``LlamaRMSNorm``,
 ``LlamaMLP``); they are restored right after patching and swapped in only around the
-Liger model's own steps, so the eager and compiled models keep Hugging Face's functions.
+Liger model's own steps, so the eager and compiled models keep Hugging Face's functions
+(the compiled model's mask function is swapped in the same way, around its own steps).
 
 Timing (DESIGN.md 7): ``--warmup`` steps per method (torch.compile and coda's kernel
 compilation happen there), then ``--rounds`` rounds; in a round each method runs
@@ -110,6 +114,8 @@ DEVICE = "cuda"
 DTYPE = BF16
 #: ``--amp``: fp32 parameters, each forward under ``torch.autocast`` to bf16
 AMP = False
+#: ``--compile-hf-mask``: the compiled model keeps transformers' own causal-mask function
+COMPILE_HF_MASK = False
 METHODS = ("coda", "eager", "compile", "liger")
 ROW_FIELDS = (
     "config",
@@ -224,6 +230,19 @@ def apply_liger(model: torch.nn.Module) -> dict[str, Any]:
             setattr(modeling_llama, n, v)
 
 
+def causal_mask_as_eager(*, attention_mask: torch.Tensor | None = None, **kwargs: Any) -> None:
+    """Hugging Face's ``create_causal_mask`` for the compiled model, returning what it
+    returns in eager mode for these unpadded, unpacked sequences: no mask, so SDPA runs
+    ``is_causal=True`` (the flash kernels skip the masked half). transformers skips the
+    mask that way in eager mode but never while dynamo traces before torch 2.14
+    (``masking_utils._ignore_causal_mask_sdpa``): out of the box the compiled model's
+    attention takes an explicit M x M mask and runs its kernels about 3x as long
+    (``results/kernel_profile_train_compile_hf_mask_h200.json``)."""
+    if attention_mask is not None:
+        raise ValueError("causal_mask_as_eager: the benchmark's batches carry no padding mask")
+    return None
+
+
 @contextlib.contextmanager
 def swapped(values: dict[str, Any]) -> Iterator[None]:
     """``transformers.models.llama.modeling_llama``'s names set to ``values`` inside."""
@@ -257,6 +276,8 @@ class Method:
             self.patch = apply_coda(model, strict=True, fuse_autocast=AMP)
         elif name == "compile":
             self.run = torch.compile(model)
+            if not COMPILE_HF_MASK:
+                self.globals = {"create_causal_mask": causal_mask_as_eager}
         elif name == "liger":
             self.globals = apply_liger(model)
         model.train()
@@ -843,6 +864,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         help="mixed precision: fp32 parameters, forwards under torch.autocast to bf16 "
         "(coda: apply_coda(..., fuse_autocast=True))",
     )
+    p.add_argument(
+        "--compile-hf-mask",
+        action="store_true",
+        help="the compiled model keeps transformers' causal-mask function (under dynamo "
+        "before torch 2.14: an explicit mask, attention about 3x slower)",
+    )
     p.add_argument("--out", default="benchmarks/results/train_step_h200.json")
     p.add_argument(
         "--combine",
@@ -932,7 +959,7 @@ def environment() -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    global DEVICE, DTYPE, AMP
+    global DEVICE, DTYPE, AMP, COMPILE_HF_MASK
     args = parse(argv)
     if args.combine:
         return combine(args.combine, args.out)
@@ -946,6 +973,7 @@ def main(argv: list[str] | None = None) -> int:
     DEVICE = args.device
     DTYPE = torch.float32 if args.dtype == "fp32" or args.amp else BF16
     AMP = args.amp
+    COMPILE_HF_MASK = args.compile_hf_mask
     all_configs = configs(args.layers4096, args.tiny)
     names = [c for c in args.configs.split(",") if c]
     unknown = [c for c in names if c not in all_configs]
@@ -988,6 +1016,7 @@ def main(argv: list[str] | None = None) -> int:
             f"interleaved rounds ({args.rounds}) of {args.reps} step(s) per method "
             f"after {args.warmup} warm-up steps; median over rounds; CUDA events"
         ),
+        "compile_causal_mask": "transformers" if COMPILE_HF_MASK else "as_eager",
         "rows": rows,
         "details": details,
         "block": block,
