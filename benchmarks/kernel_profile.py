@@ -160,11 +160,12 @@ def profile(fn, reps: int, warmup: int = 3) -> dict:
 
 
 def train_profiles(args, out: dict) -> None:
-    """A whole training step (fwd + bwd + AdamW) of the 1B-class model: coda vs Liger
-    (and eager HF), kernel categories, plus memory after the forward."""
+    """A whole training step (fwd + bwd + AdamW) of ``--train-config`` (default the 1B
+    model): coda vs torch.compile, Liger, eager HF, kernel categories, plus memory after
+    the forward."""
     from coda.llama_training import build_model
 
-    size = ts.configs(4)["llama3-1b"]
+    size = ts.configs(args.layers4096)[args.train_config]
     ids = torch.randint(0, size.vocab, (1, args.M), device="cuda")
     for name in args.train:
         gc.collect()
@@ -241,7 +242,16 @@ def main(argv=None) -> None:
     p.add_argument("--V", type=int, default=128256)
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--only", nargs="*", default=None)
-    p.add_argument("--train", nargs="*", default=[], help="whole training steps: coda liger eager")
+    p.add_argument(
+        "--train", nargs="*", default=[], help="whole training steps: coda compile liger eager"
+    )
+    p.add_argument(
+        "--train-config",
+        default="llama3-1b",
+        choices=("llama3-1b", "h4096-trunc"),
+        help="the model of --train (train_step.py's configs)",
+    )
+    p.add_argument("--layers4096", type=int, default=2, help="layers of h4096-trunc")
     p.add_argument("--seq", action="store_true", help="print each pass's kernel sequence")
     p.add_argument("--out", default="benchmarks/results/kernel_profile_h200.json")
     common.add_replot_option(p)
