@@ -170,7 +170,9 @@ def train_profiles(args, out: dict) -> None:
     for name in args.train:
         gc.collect()
         torch.cuda.empty_cache()
-        model = build_model(size, torch.bfloat16, "cuda", seed=0)
+        ts.AMP = args.amp
+        dtype = torch.float32 if args.amp else torch.bfloat16
+        model = build_model(size, dtype, "cuda", seed=0)
         meth = ts.Method(name, model, ids)
         for _ in range(3):
             meth.step()
@@ -178,7 +180,8 @@ def train_profiles(args, out: dict) -> None:
         base = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
         with ts.swapped(meth.globals):
-            loss = meth.run(input_ids=ids, labels=ids).loss
+            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=args.amp):
+                loss = meth.run(input_ids=ids, labels=ids).loss
             torch.cuda.synchronize()
             after_fwd = torch.cuda.memory_allocated()
             peak_fwd = torch.cuda.max_memory_allocated()
@@ -252,6 +255,11 @@ def main(argv=None) -> None:
         help="the model of --train (train_step.py's configs)",
     )
     p.add_argument("--layers4096", type=int, default=2, help="layers of h4096-trunc")
+    p.add_argument(
+        "--amp",
+        action="store_true",
+        help="--train under AMP: fp32 parameters, forwards under torch.autocast to bf16",
+    )
     p.add_argument("--seq", action="store_true", help="print each pass's kernel sequence")
     p.add_argument("--out", default="benchmarks/results/kernel_profile_h200.json")
     common.add_replot_option(p)

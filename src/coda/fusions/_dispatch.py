@@ -25,8 +25,13 @@ architecture) the same calls run the reference path there.
   (``_zero_rows``): no allocation or fill per call.
 * ``matmul(A, B, out=None, accumulate=False)``: ``A @ B.T`` by ``coda.gemm`` on a Hopper
   GPU, by ``A.float() @ B.float().T`` elsewhere.
+* ``cast(t, dtype)``: ``t.to(dtype)`` whose gradient widens back by a map pass on a Hopper
+  GPU (``widen``: TileLoad 16-bit -> TileStore fp32, the same values) instead of PyTorch's
+  copy with a dtype change, which runs unvectorized (about 1.3 TB/s on the H200): what a
+  parameter cast for autocast uses (``autocast_operands``, ``coda.nn``'s recipes).
 * ``autocast_operands(*names)``: a fusion entry point under ``torch.autocast`` (its
-  floating operands cast as autocast casts F.linear's, the body run with autocast off);
+  floating operands cast as autocast casts F.linear's, by ``cast``, the body run with
+  autocast off);
   ``autocast_dtype(t)``: autocast's dtype on ``t``'s device, or None;
   ``without_autocast``: a fused op's backward formula, run with autocast off;
   ``register_formula``: a fused op's ``register_autograd``, its formula run that way.
@@ -54,6 +59,7 @@ from typing import Any
 import torch
 
 from coda.epilogue import Epilogue
+from coda.primitives import TileLoad, TileStore
 from coda.runtime.checks import kernels_run_on
 from coda.runtime.kept import kept
 
@@ -62,6 +68,7 @@ __all__ = [
     "EagerOp",
     "autocast_dtype",
     "autocast_operands",
+    "cast",
     "eager_autograd",
     "matmul",
     "plain_eager",
@@ -69,6 +76,7 @@ __all__ = [
     "run_epilogue",
     "run_map",
     "uses_kernels",
+    "widen",
     "without_autocast",
 ]
 
@@ -89,6 +97,64 @@ def autocast_dtype(t: torch.Tensor) -> torch.dtype | None:
     if device not in ("cuda", "cpu") or not torch.is_autocast_enabled(device):
         return None
     return torch.get_autocast_dtype(device)
+
+
+#: the smallest gradient (elements) that ``cast``'s backward widens by a map pass; below
+#: it the launch costs more than PyTorch's slower copy
+WIDEN_MIN_NUMEL = 1 << 20
+
+
+@functools.cache
+def _widen_epilogue(src: torch.dtype, dst: torch.dtype) -> Epilogue:
+    return Epilogue((TileLoad("g", src), TileStore("g", dst, name="wide")))
+
+
+def widen(g: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``g.to(dtype)`` for a 16-bit ``g`` and ``dtype`` float32: by a map pass (TileLoad ->
+    TileStore: the values exactly, at the map pass's bandwidth) for a 2-D row-major
+    tensor of at least ``WIDEN_MIN_NUMEL`` elements on a Hopper GPU whose rows the TMA
+    takes (a multiple of 8 columns, 16-byte aligned); by ``g.to(dtype)`` otherwise (and
+    under ``torch.compile``, whose own kernels cast at full speed)."""
+    if (
+        type(g) is torch.Tensor
+        and dtype == torch.float32
+        and g.dtype in (torch.bfloat16, torch.float16)
+        and g.dim() == 2
+        and g.numel() >= WIDEN_MIN_NUMEL
+        and g.stride(1) == 1
+        and g.stride(0) == g.shape[1]
+        and g.shape[1] % 8 == 0
+        and g.data_ptr() % 16 == 0
+        and uses_kernels(g)
+        and not torch.compiler.is_compiling()
+    ):
+        return run_map(_widen_epilogue(g.dtype, dtype), *g.shape, g, g=g)["wide"]
+    return g.to(dtype)
+
+
+class _Cast(torch.autograd.Function):
+    """``t.to(dtype)``; the gradient back to ``t``'s dtype by :func:`widen`."""
+
+    @staticmethod
+    def forward(ctx: Any, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        ctx.src = t.dtype
+        ctx.set_materialize_grads(False)  # an unused output leaves t.grad None, as .to does
+        return t.to(dtype)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor | None, None]:
+        return (None if g is None else widen(g, ctx.src)), None
+
+
+def cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t.to(dtype)`` (differentiable), the gradient widened back by :func:`widen`: how
+    coda casts a parameter for autocast. Plain ``t.to(dtype)`` when nothing would differ
+    (no grad needed, the same dtype, a compiler tracing)."""
+    if t.dtype == dtype or not (t.requires_grad and torch.is_grad_enabled()):
+        return t.to(dtype)
+    if torch.compiler.is_compiling():
+        return t.to(dtype)
+    return _Cast.apply(t, dtype)
 
 
 def autocast_operands(*names: str) -> Callable[[Callable], Callable]:
@@ -118,7 +184,7 @@ def autocast_operands(*names: str) -> Callable[[Callable], Callable]:
                     continue  # not passed: its default
                 t = box[key]
                 if isinstance(t, torch.Tensor) and t.is_floating_point():
-                    box[key] = t.to(dtype)
+                    box[key] = cast(t, dtype)
             with torch.autocast(first.device.type, enabled=False):
                 return fn(*args, **kwargs)
 

@@ -24,13 +24,16 @@ from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
+from coda.fusions import _dispatch
+
 __all__ = ["Recipe", "cast", "cast_as_recipe", "rebuilt_when_saved"]
 
 
 def cast(w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``w`` in ``dtype`` (differentiable; a recipe's function for a weight cast to
+    """``w`` in ``dtype`` (differentiable, its gradient widened back by a map pass on a
+    Hopper GPU: ``coda.fusions._dispatch.cast``; a recipe's function for a weight cast to
     autocast's dtype, ``functools.partial(cast, dtype=...)``)."""
-    return w.to(dtype)
+    return _dispatch.cast(w, dtype)
 
 
 def cast_as_recipe(w: torch.Tensor, dtype: torch.dtype, made: list) -> torch.Tensor:
