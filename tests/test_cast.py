@@ -1,7 +1,7 @@
-"""``coda.fusions._dispatch.cast``: ``t.to(dtype)`` whose gradient widens back by a map
-pass on a Hopper GPU (``widen``); on the CPU (and every other path ``widen`` declines)
-the same values and gradients as ``t.to(dtype)``. CPU; the map pass itself is tested in
-tests/test_cast_gpu.py."""
+"""``coda.fusions._dispatch.cast``: ``t.to(dtype)``; with ``WIDEN_GRADIENTS`` its gradient
+widens back by a map pass on a Hopper GPU (``widen``), and on the CPU (and every other
+path ``widen`` declines) it gives the same values and gradients as ``t.to(dtype)``.
+CPU; the map pass itself is tested in tests/test_cast_gpu.py."""
 
 from __future__ import annotations
 
@@ -10,6 +10,12 @@ import torch
 
 from coda.fusions import _dispatch, linear_cross_entropy
 from coda.nn import _rebuild
+
+
+@pytest.fixture(autouse=True)
+def widening(monkeypatch):
+    """Every test here runs ``cast`` with its gradient widening switched on."""
+    monkeypatch.setattr(_dispatch, "WIDEN_GRADIENTS", True)
 
 
 @pytest.mark.parametrize("low", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
@@ -72,3 +78,9 @@ def test_an_unused_cast_leaves_the_gradient_none_as_to_does():
     out = (_dispatch.cast(p, torch.bfloat16), _dispatch.cast(q, torch.bfloat16))
     out[1].float().sum().backward()
     assert p.grad is None and q.grad is not None
+
+
+def test_switched_off_cast_is_plain_to(monkeypatch):
+    monkeypatch.setattr(_dispatch, "WIDEN_GRADIENTS", False)
+    p = torch.randn(8, 8, requires_grad=True)
+    assert type(_dispatch.cast(p, torch.bfloat16).grad_fn).__name__ == "ToCopyBackward0"

@@ -25,10 +25,12 @@ architecture) the same calls run the reference path there.
   (``_zero_rows``): no allocation or fill per call.
 * ``matmul(A, B, out=None, accumulate=False)``: ``A @ B.T`` by ``coda.gemm`` on a Hopper
   GPU, by ``A.float() @ B.float().T`` elsewhere.
-* ``cast(t, dtype)``: ``t.to(dtype)`` whose gradient widens back by a map pass on a Hopper
-  GPU (``widen``: TileLoad 16-bit -> TileStore fp32, the same values) instead of PyTorch's
-  copy with a dtype change, which runs unvectorized (about 1.3 TB/s on the H200): what a
-  parameter cast for autocast uses (``autocast_operands``, ``coda.nn``'s recipes).
+* ``cast(t, dtype)``: ``t.to(dtype)``, what a parameter cast for autocast uses
+  (``autocast_operands``, ``coda.nn``'s recipes). With ``WIDEN_GRADIENTS`` (off until
+  timed) its gradient widens back by a map pass on a Hopper GPU (``widen``: TileLoad
+  16-bit -> TileStore fp32, the same values) instead of PyTorch's dtype-changing copy,
+  which runs its unvectorized kernel (`unrolled_elementwise_kernel`: 4.5 ms of a 1B AMP
+  step's GPU time in ``results/kernel_profile_train_amp_h200.json``).
 * ``autocast_operands(*names)``: a fusion entry point under ``torch.autocast`` (its
   floating operands cast as autocast casts F.linear's, by ``cast``, the body run with
   autocast off);
@@ -99,9 +101,15 @@ def autocast_dtype(t: torch.Tensor) -> torch.dtype | None:
     return torch.get_autocast_dtype(device)
 
 
-#: the smallest gradient (elements) that ``cast``'s backward widens by a map pass; below
-#: it the launch costs more than PyTorch's slower copy
+#: the smallest gradient (elements) that ``widen`` widens by a map pass; below it the
+#: launch would cost more than PyTorch's slower copy
 WIDEN_MIN_NUMEL = 1 << 20
+
+#: whether ``cast`` widens its gradient by ``widen`` (True) or is plain ``t.to(dtype)``
+#: (False, the default). Off until timed: on the H200 ``widen`` and ``cast``'s gradient
+#: through it are tested bit for bit against ``.to`` (tests/test_cast_gpu.py), but
+#: ``benchmarks/cast_widen.py`` and the AMP training step with it have not run yet.
+WIDEN_GRADIENTS = False
 
 
 @functools.cache
@@ -147,12 +155,13 @@ class _Cast(torch.autograd.Function):
 
 
 def cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``t.to(dtype)`` (differentiable), the gradient widened back by :func:`widen`: how
-    coda casts a parameter for autocast. Plain ``t.to(dtype)`` when nothing would differ
-    (no grad needed, the same dtype, a compiler tracing)."""
-    if t.dtype == dtype or not (t.requires_grad and torch.is_grad_enabled()):
+    """``t.to(dtype)`` (differentiable), with ``WIDEN_GRADIENTS`` its gradient widened
+    back by :func:`widen`: how coda casts a parameter for autocast. Plain ``t.to(dtype)``
+    when nothing would differ (the switch off, no grad needed, the same dtype, a
+    compiler tracing)."""
+    if not WIDEN_GRADIENTS or t.dtype == dtype:
         return t.to(dtype)
-    if torch.compiler.is_compiling():
+    if not (t.requires_grad and torch.is_grad_enabled()) or torch.compiler.is_compiling():
         return t.to(dtype)
     return _Cast.apply(t, dtype)
 

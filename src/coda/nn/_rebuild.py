@@ -30,9 +30,9 @@ __all__ = ["Recipe", "cast", "cast_as_recipe", "rebuilt_when_saved"]
 
 
 def cast(w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``w`` in ``dtype`` (differentiable, its gradient widened back by a map pass on a
-    Hopper GPU: ``coda.fusions._dispatch.cast``; a recipe's function for a weight cast to
-    autocast's dtype, ``functools.partial(cast, dtype=...)``)."""
+    """``w`` in ``dtype`` (differentiable, by ``coda.fusions._dispatch.cast``; a recipe's
+    function for a weight cast to autocast's dtype, ``functools.partial(cast,
+    dtype=...)``)."""
     return _dispatch.cast(w, dtype)
 
 
