@@ -7,7 +7,7 @@ cast up to its parameter's fp32. PyTorch's copy with a dtype change from bf16 to
 runs its unvectorized kernel; ``coda.fusions._dispatch.widen`` (what coda's
 ``cast`` uses in backward) runs a map pass instead (TileLoad bf16 -> TileStore fp32).
 Times both on the weight shapes of a Llama 3.2 1B layer and its tied head / embedding
-(interleaved rounds: each round times both, medians over rounds), checks they give the
+(``common.interleaved``, rotated: each round times both, medians over rounds), checks they give the
 same bits, and writes JSON rows ``{"name", "rows", "cols", "torch_us", "widen_us",
 "torch_gbps", "widen_gbps", "speedup", "bitwise_equal"}`` (bytes: 2 read + 4 written per
 element) and a PNG beside it (``--replot FILE`` redraws it from a written JSON).
@@ -40,12 +40,8 @@ SHAPES = (
 def chart(payload: dict, png: str) -> bool:
     """Bars of GB/s per shape, PyTorch's cast beside the map pass; False without
     matplotlib."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = common.pyplot()
+    if plt is None:
         return False
     rows = payload["rows"]
     xs = range(len(rows))
@@ -56,9 +52,7 @@ def chart(payload: dict, png: str) -> bool:
     ax.set_ylabel("GB/s (2 B read + 4 B written)")
     ax.set_title(f"bf16 -> fp32 weight gradients, {payload.get('device', '')}")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(png, dpi=110)
-    plt.close(fig)
+    common.save_figure(plt, fig, png)
     return True
 
 
@@ -80,15 +74,8 @@ def main(argv: list[str] | None = None) -> None:
             "widen": lambda g=g: widen(g, torch.float32),
         }
         same = torch.equal(fns["torch"]().view(torch.int32), fns["widen"]().view(torch.int32))
-        for fn in fns.values():
-            for _ in range(3):
-                fn()
-        torch.cuda.synchronize()
-        times: dict[str, list[float]] = {k: [] for k in fns}
-        for _ in range(args.rounds):
-            for k, fn in fns.items():
-                times[k].append(common.time_once(fn, args.reps) * 1e3)
-        t_us, w_us = common.median(times["torch"]), common.median(times["widen"])
+        times = common.interleaved(fns, rounds=args.rounds, reps=args.reps, rotate=True)
+        t_us, w_us = (1e3 * common.median(times[k]) for k in ("torch", "widen"))
         nbytes = 6 * m * n
         rows.append(
             {

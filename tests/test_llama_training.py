@@ -201,3 +201,34 @@ def test_train_step_script_without_cuda_says_so():
         pytest.skip("a CUDA device is present")
     r = run("benchmarks/train_step.py", "--quick")
     assert r.returncode == 2 and "needs a CUDA GPU" in r.stderr
+
+
+def test_compiled_model_gets_the_causal_mask_eager_mode_makes(monkeypatch):
+    """train_step.py's torch.compile contender: Hugging Face's create_causal_mask swapped,
+    around its steps only, for one returning eager mode's None (SDPA is_causal=True) on
+    these unpadded batches, so its flash attention skips the masked half as eager's
+    does; a padding mask is refused rather than ignored; --compile-hf-mask keeps
+    transformers' function."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import train_step as ts
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    from transformers.models.llama import modeling_llama
+
+    assert ts.causal_mask_as_eager(config=None, inputs_embeds=None, attention_mask=None) is None
+    with pytest.raises(ValueError, match="padding"):
+        ts.causal_mask_as_eager(attention_mask=torch.ones(1, 4, dtype=torch.bool))
+    monkeypatch.setattr(ts, "DEVICE", "cpu")
+    monkeypatch.setattr(ts, "DTYPE", torch.float32)
+    size = ts.configs(2, tiny=True)["llama3-1b"]
+    ids = torch.randint(0, size.vocab, (1, 8))
+    hf = modeling_llama.create_causal_mask
+    method = ts.Method("compile", lt.build_model(size, torch.float32, "cpu", seed=0), ids)
+    assert method.globals == {"create_causal_mask": ts.causal_mask_as_eager}
+    with ts.swapped(method.globals):
+        assert modeling_llama.create_causal_mask is ts.causal_mask_as_eager
+    assert modeling_llama.create_causal_mask is hf
+    monkeypatch.setattr(ts, "COMPILE_HF_MASK", True)
+    kept = ts.Method("compile", lt.build_model(size, torch.float32, "cpu", seed=0), ids)
+    assert kept.globals == {}
