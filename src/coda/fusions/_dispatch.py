@@ -29,7 +29,7 @@ architecture) the same calls run the reference path there.
   (``autocast_operands``, ``coda.nn``'s recipes). With ``WIDEN_GRADIENTS`` (off until
   timed) its gradient widens back by a map pass on a Hopper GPU (``widen``: TileLoad
   16-bit -> TileStore fp32, the same values) instead of PyTorch's dtype-changing copy,
-  which runs its unvectorized kernel (`unrolled_elementwise_kernel`: 4.5 ms of a 1B AMP
+  which runs its unvectorized kernel (``unrolled_elementwise_kernel``: 4.5 ms of a 1B AMP
   step's GPU time in ``results/kernel_profile_train_amp_h200.json``).
 * ``autocast_operands(*names)``: a fusion entry point under ``torch.autocast`` (its
   floating operands cast as autocast casts F.linear's, by ``cast``, the body run with
