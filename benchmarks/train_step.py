@@ -865,6 +865,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         "(coda: apply_coda(..., fuse_autocast=True))",
     )
     p.add_argument(
+        "--widen-gradients",
+        action="store_true",
+        help="coda.fusions._dispatch.WIDEN_GRADIENTS on: under --amp coda's weight gradients "
+        "widen to fp32 by a map pass instead of PyTorch's cast",
+    )
+    p.add_argument(
         "--compile-hf-mask",
         action="store_true",
         help="the compiled model keeps transformers' causal-mask function (under dynamo "
@@ -974,6 +980,10 @@ def main(argv: list[str] | None = None) -> int:
     DTYPE = torch.float32 if args.dtype == "fp32" or args.amp else BF16
     AMP = args.amp
     COMPILE_HF_MASK = args.compile_hf_mask
+    if args.widen_gradients:
+        from coda.fusions import _dispatch
+
+        _dispatch.WIDEN_GRADIENTS = True
     all_configs = configs(args.layers4096, args.tiny)
     names = [c for c in args.configs.split(",") if c]
     unknown = [c for c in names if c not in all_configs]
@@ -1017,6 +1027,7 @@ def main(argv: list[str] | None = None) -> int:
             f"after {args.warmup} warm-up steps; median over rounds; CUDA events"
         ),
         "compile_causal_mask": "transformers" if COMPILE_HF_MASK else "as_eager",
+        "widen_gradients": args.widen_gradients,
         "rows": rows,
         "details": details,
         "block": block,
