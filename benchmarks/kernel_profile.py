@@ -167,11 +167,11 @@ def train_profiles(args, out: dict) -> None:
 
     size = ts.configs(args.layers4096)[args.train_config]
     ids = torch.randint(0, size.vocab, (1, args.M), device="cuda")
+    ts.AMP = args.amp  # ts.Method's steps run under autocast with it
+    dtype = torch.float32 if args.amp else torch.bfloat16
     for name in args.train:
         gc.collect()
         torch.cuda.empty_cache()
-        ts.AMP = args.amp
-        dtype = torch.float32 if args.amp else torch.bfloat16
         model = build_model(size, dtype, "cuda", seed=0)
         meth = ts.Method(name, model, ids)
         for _ in range(3):

@@ -159,11 +159,10 @@ def cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     back by :func:`widen`: how coda casts a parameter for autocast. Plain ``t.to(dtype)``
     when nothing would differ (the switch off, no grad needed, the same dtype, a
     compiler tracing)."""
-    if not WIDEN_GRADIENTS or t.dtype == dtype:
-        return t.to(dtype)
-    if not (t.requires_grad and torch.is_grad_enabled()) or torch.compiler.is_compiling():
-        return t.to(dtype)
-    return _Cast.apply(t, dtype)
+    widened = WIDEN_GRADIENTS and t.dtype != dtype and t.requires_grad
+    if widened and torch.is_grad_enabled() and not torch.compiler.is_compiling():
+        return _Cast.apply(t, dtype)
+    return t.to(dtype)
 
 
 def autocast_operands(*names: str) -> Callable[[Callable], Callable]:

@@ -24,16 +24,11 @@ from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
-from coda.fusions import _dispatch
+# ``cast(w, dtype)``: ``w`` in ``dtype``, differentiably; a recipe's function for a weight
+# cast to autocast's dtype is ``functools.partial(cast, dtype=...)``
+from coda.fusions._dispatch import cast
 
 __all__ = ["Recipe", "cast", "cast_as_recipe", "rebuilt_when_saved"]
-
-
-def cast(w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``w`` in ``dtype`` (differentiable, by ``coda.fusions._dispatch.cast``; a recipe's
-    function for a weight cast to autocast's dtype, ``functools.partial(cast,
-    dtype=...)``)."""
-    return _dispatch.cast(w, dtype)
 
 
 def cast_as_recipe(w: torch.Tensor, dtype: torch.dtype, made: list) -> torch.Tensor:
