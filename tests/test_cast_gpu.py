@@ -44,6 +44,7 @@ def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
 @pytest.mark.parametrize("low", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("shape", [(1031, 1032), (4099, 2048), (2048, 8192)])
 def test_widen_is_the_cast_bit_for_bit_by_a_map_pass(low, shape, monkeypatch):
+    monkeypatch.setattr(_dispatch, "WIDEN_MIN_NUMEL", 1 << 20)  # the kernel, at every size
     ran = []
     run_map = _dispatch.run_map
     monkeypatch.setattr(_dispatch, "run_map", lambda *a, **k: ran.append(1) or run_map(*a, **k))
@@ -76,6 +77,7 @@ def test_widen_steps_aside_where_the_map_pass_cannot_take_it(make, monkeypatch):
 
 def test_cast_gradient_through_the_map_pass_equals_to(monkeypatch):
     monkeypatch.setattr(_dispatch, "WIDEN_GRADIENTS", True)
+    monkeypatch.setattr(_dispatch, "WIDEN_MIN_NUMEL", 1 << 20)
     torch.manual_seed(0)
     w = torch.randn(3072, 2048, device="cuda", requires_grad=True)
     x = torch.randn(4096, 2048, device="cuda").bfloat16()

@@ -26,8 +26,8 @@ architecture) the same calls run the reference path there.
 * ``matmul(A, B, out=None, accumulate=False)``: ``A @ B.T`` by ``coda.gemm`` on a Hopper
   GPU, by ``A.float() @ B.float().T`` elsewhere.
 * ``cast(t, dtype)``: ``t.to(dtype)``, what a parameter cast for autocast uses
-  (``autocast_operands``, ``coda.nn``'s recipes). With ``WIDEN_GRADIENTS`` (off until
-  timed) its gradient widens back by a map pass on a Hopper GPU (``widen``: TileLoad
+  (``autocast_operands``, ``coda.nn``'s recipes). With ``WIDEN_GRADIENTS`` (on by
+  default) its gradient widens back by a map pass on a Hopper GPU (``widen``: TileLoad
   16-bit -> TileStore fp32, the same values) instead of PyTorch's dtype-changing copy,
   which runs its unvectorized kernel (``unrolled_elementwise_kernel``: 4.5 ms of a 1B AMP
   step's GPU time in ``results/kernel_profile_train_amp_h200.json``).
@@ -101,15 +101,17 @@ def autocast_dtype(t: torch.Tensor) -> torch.dtype | None:
     return torch.get_autocast_dtype(device)
 
 
-#: the smallest gradient (elements) that ``widen`` widens by a map pass; below it the
-#: launch would cost more than PyTorch's slower copy
-WIDEN_MIN_NUMEL = 1 << 20
+#: the smallest gradient (elements) that ``widen`` widens by a map pass. Measured on the
+#: H200 (``benchmarks/results/cast_widen_h200.json``): from 2048 x 8192 up the map pass
+#: is 1.23-1.69x PyTorch's copy; at 3072 x 2048 and below a call costs ~42 us, the host
+#: path's floor, against PyTorch's 16-17 us
+WIDEN_MIN_NUMEL = 1 << 24
 
-#: whether ``cast`` widens its gradient by ``widen`` (True) or is plain ``t.to(dtype)``
-#: (False, the default). Off until timed: on the H200 ``widen`` and ``cast``'s gradient
-#: through it are tested bit for bit against ``.to`` (tests/test_cast_gpu.py), but
-#: ``benchmarks/cast_widen.py`` and the AMP training step with it have not run yet.
-WIDEN_GRADIENTS = False
+#: whether ``cast`` widens its gradient by ``widen`` (True, the default) or is plain
+#: ``t.to(dtype)`` (False). Tested bit for bit against ``.to`` on the H200
+#: (tests/test_cast_gpu.py); the AMP training step of the 1B model with it on and off
+#: (``train_step_amp_widen_ab_h200.json``) moved by less than its rounds' spread.
+WIDEN_GRADIENTS = True
 
 
 @functools.cache
