@@ -865,10 +865,16 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         "(coda: apply_coda(..., fuse_autocast=True))",
     )
     p.add_argument(
-        "--widen-gradients",
+        "--no-widen-gradients",
         action="store_true",
-        help="coda.fusions._dispatch.WIDEN_GRADIENTS on: under --amp coda's weight gradients "
-        "widen to fp32 by a map pass instead of PyTorch's cast",
+        help="coda.fusions._dispatch.WIDEN_GRADIENTS off (on by default: under --amp coda's "
+        "large weight gradients widen to fp32 by a map pass instead of PyTorch's cast)",
+    )
+    p.add_argument(
+        "--no-cast-pass",
+        action="store_true",
+        help="under --amp, the gate/up weights cast and interleaved by PyTorch's casts and "
+        "copies instead of coda.fusions.cast_layouts' map passes",
     )
     p.add_argument(
         "--compile-hf-mask",
@@ -980,10 +986,12 @@ def main(argv: list[str] | None = None) -> int:
     DTYPE = torch.float32 if args.dtype == "fp32" or args.amp else BF16
     AMP = args.amp
     COMPILE_HF_MASK = args.compile_hf_mask
-    if args.widen_gradients:
-        from coda.fusions import _dispatch
+    from coda.fusions import _dispatch, cast_layouts
 
-        _dispatch.WIDEN_GRADIENTS = True
+    if args.no_widen_gradients:
+        _dispatch.WIDEN_GRADIENTS = False
+    if args.no_cast_pass:
+        cast_layouts.MIN_NUMEL = sys.maxsize
     all_configs = configs(args.layers4096, args.tiny)
     names = [c for c in args.configs.split(",") if c]
     unknown = [c for c in names if c not in all_configs]
@@ -1027,7 +1035,8 @@ def main(argv: list[str] | None = None) -> int:
             f"after {args.warmup} warm-up steps; median over rounds; CUDA events"
         ),
         "compile_causal_mask": "transformers" if COMPILE_HF_MASK else "as_eager",
-        "widen_gradients": args.widen_gradients,
+        "widen_gradients": _dispatch.WIDEN_GRADIENTS,
+        "cast_pass": not args.no_cast_pass,
         "rows": rows,
         "details": details,
         "block": block,

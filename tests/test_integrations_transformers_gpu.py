@@ -155,17 +155,29 @@ def test_loss_and_every_gradient_vs_float64(name):
 
 
 @pytest.mark.parametrize(
-    "name, dtype",
-    [("gqa_h256", BF16), ("mha_h576_tied", BF16), ("gqa_h1024_llama3", BF16),
-     ("gqa_h256", torch.float16)],
+    "name, dtype, cast_pass",
+    [("gqa_h256", BF16, False), ("mha_h576_tied", BF16, False),
+     ("gqa_h1024_llama3", BF16, False), ("gqa_h256", torch.float16, False),
+     ("gqa_h1024_llama3", BF16, True), ("gqa_h256", torch.float16, True)],
 )  # fmt: skip
-def test_fuse_autocast_over_fp32_weights_vs_float64(name, dtype):
+def test_fuse_autocast_over_fp32_weights_vs_float64(name, dtype, cast_pass, monkeypatch):
     """AMP: fp32 master weights (the bf16 model's, so all three compute with identical
     values) under ``torch.autocast`` to bf16 (or fp16), patched with
     ``fuse_autocast=True`` and ``strict``: the fused stack runs in autocast's dtype (no
     fallback) and the loss stays fused. The loss and every gradient (in fp32) within 2 x
     the error of eager Hugging Face in that dtype (the numerics ``fuse_autocast``
-    promises: a bf16 / fp16 model's) + ATOL, against float64."""
+    promises: a bf16 / fp16 model's) + ATOL, against float64. ``cast_pass``: the gate/up
+    weights (small here) cast and interleaved by ``cast_layouts``' map passes, as a
+    large model's are."""
+    passes = []
+    if cast_pass:
+        from coda.fusions import cast_layouts
+
+        monkeypatch.setattr(cast_layouts, "MIN_NUMEL", 1)
+        real = cast_layouts._CastGateUp.apply
+        monkeypatch.setattr(
+            cast_layouts._CastGateUp, "apply", lambda *a: passes.append(1) or real(*a)
+        )
     mine_bf16, eager, truth, _ = trio(name)
     del mine_bf16
     eager = eager.to(dtype)
@@ -180,6 +192,8 @@ def test_fuse_autocast_over_fp32_weights_vs_float64(name, dtype):
         out.loss.backward()  # outside autocast, as PyTorch advises
         losses[key] = out.loss.detach().double()
     assert patch.calls == {"fused_stack": 1, "fused_loss": 1} and not patch.fallbacks
+    # each layer's gate/up weight: made in forward (and again in backward, its recipe)
+    assert len(passes) >= (CONFIGS[name]["num_hidden_layers"] if cast_pass else 0)
     errs = Errors()
     errs.add("loss", losses["coda"], losses["eager"], losses["truth"])
     ours, theirs, ref = (dict(m.named_parameters()) for m in (amp, eager, truth))

@@ -74,6 +74,7 @@ from torch import nn
 from torch.func import functional_call
 
 from coda.fusions import layouts
+from coda.fusions.cast_layouts import cast_gate_up
 from coda.nn import (
     FusedLlamaAttention,
     FusedLlamaDecoderLayer,
@@ -590,7 +591,10 @@ class CodaPatch:
         made: list = []
 
         def assemble(fn: Callable[..., torch.Tensor], *sources: torch.Tensor) -> torch.Tensor:
-            if dtype is not None:  # cast first: the layouts' row copies in the small dtype
+            if dtype is not None and fn is layouts.assemble_gate_up:
+                # cast and interleaved by one map pass each way (cast_layouts)
+                fn = functools.partial(cast_gate_up, dtype=dtype)
+            elif dtype is not None:  # cast first: the layouts' row copies in the small dtype
                 fn = functools.partial(_cast_then, fn, dtype)
             t = fn(*sources)
             made.append((t, fn, sources))
