@@ -260,12 +260,24 @@ def main(argv=None) -> None:
         action="store_true",
         help="--train under AMP: fp32 parameters, forwards under torch.autocast to bf16",
     )
+    p.add_argument(
+        "--torch-casts",
+        action="store_true",
+        help="--amp with coda's weight casts on PyTorch's kernels: no gradient widening "
+        "(coda.fusions._dispatch.WIDEN_GRADIENTS off) and no gate/up cast pass "
+        "(coda.fusions.cast_layouts)",
+    )
     p.add_argument("--seq", action="store_true", help="print each pass's kernel sequence")
     p.add_argument("--out", default="benchmarks/results/kernel_profile_h200.json")
     common.add_replot_option(p)
     args = p.parse_args(argv)
     if common.replotted(args, chart):
         return
+    if args.torch_casts:
+        from coda.fusions import _dispatch, cast_layouts
+
+        _dispatch.WIDEN_GRADIENTS = False
+        cast_layouts.MIN_NUMEL = sys.maxsize
     size = ts.configs(4)["llama3-1b" if args.H == 2048 else "h4096-trunc"]
     out = {**common.environment(), "command": " ".join(sys.argv), "profiles": {}}
 
