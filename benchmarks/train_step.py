@@ -262,6 +262,10 @@ def swapped(values: dict[str, Any]) -> Iterator[None]:
 
 
 # ---- the training step -----------------------------------------------------------------
+#: how many Python frames ``Method.issue_profile`` records of each synchronizing call
+SYNC_FRAMES = 8
+
+
 class Method:
     """One contender: its model (and the callable that runs it), optimizer and step."""
 
@@ -318,27 +322,31 @@ class Method:
 
     def issue_profile(self) -> tuple[list[str] | None, int | None]:
         """(synchronizing CUDA calls, GPU operations) in one step: the Python sites
-        (``file:line``, in call order) of the calls ``torch.cuda.set_sync_debug_mode("warn")``
-        reports (an ``.item()``, a copy from pageable host memory, ``nonzero``...; not
-        every one makes the host wait for the GPU), and the count of kernels, copies and
-        memsets a torch.profiler trace of the step records (each takes a slot of the
-        GPU's launch queue). (None, None) on the CPU."""
+        (``file:line <- caller <- ...``, ``SYNC_FRAMES`` frames, in call order) of the calls
+        ``torch.cuda.set_sync_debug_mode("warn")`` reports (an ``.item()``, a copy from
+        pageable host memory, ``nonzero``...; not every one makes the host wait for the GPU),
+        and the count of kernels, copies and memsets a torch.profiler trace of the step
+        records (each takes a slot of the GPU's launch queue). (None, None) on the CPU."""
         if DEVICE != "cuda":
             return None, None
         torch.cuda.synchronize()
-        with warnings.catch_warnings(record=True) as caught:
+        syncs: list[str] = []
+
+        def record(message: Any, *args: Any, **kwargs: Any) -> None:
+            if "synchronizing" in str(message):  # the site, then its callers
+                frames = traceback.extract_stack()[:-1][-SYNC_FRAMES:]
+                where = (f"{os.path.relpath(f.filename)}:{f.lineno}" for f in reversed(frames))
+                syncs.append(" <- ".join(where))
+
+        with warnings.catch_warnings():
             warnings.simplefilter("always")
+            warnings.showwarning = record
             torch.cuda.set_sync_debug_mode("warn")
             try:
                 self.step()
             finally:
                 torch.cuda.set_sync_debug_mode("default")
         torch.cuda.synchronize()
-        syncs = [
-            f"{os.path.relpath(w.filename)}:{w.lineno}"
-            for w in caught
-            if "synchronizing" in str(w.message)
-        ]
         kinds = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
         with torch.profiler.profile(activities=kinds) as prof:
             self.step()
