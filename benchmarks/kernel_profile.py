@@ -19,7 +19,8 @@ inside it (no kernel running: the GPU waiting for launches, a sync or an allocat
 and the CUDA runtime/driver calls that took the most host time. JSON ``{"device",
 "versions", "command", "profiles": {name: {"wall_ms", "gpu_ms", "span_ms", "idle_ms",
 "runtime_api": [{"name", "ms", "calls"}], "categories_ms", "kernels": [{"name", "ms",
-"calls"}], "sequence_one_pass": [[name, us, grid, registers, idle us before it]]}}}``
+"calls"}], "sequence_one_pass": [[name, us, grid, registers, idle us before it]],
+"largest_gaps": [[us, kernel before, kernel after, its index over the profiled passes]]}}}``
 and a PNG beside it (GPU time by kernel family per profile; ``--replot FILE`` redraws
 it from a written JSON, on any machine).
 """
@@ -83,6 +84,18 @@ def _span_and_idle(kern: list, reps: int) -> tuple[float, float]:
             idle += e["ts"] - end
         end = max(end, e["ts"] + e["dur"])
     return (end - first) / 1e3 / reps, idle / 1e3 / reps
+
+
+def _largest_gaps(kern: list, top: int = 12) -> list[list]:
+    """The ``top`` longest stretches with no kernel running (kernels sorted by start):
+    ``[gap us, the kernel before it, the kernel after it, the latter's index]``."""
+    gaps, end, before = [], None, None
+    for i, e in enumerate(kern):
+        if end is not None and e["ts"] > end:
+            gaps.append([round(e["ts"] - end, 1), before[:60], e["name"][:60], i])
+        if end is None or e["ts"] + e["dur"] >= end:
+            end, before = e["ts"] + e["dur"], e["name"]
+    return sorted(gaps, key=lambda g: -g[0])[:top]
 
 
 def _runtime_api(events: list, reps: int, top: int = 8) -> list[dict]:
@@ -156,6 +169,7 @@ def profile(fn, reps: int, warmup: int = 3) -> dict:
         "categories_ms": {k: round(v, 3) for k, v in sorted(cats.items(), key=lambda kv: -kv[1])},
         "kernels": kernels[:30],
         "sequence_one_pass": seq if len(seq) <= 400 else seq[:400],
+        "largest_gaps": _largest_gaps(kern),
     }
 
 
