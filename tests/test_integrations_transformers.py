@@ -759,3 +759,30 @@ def test_in_place_parameter_change_between_forward_and_backward_raises():
         mine.model.layers[0].mlp.up_proj.weight.mul_(2)
     with pytest.raises(RuntimeError, match="modified in place"):
         out.loss.backward()
+
+
+def test_each_layers_weights_are_made_just_before_it_runs(monkeypatch):
+    """The per-step layouts are assembled layer by layer, each right before its layer
+    runs (so on a GPU the host assembles layer i + 1's while layer i's kernels run), and
+    the result is unchanged (the gradients match Hugging Face's)."""
+    from coda.integrations import transformers as integration
+    from coda.nn import FusedLlamaDecoderLayer
+
+    ref, mine, patch = pair(**CONFIGS["gqa"])
+    events = []
+    layer = integration._StackTensors.layer
+    forward = FusedLlamaDecoderLayer.forward
+    monkeypatch.setattr(
+        integration._StackTensors, "layer", lambda s, i: events.append(i) or layer(s, i)
+    )
+    monkeypatch.setattr(
+        FusedLlamaDecoderLayer, "forward", lambda s, *a: events.append("run") or forward(s, *a)
+    )
+    ids, labels = batch(ref.config.vocab_size)
+    ref.train(), mine.train()
+    out = mine(ids, labels=labels)
+    assert patch.calls["fused_stack"] == 1
+    assert events == [e for i in range(ref.config.num_hidden_layers) for e in (i, "run")]
+    ref(ids, labels=labels).loss.backward()
+    out.loss.backward()
+    assert_grads_match(mine, ref)

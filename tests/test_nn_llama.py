@@ -322,3 +322,30 @@ def test_cast_weights_under_autocast_are_saved_as_recipes(monkeypatch):
     for name, p in fused.named_parameters():
         if ref[name].grad is not None:
             assert torch.equal(p.grad, ref[name].grad.float()), name
+
+
+def test_run_layers_is_forward_with_the_callers_parameters():
+    """``FusedLlamaStack.run_layers``: the same result as ``forward`` when the caller
+    hands the stack's own weights; layer i runs through ``call(i, ...)`` in order, with the
+    next layer's norm weight (the final norm's last) asked for just before it runs."""
+    torch.manual_seed(3)
+    model = Model(3, 32, 48, 4, 2, 8, 1e-5, 10000.0)
+    fused = FusedLlamaStack.from_hf(model).float()
+    x = torch.randn(2, 5, 32)
+    position_ids = torch.arange(5)[None].expand(2, 5)
+    events = []
+
+    def norm_weight(i):
+        events.append(("norm", i))
+        return fused.norm_weight if i == len(fused.layers) else fused.layers[i].norm_weight
+
+    def call(i, layer, *args):
+        events.append(("layer", i))
+        assert layer is fused.layers[i]
+        return layer(*args)
+
+    got = fused.run_layers(x, position_ids, norm_weight, call)
+    want = fused(x, position_ids)
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a, b)
+    assert events == [("norm", 0)] + [e for i in range(3) for e in (("norm", i + 1), ("layer", i))]

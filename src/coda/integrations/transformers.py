@@ -580,47 +580,7 @@ class CodaPatch:
         model's own tensors, and the fused q|k|v and gate/up layouts assembled from them
         (differentiable, so gradients reach the model's parameters); with ``dtype``, every
         weight cast to it (differentiably: the gradients arrive in the weights' dtype)."""
-        return self._assembled(stack, device, dtype)[0]
-
-    def _assembled(
-        self, stack: nn.Module, device: torch.device, dtype: torch.dtype | None = None
-    ) -> tuple[dict, list]:
-        """(``fused_parameters``, [(assembled tensor, its function, its sources)])."""
-        g = self._geometry
-        freq = self._frequencies(device)
-        made: list = []
-
-        def assemble(fn: Callable[..., torch.Tensor], *sources: torch.Tensor) -> torch.Tensor:
-            if dtype is not None and fn is layouts.assemble_gate_up:
-                # cast and interleaved by one map pass each way (cast_layouts)
-                fn = functools.partial(cast_gate_up, dtype=dtype)
-            elif dtype is not None:  # cast first: the layouts' row copies in the small dtype
-                fn = functools.partial(_cast_then, fn, dtype)
-            t = fn(*sources)
-            made.append((t, fn, sources))
-            return t
-
-        def weight(w: torch.Tensor) -> torch.Tensor:
-            # a cast weight is saved as a recipe too (autocast's weight cache keeps one)
-            return w if dtype is None or w.dtype == dtype else cast_as_recipe(w, dtype, made)
-
-        qkv = functools.partial(layouts.assemble_qkv, head_dim=g.head_dim)
-        params: dict[str, torch.Tensor] = {"norm_weight": weight(stack.norm.weight)}
-        for i, layer in enumerate(list(stack.layers)[: len(g.layer_eps)]):
-            attn, mlp, p = layer.self_attn, layer.mlp, f"layers.{i}."
-            params[p + "attn.norm_weight"] = weight(layer.input_layernorm.weight)
-            params[p + "attn.qkv_weight"] = assemble(
-                qkv, attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight
-            )
-            params[p + "attn.o_weight"] = weight(attn.o_proj.weight)
-            params[p + "attn.freq"] = freq
-            params[p + "mlp.norm_weight"] = weight(layer.post_attention_layernorm.weight)
-            # interleaved: row 2i = gate_proj row i, row 2i + 1 = up_proj row i
-            params[p + "mlp.gate_up_weight"] = assemble(
-                layouts.assemble_gate_up, mlp.gate_proj.weight, mlp.up_proj.weight
-            )
-            params[p + "mlp.down_weight"] = weight(mlp.down_proj.weight)
-        return params, made
+        return _StackTensors(stack, self._geometry, self._frequencies(device), dtype).all()
 
     def _template_for(self, dtype: torch.dtype) -> FusedLlamaStack:
         template = self._templates.get(dtype)
@@ -642,17 +602,88 @@ class CodaPatch:
         # under torch.autocast over weights of another dtype (``fuse_autocast``: fusable
         # let it through): the whole stack in autocast's dtype, its weights cast per step
         dtype = _autocast_over(stack, embeds)
-        params, assembled = self._assembled(stack, embeds.device, dtype)
+        tensors = _StackTensors(stack, self._geometry, self._frequencies(embeds.device), dtype)
         if dtype is not None:
             embeds = embeds.to(dtype)
         weights = stack.layers[0].self_attn.q_proj.weight.dtype
         template = self._template_for(weights if dtype is None else dtype)
+
+        def call(i: int, layer: nn.Module, *inputs: Any) -> Any:
+            # layer i's weights assembled now, while the GPU runs the layers before it
+            return functional_call(layer, tensors.layer(i), inputs, strict=True)
+
         # the assembled layouts are saved by the fused ops as recipes, re-assembled in
         # backward (coda.nn._rebuild): no weight-sized tensor per layer kept
-        with rebuilt_when_saved(assembled), _autocast_off(embeds, dtype is not None):
-            stream = functional_call(template, params, (embeds, positions), strict=True)
-        del params, assembled
+        with rebuilt_when_saved(tensors.made), _autocast_off(embeds, dtype is not None):
+            stream = template.run_layers(embeds, positions, tensors.norm, call)
         return stream.x.view(B, S, H)
+
+
+class _StackTensors:
+    """The fused template's tensors read from a Hugging Face decoder stack, made when
+    asked for, layer by layer: the model's own tensors, and the fused q|k|v and gate/up
+    layouts assembled from them (differentiable, so gradients reach the model's
+    parameters); with ``dtype``, every weight cast to it. ``made`` lists (tensor, its
+    function, its sources) of each layout and cast, for ``rebuilt_when_saved``."""
+
+    def __init__(
+        self, stack: nn.Module, geometry: _Geometry, freq: torch.Tensor, dtype: torch.dtype | None
+    ) -> None:
+        self.stack, self.freq, self.dtype = stack, freq, dtype
+        self.layers = list(stack.layers)[: len(geometry.layer_eps)]
+        self.qkv = functools.partial(layouts.assemble_qkv, head_dim=geometry.head_dim)
+        self.made: list = []
+        self._norms: dict[int, torch.Tensor] = {}
+
+    def _assemble(self, fn: Callable[..., torch.Tensor], *sources: torch.Tensor) -> torch.Tensor:
+        if self.dtype is not None and fn is layouts.assemble_gate_up:
+            # cast and interleaved by one map pass each way (cast_layouts)
+            fn = functools.partial(cast_gate_up, dtype=self.dtype)
+        elif self.dtype is not None:  # cast first: the layouts' row copies in the small dtype
+            fn = functools.partial(_cast_then, fn, self.dtype)
+        t = fn(*sources)
+        self.made.append((t, fn, sources))
+        return t
+
+    def _weight(self, w: torch.Tensor) -> torch.Tensor:
+        # a cast weight is saved as a recipe too (autocast's weight cache keeps one)
+        if self.dtype is None or w.dtype == self.dtype:
+            return w
+        return cast_as_recipe(w, self.dtype, self.made)
+
+    def norm(self, i: int) -> torch.Tensor:
+        """Layer ``i``'s input-norm weight (``i == len(layers)``: the final norm's)."""
+        got = self._norms.get(i)
+        if got is None:
+            last = i == len(self.layers)
+            w = self.stack.norm.weight if last else self.layers[i].input_layernorm.weight
+            got = self._norms[i] = self._weight(w)
+        return got
+
+    def layer(self, i: int) -> dict[str, torch.Tensor]:
+        """Layer ``i``'s tensors under ``FusedLlamaDecoderLayer``'s names."""
+        attn, mlp = self.layers[i].self_attn, self.layers[i].mlp
+        return {
+            "attn.norm_weight": self.norm(i),
+            "attn.qkv_weight": self._assemble(
+                self.qkv, attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight
+            ),
+            "attn.o_weight": self._weight(attn.o_proj.weight),
+            "attn.freq": self.freq,
+            "mlp.norm_weight": self._weight(self.layers[i].post_attention_layernorm.weight),
+            # interleaved: row 2i = gate_proj row i, row 2i + 1 = up_proj row i
+            "mlp.gate_up_weight": self._assemble(
+                layouts.assemble_gate_up, mlp.gate_proj.weight, mlp.up_proj.weight
+            ),
+            "mlp.down_weight": self._weight(mlp.down_proj.weight),
+        }
+
+    def all(self) -> dict[str, torch.Tensor]:
+        """The whole template's tensors (``FusedLlamaStack``'s names)."""
+        params = {"norm_weight": self.norm(len(self.layers))}
+        for i in range(len(self.layers)):
+            params.update({f"layers.{i}.{k}": v for k, v in self.layer(i).items()})
+        return params
 
 
 def _with_signature_of(fn: Callable[..., Any], original: Callable[..., Any]) -> Callable[..., Any]:

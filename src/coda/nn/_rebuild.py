@@ -69,16 +69,25 @@ def rebuilt_when_saved(
     assembled: Sequence[tuple[torch.Tensor, Callable[..., torch.Tensor], Sequence[torch.Tensor]]],
 ) -> Iterator[None]:
     """Inside, a saved tensor that IS one of ``assembled``'s tensors (same storage, shape,
-    strides) is saved as its recipe ``(fn, sources)`` and rebuilt on unpack. No-op under
-    ``torch.compile`` (its graph decides what to save)."""
-    if torch.compiler.is_compiling() or not assembled:
+    strides) is saved as its recipe ``(fn, sources)`` and rebuilt on unpack. ``assembled``
+    may grow inside (a list a caller appends to as it makes tensors: what it holds when a
+    tensor is saved counts; it keeps them alive, so no other tensor takes their memory
+    and their keys while the context lasts). No-op under ``torch.compile`` (its graph
+    decides what to save)."""
+    if torch.compiler.is_compiling():
         yield
         return
-    recipes = {_key(t): (fn, srcs) for t, fn, srcs in assembled}
+    recipes: dict = {}
+    seen = 0  # how many of ``assembled`` are in ``recipes`` (their tensors stay alive in it)
     outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
     outer_pack, outer_unpack = outer if outer is not None else (None, None)
 
     def pack(t: torch.Tensor):
+        nonlocal seen
+        if seen < len(assembled):  # entries made since the last save
+            for made, fn, srcs in assembled[seen:]:
+                recipes[_key(made)] = (fn, srcs)
+            seen = len(assembled)
         found = recipes.get(_key(t))
         if found is not None:
             return Recipe(*found)

@@ -9,6 +9,7 @@ layer's statistics of the embeddings.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -82,14 +83,32 @@ class FusedLlamaStack(nn.Module):
     def forward(self, hidden_states: torch.Tensor, position_ids: torch.Tensor) -> NormedStream:
         if (dtype := autocast_dtype_over(self, hidden_states)) is not None:  # AMP
             return run_cast(self, dtype, hidden_states, position_ids)
+        n = len(self.layers)
+        return self.run_layers(
+            hidden_states,
+            position_ids,
+            lambda i: self.norm_weight if i == n else self.layers[i].norm_weight,
+            lambda i, layer, *args: layer(*args),
+        )
+
+    def run_layers(
+        self,
+        hidden_states: torch.Tensor,
+        position_ids: torch.Tensor,
+        norm_weight: Callable[[int], torch.Tensor],
+        call: Callable[..., NormedStream],
+    ) -> NormedStream:
+        """The stack's forward with layer i's input-norm weight from ``norm_weight(i)``
+        (``norm_weight(len(layers))``: the final norm's) and layer i run as ``call(i,
+        layer, stream, position_ids, next_norm_weight, next_eps)``: how a caller supplies
+        each layer's parameters just before it runs (``coda.integrations.transformers``
+        assembles a layer's weights while the GPU runs the layer before)."""
         x = hidden_states.reshape(-1, hidden_states.shape[-1])
-        first = self.layers[0]
-        stream = normed_stream(x, first.norm_weight, first.eps)
+        stream = normed_stream(x, norm_weight(0), self.layers[0].eps)
         for i, layer in enumerate(self.layers):
             last = i + 1 == len(self.layers)
-            nxt = self.norm_weight if last else self.layers[i + 1].norm_weight
             eps = self.eps if last else self.layers[i + 1].eps
-            stream = layer(stream, position_ids, nxt, eps)
+            stream = call(i, layer, stream, position_ids, norm_weight(i + 1), eps)
         return stream
 
     @staticmethod
