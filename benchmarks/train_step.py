@@ -332,8 +332,10 @@ class Method:
         torch.cuda.synchronize()
         syncs: list[str] = []
 
+        stepping = []  # non-empty while the step runs (not the debug mode's own switches)
+
         def record(message: Any, *args: Any, **kwargs: Any) -> None:
-            if "synchronizing" in str(message):  # the site, then its callers
+            if stepping and "synchronizing" in str(message):  # the site, then its callers
                 frames = traceback.extract_stack()[:-1][-SYNC_FRAMES:]
                 where = (f"{os.path.relpath(f.filename)}:{f.lineno}" for f in reversed(frames))
                 syncs.append(" <- ".join(where))
@@ -343,8 +345,10 @@ class Method:
             warnings.showwarning = record
             torch.cuda.set_sync_debug_mode("warn")
             try:
+                stepping.append(True)
                 self.step()
             finally:
+                stepping.clear()
                 torch.cuda.set_sync_debug_mode("default")
         torch.cuda.synchronize()
         kinds = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
