@@ -32,7 +32,10 @@ from coda.primitives import TileLoad, TileStore
 
 __all__ = ["MIN_NUMEL", "cast_gate_up"]
 
-#: the smallest gate (or up) weight, in elements, that ``cast_gate_up`` runs as map passes
+#: the smallest gate (or up) weight, in elements, that ``cast_gate_up`` runs as map passes.
+#: Measured on the H200 at 2^24 (Llama 3.2 1B: forward level with PyTorch's, backward
+#: 2.07x) and 14336 x 4096 (Llama 3 8B: 1.48x / 1.57x; ``cast_widen_gate_up_h200.json``);
+#: smaller ones take PyTorch's path, where a map pass's per-call host cost weighs more
 MIN_NUMEL = 1 << 22
 
 _LOW = (torch.bfloat16, torch.float16)
