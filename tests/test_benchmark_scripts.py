@@ -1,7 +1,8 @@
 """CPU checks of the profiling benchmarks' own logic: ``kernel_profile.py``,
 ``map_pass.py``, ``loss_host.py`` and ``block_host.py`` redraw their PNG from a committed
-JSON (``--replot``), and
-``kernel_profile.category`` sorts kernel names into the families its table reports."""
+JSON (``--replot``),
+``kernel_profile.category`` sorts kernel names into the families its table reports, and
+its idle time and longest idle gaps come out of a kernel timeline as defined."""
 
 from __future__ import annotations
 
@@ -75,3 +76,25 @@ def test_kernel_categories():
     assert _annotation(Event("my_region", annotation=True))
     # kernel names hold '#' too: they stay kernels
     assert not _annotation(Event("void at::native::elementwise_kernel<{lambda()#1}>"))
+
+
+def test_idle_time_and_largest_gaps_of_a_kernel_timeline():
+    """``_span_and_idle`` and ``_largest_gaps`` over overlapping kernels (trace events in
+    us, sorted by start): a gap is where no kernel runs, measured from the latest end."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        from kernel_profile import _largest_gaps, _span_and_idle
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    kern = [
+        {"ts": 0, "dur": 10, "name": "a"},
+        {"ts": 5, "dur": 20, "name": "b"},  # overlaps a, ends last (25)
+        {"ts": 12, "dur": 3, "name": "c"},  # inside b: no gap, b stays the one before
+        {"ts": 30, "dur": 5, "name": "d"},  # 5 us after b
+        {"ts": 100, "dur": 1, "name": "e"},  # 65 us after d
+    ]
+    span, idle = _span_and_idle(kern, reps=1)
+    assert (span, idle) == (0.101, 0.07)  # ms
+    assert _largest_gaps(kern) == [[65, "d", "e", 4], [5, "b", "d", 3]]
+    assert _largest_gaps(kern, top=1) == [[65, "d", "e", 4]]
+    assert _largest_gaps(kern[:3]) == []
