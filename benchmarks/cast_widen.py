@@ -67,6 +67,12 @@ BOTH = types.SimpleNamespace(needs_input_grad=(True, True))
 GATE_UP_SHAPES = (("llama3-1b", 8192, 2048), ("llama3-8b", 14336, 4096))
 
 
+def median_us(theirs, ours, rounds: int, reps: int) -> tuple[float, float]:
+    """Median us per call of PyTorch's way and coda's, interleaved and rotated."""
+    times = common.interleaved({"torch": theirs, "coda": ours}, rounds, reps, rotate=True)
+    return tuple(1e3 * common.median(times[k]) for k in ("torch", "coda"))
+
+
 def gate_up_rows(rounds: int, reps: int) -> list[dict]:
     """AMP's gate/up weight made from fp32 gate / up (forward, and the backward's fp32
     gradients from the interleaved 16-bit one): PyTorch's composition (two casts and the
@@ -102,10 +108,7 @@ def gate_up_rows(rounds: int, reps: int) -> list[dict]:
             a, b = theirs(), ours()
             a, b = (a,) if torch.is_tensor(a) else a, (b,) if torch.is_tensor(b) else b
             same = all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
-            times = common.interleaved(
-                {"torch": theirs, "coda": ours}, rounds=rounds, reps=reps, rotate=True
-            )
-            t_us, c_us = (1e3 * common.median(times[k]) for k in ("torch", "coda"))
+            t_us, c_us = median_us(theirs, ours, rounds, reps)
             row = {"name": name, "F": F, "H": H, "pass": which, "torch_us": round(t_us, 2),
                    "coda_us": round(c_us, 2), "speedup": round(t_us / c_us, 3),
                    "bitwise_equal": bool(same)}  # fmt: skip
@@ -127,13 +130,10 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     for name, m, n in SHAPES:
         g = torch.randn(m, n, device="cuda", generator=gen).to(torch.bfloat16)
-        fns = {
-            "torch": lambda g=g: g.to(torch.float32),
-            "widen": lambda g=g: widen(g, torch.float32),
-        }
-        same = torch.equal(fns["torch"]().view(torch.int32), fns["widen"]().view(torch.int32))
-        times = common.interleaved(fns, rounds=args.rounds, reps=args.reps, rotate=True)
-        t_us, w_us = (1e3 * common.median(times[k]) for k in ("torch", "widen"))
+        theirs = lambda g=g: g.to(torch.float32)  # noqa: E731
+        ours = lambda g=g: widen(g, torch.float32)  # noqa: E731
+        same = torch.equal(theirs().view(torch.int32), ours().view(torch.int32))
+        t_us, w_us = median_us(theirs, ours, args.rounds, args.reps)
         nbytes = 6 * m * n
         rows.append(
             {

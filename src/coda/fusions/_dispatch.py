@@ -67,11 +67,13 @@ from coda.runtime.kept import kept
 
 __all__ = [
     "MAP_K",
+    "SIXTEEN_BIT",
     "EagerOp",
     "autocast_dtype",
     "autocast_operands",
     "cast",
     "eager_autograd",
+    "map_pass_takes",
     "matmul",
     "plain_eager",
     "register_formula",
@@ -114,6 +116,28 @@ WIDEN_MIN_NUMEL = 1 << 24
 WIDEN_GRADIENTS = True
 
 
+#: the 16-bit dtypes the fused ops compute in (what autocast casts to for them)
+SIXTEEN_BIT = (torch.bfloat16, torch.float16)
+
+
+def map_pass_takes(t: torch.Tensor, min_numel: int) -> bool:
+    """Whether a map pass should run over ``t`` rather than PyTorch: a plain 2-D
+    row-major tensor of at least ``min_numel`` elements whose rows the TMA takes in 16
+    bits (a multiple of 8 columns, 16-byte aligned), on a Hopper GPU, not while a
+    compiler traces (its own kernels run there)."""
+    return (
+        type(t) is torch.Tensor
+        and t.dim() == 2
+        and t.numel() >= min_numel
+        and t.stride(1) == 1
+        and t.stride(0) == t.shape[1]
+        and t.shape[1] % 8 == 0
+        and t.data_ptr() % 16 == 0
+        and uses_kernels(t)
+        and not torch.compiler.is_compiling()
+    )
+
+
 @functools.cache
 def _widen_epilogue(src: torch.dtype, dst: torch.dtype) -> Epilogue:
     return Epilogue((TileLoad("g", src), TileStore("g", dst, name="wide")))
@@ -125,19 +149,7 @@ def widen(g: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     tensor of at least ``WIDEN_MIN_NUMEL`` elements on a Hopper GPU whose rows the TMA
     takes (a multiple of 8 columns, 16-byte aligned); by ``g.to(dtype)`` otherwise (and
     under ``torch.compile``, whose own kernels cast at full speed)."""
-    if (
-        type(g) is torch.Tensor
-        and dtype == torch.float32
-        and g.dtype in (torch.bfloat16, torch.float16)
-        and g.dim() == 2
-        and g.numel() >= WIDEN_MIN_NUMEL
-        and g.stride(1) == 1
-        and g.stride(0) == g.shape[1]
-        and g.shape[1] % 8 == 0
-        and g.data_ptr() % 16 == 0
-        and uses_kernels(g)
-        and not torch.compiler.is_compiling()
-    ):
+    if dtype == torch.float32 and g.dtype in SIXTEEN_BIT and map_pass_takes(g, WIDEN_MIN_NUMEL):
         return run_map(_widen_epilogue(g.dtype, dtype), *g.shape, g, g=g)["wide"]
     return g.to(dtype)
 

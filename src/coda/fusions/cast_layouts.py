@@ -38,8 +38,6 @@ __all__ = ["MIN_NUMEL", "cast_gate_up"]
 #: smaller ones take PyTorch's path, where a map pass's per-call host cost weighs more
 MIN_NUMEL = 1 << 22
 
-_LOW = (torch.bfloat16, torch.float16)
-
 
 @functools.cache
 def _halves_epilogue(src: torch.dtype, dst: torch.dtype) -> Epilogue:
@@ -56,21 +54,12 @@ def _halves_epilogue(src: torch.dtype, dst: torch.dtype) -> Epilogue:
 
 def _runs_as_map_pass(gate: torch.Tensor, up: torch.Tensor, dtype: torch.dtype) -> bool:
     return (
-        type(gate) is torch.Tensor
-        and type(up) is torch.Tensor
-        and dtype in _LOW
+        dtype in _dispatch.SIXTEEN_BIT
         and gate.dtype == up.dtype == torch.float32
-        and gate.dim() == 2
         and gate.shape == up.shape
-        and gate.numel() >= MIN_NUMEL
-        and gate.shape[1] % 8 == 0  # the 16-bit halves' rows: 16-byte multiples
-        and gate.is_contiguous()
-        and up.is_contiguous()
-        and gate.data_ptr() % 16 == 0
-        and up.data_ptr() % 16 == 0
         and gate.device == up.device
-        and _dispatch.uses_kernels(gate)
-        and not torch.compiler.is_compiling()
+        and _dispatch.map_pass_takes(gate, MIN_NUMEL)
+        and _dispatch.map_pass_takes(up, MIN_NUMEL)
     )
 
 
@@ -105,8 +94,8 @@ class _CastGateUp(torch.autograd.Function):
         d = d.contiguous()
         F, H = d.shape[0] // 2, d.shape[1]
         dg, du = _halves(d, F)
-        if not (d.data_ptr() % 16 == 0 and (H * d.element_size()) % 16 == 0):
-            return dg.float(), du.float(), None  # not the TMA's: PyTorch's copies
+        if d.data_ptr() % 16:  # not the TMA's: PyTorch's copies
+            return dg.float(), du.float(), None
         epi = _halves_epilogue(d.dtype, torch.float32)
         got = _dispatch.run_map(epi, F, H, d, gate=dg, up=du)
         return got["gate_out"], got["up_out"], None

@@ -24,13 +24,10 @@ from torch import nn
 from torch.func import functional_call
 
 from coda.fusions import NormedStream
-from coda.fusions._dispatch import autocast_dtype
+from coda.fusions._dispatch import SIXTEEN_BIT, autocast_dtype
 from coda.nn._rebuild import cast_as_recipe, rebuilt_when_saved
 
 __all__ = ["autocast_dtype_against", "autocast_dtype_over", "run_cast"]
-
-#: the dtypes the fused ops compute in
-_COMPUTE = (torch.bfloat16, torch.float16)
 
 
 def autocast_dtype_against(weights: torch.dtype, x: torch.Tensor) -> torch.dtype | None:
@@ -47,7 +44,7 @@ def autocast_dtype_over(module: nn.Module, x: torch.Tensor) -> torch.dtype | Non
     autocast, another autocast dtype, or parameters already in its dtype)."""
     weights = next((p.dtype for p in module.parameters() if p.is_floating_point()), None)
     dtype = None if weights is None else autocast_dtype_against(weights, x)
-    return dtype if dtype in _COMPUTE else None
+    return dtype if dtype in SIXTEEN_BIT else None
 
 
 def _cast(value: Any, dtype: torch.dtype) -> Any:
