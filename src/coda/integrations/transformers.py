@@ -635,11 +635,18 @@ class _StackTensors:
         self.made: list = []
         self._norms: dict[int, torch.Tensor] = {}
 
-    def _assemble(self, fn: Callable[..., torch.Tensor], *sources: torch.Tensor) -> torch.Tensor:
-        if self.dtype is not None and fn is layouts.assemble_gate_up:
-            # cast and interleaved by one map pass each way (cast_layouts)
-            fn = functools.partial(cast_gate_up, dtype=self.dtype)
-        elif self.dtype is not None:  # cast first: the layouts' row copies in the small dtype
+    def _assemble(
+        self,
+        fn: Callable[..., torch.Tensor],
+        *sources: torch.Tensor,
+        cast_fn: Callable[..., torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """``fn(*sources)``; with ``dtype``, ``cast_fn(*sources, dtype=dtype)`` (the layout
+        made and cast in one), or else ``fn`` over the sources cast first (the layouts' row
+        copies in the small dtype)."""
+        if self.dtype is not None and cast_fn is not None:
+            fn = functools.partial(cast_fn, dtype=self.dtype)
+        elif self.dtype is not None:
             fn = functools.partial(_cast_then, fn, self.dtype)
         t = fn(*sources)
         self.made.append((t, fn, sources))
@@ -671,9 +678,13 @@ class _StackTensors:
             "attn.o_weight": self._weight(attn.o_proj.weight),
             "attn.freq": self.freq,
             "mlp.norm_weight": self._weight(self.layers[i].post_attention_layernorm.weight),
-            # interleaved: row 2i = gate_proj row i, row 2i + 1 = up_proj row i
+            # interleaved: row 2i = gate_proj row i, row 2i + 1 = up_proj row i; under
+            # AMP cast and interleaved by one map pass each way (cast_layouts)
             "mlp.gate_up_weight": self._assemble(
-                layouts.assemble_gate_up, mlp.gate_proj.weight, mlp.up_proj.weight
+                layouts.assemble_gate_up,
+                mlp.gate_proj.weight,
+                mlp.up_proj.weight,
+                cast_fn=cast_gate_up,
             ),
             "mlp.down_weight": self._weight(mlp.down_proj.weight),
         }
