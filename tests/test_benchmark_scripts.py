@@ -1,6 +1,6 @@
 """CPU checks of the profiling benchmarks' own logic: ``kernel_profile.py``,
-``map_pass.py``, ``loss_host.py`` and ``block_host.py`` redraw their PNG from a committed
-JSON (``--replot``),
+``map_pass.py``, ``loss_host.py``, ``block_host.py`` and ``sdpa_layouts.py`` redraw their PNG
+from a committed JSON (``--replot``), ``sdpa_layouts.py``'s layouts hold the same q, k, v,
 ``kernel_profile.category`` sorts kernel names into the families its table reports, and
 its idle time and longest idle gaps come out of a kernel timeline as defined."""
 
@@ -24,6 +24,7 @@ RESULTS = ROOT / "benchmarks" / "results"
         ("map_pass.py", "map_pass_h200.json"),
         ("loss_host.py", "loss_host_h200.json"),
         ("block_host.py", "block_host_h200.json"),
+        ("sdpa_layouts.py", "sdpa_layouts_h200.json"),
     ],
 )
 def test_replot_draws_the_png_of_a_written_json(script, result, tmp_path):
@@ -98,3 +99,25 @@ def test_idle_time_and_largest_gaps_of_a_kernel_timeline():
     assert _largest_gaps(kern) == [[65, "d", "e", 4], [5, "b", "d", 3]]
     assert _largest_gaps(kern, top=1) == [[65, "d", "e", 4]]
     assert _largest_gaps(kern[:3]) == []
+
+
+def test_sdpa_layouts_hold_the_same_attention_operands():
+    """Every layout ``sdpa_layouts.py`` times attends the same q, k and v (values equal,
+    strides as named): the qkv buffer's views, its head-major planes, separate buffers."""
+    import torch
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        from sdpa_layouts import _split_views, _to_bhtd
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    T, nh, nkv, hd = 12, 4, 2, 8
+    qkv = torch.randn(T, (nh + 2 * nkv) * hd)
+    views, planes = _split_views(qkv, nh, nkv, hd), _to_bhtd(qkv, nh, nkv, hd)
+    for a, b, heads in zip(views, planes, (nh, nkv, nkv), strict=True):
+        assert a.shape == b.shape == (1, heads, T, hd)
+        assert torch.equal(a, b)
+        assert a.stride()[1:] == (hd, qkv.shape[1], 1)  # token rows of the whole buffer
+        assert b.stride()[1:] == (T * hd, hd, 1)  # one dense (T, hd) block a head
+    q = qkv[:, : nh * hd].reshape(T, nh, hd).transpose(0, 1)
+    assert torch.equal(views[0][0], q)
