@@ -17,7 +17,10 @@ the plain GEMM with W-column epilogue subtiles (``GemmConfig.epi_n``) in the sam
 (row fields ``epi{W}_ms``, ``epi{W}_plain_ms``, ``epi{W}_ratio``: its fused / the
 default plain, and ``epi{W}_own_ratio``: its fused / its plain). ``--rolled`` also
 times the fused kernel with ``GemmConfig.rolled_epilogue`` (``rolled_ms``,
-``rolled_ratio``: its fused / plain). ``--buffers E/L`` also times it with ``E`` epilogue
+``rolled_ratio``: its fused / plain). ``--tile-n W`` also times the fused kernel and the
+plain GEMM on W-wide output tiles (``GemmConfig.tile_n``; fields ``tile{W}_ms``,
+``tile{W}_plain_ms``, ``tile{W}_ratio``, ``tile{W}_own_ratio`` as for ``--epi-n``).
+``--buffers E/L`` also times it with ``E`` epilogue
 store buffers and ``L`` load buffers (``GemmConfig.epi_stages`` / ``load_stages``: fewer
 buffers leave shared memory for more A/B stages; ``buffers_ms``, ``buffers_ratio``).
 ``--baseline PATH`` (an earlier result, e.g. the committed one) adds each row's
@@ -87,6 +90,7 @@ def contenders(
     epi_n: int | None = None,
     rolled: bool = False,
     buffers: tuple[int, int] | None = None,
+    tile_n: int | None = None,
 ) -> tuple:
     """(config, {method: call}) of one row: the fused kernel, the plain GEMM in the same
     config and layout, and the optional variants."""
@@ -112,6 +116,10 @@ def contenders(
     if buffers:
         few = attrs.evolve(cfg, epi_stages=buffers[0], load_stages=buffers[1])
         methods["buffers"] = lambda: epi(A, B, config=few, **tensors)
+    if tile_n:
+        wide = attrs.evolve(cfg, tile_n=tile_n)
+        methods["tile"] = lambda: epi(A, B, config=wide, **tensors)
+        methods["tile_plain"] = lambda: gemm(A, B, out=out, config=wide)
     return cfg, methods
 
 
@@ -126,10 +134,11 @@ def bench(
     epi_n: int | None = None,
     rolled: bool = False,
     buffers: tuple[int, int] | None = None,
+    tile_n: int | None = None,
     rotate: bool = False,
     seconds: float = 0.0,
 ) -> dict:
-    cfg, methods = contenders(name, m, n, k, layout, staggered, epi_n, rolled, buffers)
+    cfg, methods = contenders(name, m, n, k, layout, staggered, epi_n, rolled, buffers, tile_n)
     reps = max(3, min(30, int(2e13 / (2 * m * n * k))))
     times, power = common.timed_rounds(methods, rounds, reps, rotate, seconds)
     fused, plain = common.median(times["fused"]), common.median(times["plain"])
@@ -155,12 +164,9 @@ def bench(
             "buffers_ratio": common.median_ratio(times["buffers"], times["plain"]),
         }
     if epi_n:
-        extra |= {
-            f"epi{epi_n}_ms": common.median(times["alt"]),
-            f"epi{epi_n}_plain_ms": common.median(times["alt_plain"]),
-            f"epi{epi_n}_ratio": common.median_ratio(times["alt"], times["plain"]),
-            f"epi{epi_n}_own_ratio": common.median_ratio(times["alt"], times["alt_plain"]),
-        }
+        extra |= variant_fields(f"epi{epi_n}", times, "alt")
+    if tile_n:
+        extra |= variant_fields(f"tile{tile_n}", times, "tile")
     return {
         "epilogue": name,
         "layout": layout,
@@ -172,6 +178,18 @@ def bench(
         "ratio": common.median_ratio(times["fused"], times["plain"]),
         "config": f"{cfg.tile_m}x{cfg.tile_n} cluster {cfg.cluster_m}x{cfg.cluster_n}",
         **extra,
+    }
+
+
+def variant_fields(prefix: str, times: dict, method: str) -> dict:
+    """A config variant's row fields: its fused and plain medians, its fused / the
+    default plain (``_ratio``) and its fused / its own plain (``_own_ratio``)."""
+    fused, plain = times[method], times[f"{method}_plain"]
+    return {
+        f"{prefix}_ms": common.median(fused),
+        f"{prefix}_plain_ms": common.median(plain),
+        f"{prefix}_ratio": common.median_ratio(fused, times["plain"]),
+        f"{prefix}_own_ratio": common.median_ratio(fused, plain),
     }
 
 
@@ -238,6 +256,7 @@ def main(argv=None) -> None:
     p.add_argument("--staggered", action="store_true", help="also time GemmConfig.staggered_copies")
     p.add_argument("--epi-n", type=int, default=None, help="also time this epilogue subtile width")
     p.add_argument("--rolled", action="store_true", help="also time GemmConfig.rolled_epilogue")
+    p.add_argument("--tile-n", type=int, default=None, help="also time this output tile width")
     p.add_argument(
         "--buffers",
         default=None,
@@ -263,7 +282,7 @@ def main(argv=None) -> None:
     for name in {job[0] for job in jobs}:  # an unknown name fails before any GPU work
         epilogue_named(name)
     buffers = tuple(int(x) for x in args.buffers.split("/")) if args.buffers else None
-    extras = (args.staggered, args.epi_n, args.rolled, buffers)
+    extras = (args.staggered, args.epi_n, args.rolled, buffers, args.tile_n)
 
     def compile_one(job: tuple) -> None:  # one call of each method compiles its kernels
         name, size, layout = job
@@ -295,9 +314,9 @@ def main(argv=None) -> None:
         cols += ["rolled_ms", "rolled_ratio"]
     if buffers:
         cols += ["buffers_ms", "buffers_ratio"]
-    if args.epi_n:
-        w = args.epi_n
-        cols += [f"epi{w}_ms", f"epi{w}_plain_ms", f"epi{w}_ratio", f"epi{w}_own_ratio"]
+    for prefix, on in ((f"epi{args.epi_n}", args.epi_n), (f"tile{args.tile_n}", args.tile_n)):
+        if on:
+            cols += [f"{prefix}_ms", f"{prefix}_plain_ms", f"{prefix}_ratio", f"{prefix}_own_ratio"]
     if baseline is not None:
         cols += ["baseline_ratio"]
     common.print_table(rows, cols)

@@ -19,7 +19,7 @@ require_hopper()
 
 from coda import Epilogue  # noqa: E402
 from coda.caches import BoundedCache  # noqa: E402
-from coda.mainloop.config import GemmConfig  # noqa: E402
+from coda.mainloop.config import GemmConfig, choose_epilogue_config  # noqa: E402
 from coda.primitives import Elementwise, TileLoad, TileReduce, TileStore, VecLoad, ops  # noqa: E402
 from coda.runtime import epilogue_kernels, finalize  # noqa: E402
 from coda.runtime.fused import n_multiple  # noqa: E402
@@ -40,6 +40,24 @@ SHAPES = [(128, 128, 64), (300, 520, 264), (1000, 776, 136), (7, 8, 8), (4096, 1
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_fused_matches_reference(name, shape, layout):
     _check(EPILOGUES[name], shape, layout)
+
+
+#: a ragged problem whose plain GEMM runs 128 x 192 tiles, at K <= WIDE_EPILOGUE_MAX_K:
+#: ``choose_epilogue_config`` gives its fused calls 128 x 192 tiles too
+WIDE_TILE_SHAPE = (1000, 3000, 200)
+
+
+@pytest.mark.parametrize("name", list(EPILOGUES))
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_short_k_wide_tile_heuristic_matches_reference(name, layout):
+    """Every catalogue epilogue, every layout, on the 128 x 192 tile the heuristic picks
+    for short mainloops (as ``check_example`` passes it explicitly: also where the tile
+    spills, which a default call would narrow)."""
+    epi = EPILOGUES[name]
+    m, n, k = WIDE_TILE_SHAPE
+    n = -(-n // n_multiple(epi)) * n_multiple(epi)
+    assert choose_epilogue_config(m, n, k).tile_n == 192
+    _check(epi, (m, n, k), layout)
 
 
 #: both warpgroups' epilogues at once (the map passes' config); enough tiles that every CTA

@@ -120,6 +120,35 @@ def test_fused_epilogue_plans_are_shared_within_a_size_class():
     assert epilogue_size_class(4096, 4096, 4096) == epilogue_size_class(16384, 44032, 8192)
 
 
+def test_short_k_fused_epilogues_take_the_plain_gemms_128x192_tile(monkeypatch):
+    """At K <= WIDE_EPILOGUE_MAX_K a fused call takes 128 x 192 tiles exactly where the
+    plain heuristic does (the 1B model's QKV and gate/up GEMMs), 128 x 128 where the plain
+    GEMM keeps 128 (N = K = 2048), on longer K and in map passes; the size class (the
+    plan cache's key) carries the width, and 0 turns the rule off."""
+    from coda.mainloop import config
+    from coda.mainloop.config import choose_config, choose_epilogue_config, epilogue_size_class
+
+    for m, n, k, wide in [
+        (16384, 3072, 2048, True),  # Llama 3.2 1B's QKV
+        (8192, 16384, 2048, True),  # its gate / up
+        (16384, 8192, 2048, True),
+        (16384, 2048, 2048, False),  # the plain GEMM keeps 128 x 128 here
+        (16384, 3072, 4096, False),  # K above the rule
+        (16384, 44032, 8192, False),
+        (16384, 128256, 2048, False),  # the LM head: a cooperative plain tile
+        (16384, 3072, 8, False),  # a map pass
+    ]:
+        plain = choose_config(m, n, k)
+        got = choose_epilogue_config(m, n, k)
+        assert got.tile_n == (192 if wide else 128), (m, n, k)
+        assert wide == ((plain.tile_m, plain.tile_n) == (128, 192) and 64 < k <= 2048)
+        assert epilogue_size_class(m, n, k)[2] == got.tile_n
+        assert (got.tile_m, got.cluster_m, got.epi_n) == (128, 2, 64 if k <= 64 else 32)
+    assert epilogue_size_class(16384, 3072, 2048) != epilogue_size_class(16384, 2048, 2048)
+    monkeypatch.setattr(config, "WIDE_EPILOGUE_MAX_K", 0)
+    assert choose_epilogue_config(16384, 3072, 2048).tile_n == 128
+
+
 def test_schedule_groups_rows():
     # group of 2 cluster-rows, walked column by column
     assert host_tile_order(3, 2, 2) == [(0, 0), (1, 0), (0, 1), (1, 1), (2, 0), (2, 1)]

@@ -8,6 +8,8 @@ turns a config plus dtypes into the shared-memory plan (A/B stages, epilogue sta
 
 from __future__ import annotations
 
+import functools
+
 import attrs
 
 #: L2 evict-first priority of a TMA copy: the 64-bit cache-policy operand of PTX
@@ -373,22 +375,34 @@ ONE_K_TILE = 64
 MAP_EPI_N = 64
 
 
+#: Largest K at which a fused epilogue takes the plain GEMM's 128 x 192 PingPong tile where
+#: :func:`choose_config` picks one (0: never). On short mainloops the wider tile's 17%
+#: fewer operand bytes per FLOP outweigh its register squeeze: at M = 16384, K = 2048 on
+#: an H200 (``benchmarks/epilogue_tiles.py``, 2026-11-29) every catalogue epilogue ran
+#: 3-5% faster at N = 3072 (whose plain GEMM also runs 128 x 192), and those that do not
+#: spill at N = 8192 2-3% faster; at K = 8192 it was neutral, and where the plain pick
+#: is 128 x 128 (e.g. N = K = 2048) the fused tile stays 128 x 128 as well.
+WIDE_EPILOGUE_MAX_K = 2048
+
+
 def choose_epilogue_config(m: int, n: int, k: int, num_sms: int = DEFAULT_NUM_SMS) -> GemmConfig:
-    """Config for a GEMM with a fused epilogue: 128x128 tiles.
+    """Config for a GEMM with a fused epilogue: 128x128 tiles, or the plain GEMM's 128x192
+    on short mainloops (:data:`WIDE_EPILOGUE_MAX_K`).
 
     A 128x192 tile keeps 192 fp32 accumulator registers per thread of the 240 a consumer
     warpgroup has, leaving few for epilogue values, reductions and running states (many
-    epilogues spill); 128x128 leaves about 100. Unlike plain GEMMs, fused ones gained
-    nothing from 128x192 on long-running problems where it does not spill (H200,
-    16384 x 44032 x 8192, 11.8 TFLOP: SwiGLU / RMSNorm forward, residual store, row scale
-    within -0.8% / +0.4% of 128x128 in interleaved rounds), so the tile stays 128 wide.
+    epilogues spill: ``coda.runtime.epilogue_kernels.epilogue_choice`` then narrows the
+    tile); 128x128 leaves about 100. On long-running problems where it does not spill,
+    fused ones gained nothing from 128x192 (H200, 16384 x 44032 x 8192, 11.8 TFLOP:
+    SwiGLU / RMSNorm forward, residual store, row scale within -0.8% / +0.4% of 128x128
+    in interleaved rounds), so there the tile stays 128 wide.
 
     A problem of one k-tile (``k <= ONE_K_TILE``: the map passes) has no mainloop to hide
     its epilogue behind: both warpgroups run their epilogues at once
     (``concurrent_epilogues``), with 4 store buffers each, a load ring two tiles deep and
     ``MAP_EPI_N``-column subtiles.
     """
-    cluster_m, one_k_tile = epilogue_size_class(m, n, k)
+    cluster_m, one_k_tile, tile_n = epilogue_size_class(m, n, k, num_sms)
     if one_k_tile:
         return GemmConfig(
             tile_n=128,
@@ -397,10 +411,22 @@ def choose_epilogue_config(m: int, n: int, k: int, num_sms: int = DEFAULT_NUM_SM
             epi_stages=8,
             concurrent_epilogues=True,
         )
-    return GemmConfig(tile_n=128, cluster_m=cluster_m)
+    return GemmConfig(tile_n=tile_n, cluster_m=cluster_m)
 
 
-def epilogue_size_class(m: int, n: int, k: int) -> tuple[int, bool]:
+def epilogue_size_class(
+    m: int, n: int, k: int, num_sms: int = DEFAULT_NUM_SMS
+) -> tuple[int, bool, int]:
     """What of (m, n, k) ``choose_epilogue_config`` depends on: (cluster rows, one
-    k-tile). Calls in the same class share a launch plan."""
-    return (2 if m > 128 else 1, k <= ONE_K_TILE)
+    k-tile, tile width). Calls in the same class share a launch plan."""
+    one_k_tile = k <= ONE_K_TILE
+    wide = not one_k_tile and k <= WIDE_EPILOGUE_MAX_K and _plain_is_128x192(m, n, k, num_sms)
+    return (2 if m > 128 else 1, one_k_tile, 192 if wide else 128)
+
+
+@functools.lru_cache(maxsize=4096)
+def _plain_is_128x192(m: int, n: int, k: int, num_sms: int) -> bool:
+    """Whether :func:`choose_config` gives (m, n, k) a 128 x 192 PingPong tile (cached:
+    a fused call's plan look-up asks on every call)."""
+    plain = choose_config(m, n, k, num_sms)
+    return (plain.tile_m, plain.tile_n, plain.split_k) == (128, 192, 1)

@@ -406,7 +406,7 @@ def _plan(epi, A, B, majors, config, m, n, k) -> EpiloguePlan:
     if config == GEMM_TILES:  # the plain heuristic reads the whole shape
         size: tuple = (m, n, k)
     elif config is None or isinstance(config, GemmConfig):
-        size = (epilogue_size_class(m, n, k), finalize.size_class(m, n, num_sms))
+        size = (epilogue_size_class(m, n, k, num_sms), finalize.size_class(m, n, num_sms))
     else:
         raise TypeError(f"config must be a GemmConfig, None or 'gemm'; got {config!r}")
     pkey = (epi, A.dtype, majors, device, config, *size)
