@@ -378,10 +378,11 @@ MAP_EPI_N = 64
 #: Largest K at which a fused epilogue takes the plain GEMM's 128 x 192 PingPong tile where
 #: :func:`choose_config` picks one (0: never). On short mainloops the wider tile's 17%
 #: fewer operand bytes per FLOP outweigh its register squeeze: at M = 16384, K = 2048 on
-#: an H200 (``benchmarks/epilogue_tiles.py``, 2026-11-29) every catalogue epilogue ran
-#: 3-5% faster at N = 3072 (whose plain GEMM also runs 128 x 192), and those that do not
-#: spill at N = 8192 2-3% faster; at K = 8192 it was neutral, and where the plain pick
-#: is 128 x 128 (e.g. N = K = 2048) the fused tile stays 128 x 128 as well.
+#: an H200 (``benchmarks/epilogue_tiles.py``, rotated rounds, 2026-11-29) every catalogue
+#: epilogue ran 2.6-5.8% faster at N = 3072 (whose plain GEMM also runs 128 x 192),
+#: 0.4-5.5% at N = 8192, and at N = 16384 all but two (residual store +2.0%, column sums
+#: +1.0%) 0.1-6.3%; at K = 8192 it was neutral, and at N = K = 2048, where the plain pick
+#: is 128 x 128, slower: there the fused tile stays 128 x 128 as well.
 WIDE_EPILOGUE_MAX_K = 2048
 
 
