@@ -428,6 +428,7 @@ def epilogue_size_class(
 @functools.lru_cache(maxsize=4096)
 def _plain_is_128x192(m: int, n: int, k: int, num_sms: int) -> bool:
     """Whether :func:`choose_config` gives (m, n, k) a 128 x 192 PingPong tile (cached:
-    a fused call's plan look-up asks on every call)."""
+    every fused call whose signature the call cache has not seen asks, e.g. each new
+    sequence length)."""
     plain = choose_config(m, n, k, num_sms)
     return (plain.tile_m, plain.tile_n, plain.split_k) == (128, 192, 1)
