@@ -50,3 +50,27 @@ def test_fusion_epilogue_compiles_without_spills(name, tmp_path):
     ops = opcode_counts(disassemble(cubin))
     assert (count_prefix(ops, "HGMMA") > 0) == reads_acc
     assert count_prefix(ops, "LDL") == 0 and count_prefix(ops, "STL") == 0, "spills"
+
+
+#: Llama 3.2 1B's forward GEMMs at K = 2048 whose plain GEMM runs 128 x 192 tiles
+#: (``WIDE_EPILOGUE_MAX_K``): the QKV + RoPE (N = 3072) and gate/up + SwiGLU (N = 2F)
+WIDE_CASES = {
+    "rope_forward": (lambda: E.rope_forward(BF16), (8192, 3072, 2048)),
+    "swiglu_forward": (lambda: E.swiglu_forward(BF16), (8192, 16384, 2048)),
+}
+
+
+@pytest.mark.parametrize("name", list(WIDE_CASES))
+def test_short_k_forward_epilogues_run_wide_tiles_without_spills(name, tmp_path):
+    """The heuristic's 128 x 192 tile holds these epilogues without local memory, so
+    ``epi(A, B)`` keeps it (a spilling one would be narrowed to 128 x 128)."""
+    build, (m, n, k) = WIDE_CASES[name]
+    epi = build()
+    cfg = epilogue_choice(epi, BF16, m, n, k, num_sms=132)[0]
+    assert (cfg.tile_m, cfg.tile_n) == (128, 192), cfg
+    if find_nvdisasm() is None:
+        pytest.skip("nvdisasm not installed")
+    key = gemm_kernels.GemmKernelKey(cfg, BF16, FusedVisitor(epi))
+    ops = opcode_counts(disassemble(gemm_kernels.compile_artifacts(key, str(tmp_path))[1]))
+    assert count_prefix(ops, "HGMMA") > 0
+    assert count_prefix(ops, "LDL") == 0 and count_prefix(ops, "STL") == 0, "spills"
