@@ -381,8 +381,10 @@ MAP_EPI_N = 64
 #: an H200 (``benchmarks/epilogue_tiles.py``, rotated rounds, 2026-11-29) every catalogue
 #: epilogue ran 2.6-5.8% faster at N = 3072 (whose plain GEMM also runs 128 x 192),
 #: 0.4-5.5% at N = 8192, and at N = 16384 all but two (residual store +2.0%, column sums
-#: +1.0%) 0.1-6.3%; at K = 8192 it was neutral, and at N = K = 2048, where the plain pick
-#: is 128 x 128, slower: there the fused tile stays 128 x 128 as well.
+#: +1.0%) 0.1-6.3%; at K = 4096 (N = 14336, 28672) mixed, 0.960-1.031 of 128 x 128
+#: (``results/epilogue_tiles_192_k4096_h200.json``), at K = 8192 neutral, and at
+#: N = K = 2048, where the plain pick is 128 x 128, slower: there the fused tile stays
+#: 128 x 128 as well.
 WIDE_EPILOGUE_MAX_K = 2048
 
 
