@@ -1,8 +1,10 @@
 """CPU checks of the profiling benchmarks' own logic: ``kernel_profile.py``,
-``map_pass.py``, ``loss_host.py``, ``block_host.py`` and ``sdpa_layouts.py`` redraw their PNG
-from a committed JSON (``--replot``), ``sdpa_layouts.py``'s layouts hold the same q, k, v,
-``kernel_profile.category`` sorts kernel names into the families its table reports, and
-its idle time and longest idle gaps come out of a kernel timeline as defined."""
+``map_pass.py``, ``loss_host.py``, ``block_host.py``, ``sdpa_layouts.py`` and
+``split_k.py`` redraw their PNG from a committed JSON (``--replot``),
+``sdpa_layouts.py``'s layouts hold the same q, k, v, ``split_k.py`` times the contenders
+it names, ``kernel_profile.category`` sorts kernel names into the families its table
+reports, and its idle time and longest idle gaps come out of a kernel timeline as
+defined."""
 
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ RESULTS = ROOT / "benchmarks" / "results"
         ("loss_host.py", "loss_host_h200.json"),
         ("block_host.py", "block_host_h200.json"),
         ("sdpa_layouts.py", "sdpa_layouts_h200.json"),
+        ("split_k.py", "split_k_h200.json"),
     ],
 )
 def test_replot_draws_the_png_of_a_written_json(script, result, tmp_path):
@@ -121,3 +124,36 @@ def test_sdpa_layouts_hold_the_same_attention_operands():
         assert b.stride()[1:] == (T * hd, hd, 1)  # one dense (T, hd) block a head
     q = qkv[:, : nh * hd].reshape(T, nh, hd).transpose(0, 1)
     assert torch.equal(views[0][0], q)
+
+
+def test_split_k_contenders():
+    """``split_k.py`` times the heuristic's unsplit config, the split-K pick it would make
+    with split-K allowed (only where that differs), and 2- / 4-way splits of 128 x 128
+    tiles where each split keeps its minimum of k-tiles."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        from split_k import contender_configs, problems
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    from coda.mainloop.config import MIN_SPLIT_K_TILES, choose_config
+
+    few = contender_configs(512, 2048, 16384, 132)  # 64 tiles of 128 x 128
+    assert few["unsplit"] == choose_config(512, 2048, 16384, 132)
+    assert few["unsplit"].split_k == 1
+    assert few["auto"].split_k > 1
+    assert (few["split2"].split_k, few["split4"].split_k) == (2, 4)
+    assert few["split4"].tile_m == few["split4"].tile_n == 128
+    many = contender_configs(2048, 2048, 16384, 132)  # the heuristic never splits these
+    assert "auto" not in many and many["unsplit"].split_k == 1
+    short_k = 64 * MIN_SPLIT_K_TILES * 2  # two splits at the minimum, not four
+    assert set(contender_configs(512, 512, short_k, 132)) - {"auto"} == {"unsplit", "split2"}
+
+    class Args:
+        layouts = "wgrad,fwd"
+        shapes = "512x2048x16384,fwd:256x256x4096"
+
+    assert problems(Args) == [
+        ("wgrad", 512, 2048, 16384),
+        ("fwd", 512, 2048, 16384),
+        ("fwd", 256, 256, 4096),
+    ]

@@ -333,6 +333,50 @@ def test_explicit_split_k_under_deterministic_algorithms(deterministic_algorithm
     torch.testing.assert_close(out, first, rtol=1e-4, atol=1e-2)  # |C| ~ 90
 
 
+@pytest.mark.parametrize("accumulate", [False, True])
+@pytest.mark.parametrize("layout", ["fwd", "wgrad"])
+def test_heuristic_splits_few_tile_fp32_outputs(layout, accumulate, deterministic_algorithms):
+    """The shape heuristic splits K for an fp32 output of few tiles (64 here, K = 8192):
+    the result as accurate as the unsplit kernel's, written or accumulated, on the first
+    call and on the validated fast path's; under deterministic algorithms the same call
+    signature (already cached as a split launch) runs unsplit, bitwise repeatable, and
+    accumulating included (the cache remembers a split, not only a zeroing)."""
+    from coda import matmul
+    from coda.mainloop.config import choose_config
+    from coda.runtime import checks
+
+    m, n, k = 512, 2048, 8192 + 40
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    assert matmul.AUTO_SPLIT_K and choose_config(m, n, k, sms, split_ok=True).split_k > 1
+    g = torch.Generator(device="cuda").manual_seed(11)
+    a0 = torch.randn(m, k, device="cuda", generator=g).to(torch.bfloat16)
+    b0 = torch.randn(n, k, device="cuda", generator=g).to(torch.bfloat16)
+    a, b = operands(a0, b0, layout)
+    init = torch.randn(m, n, device="cuda", generator=g)
+    ref = a0.double() @ b0.double().t() + (init.double() if accumulate else 0)
+
+    def call(out):
+        if accumulate:
+            out.copy_(init)
+        return gemm(a, b, out=out, accumulate=accumulate)
+
+    unsplit = init.clone() if accumulate else torch.full((m, n), float("nan"), device="cuda")
+    short = checks.short_swizzle_groups(a.device)
+    plain = matmul._heuristic(m, n, k, sms, False, short)  # what deterministic calls run
+    assert plain.split_k == 1
+    gemm(a, b, out=unsplit, accumulate=accumulate, config=plain)
+    base = _rel_err(unsplit, ref)
+    for _ in range(2):  # the heuristic's path, then the validated fast path
+        out = call(torch.full((m, n), float("nan"), device="cuda"))
+        assert not out.isnan().any()
+        assert _rel_err(out, ref) <= 2 * base + 1e-6, (_rel_err(out, ref), base)
+    deterministic_algorithms()
+    first = call(torch.empty(m, n, device="cuda"))
+    again = call(torch.empty(m, n, device="cuda"))
+    assert torch.equal(first, again)
+    assert torch.equal(first, unsplit)  # the unsplit kernel, bit for bit
+
+
 @pytest.mark.parametrize("splits", [2, 3, 5])
 def test_explicit_split_k_config(splits):
     """A split_k config runs any K (fewer k-tiles than splits included) into fp32 and bf16

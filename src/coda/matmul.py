@@ -36,13 +36,16 @@ __all__ = [
 LAYOUTS = {"fwd": ("k", "k"), "dgrad": ("k", "n"), "wgrad": ("m", "n")}
 
 
-#: Let the heuristic split K for fp32 outputs. Off: the split-K kernel is verified (CPU CI
-#: checks its SASS; its GPU tests in tests/test_mainloop_gpu.py passed in the whole GPU
-#: suite's run on an H200, 2026-11-27), but the heuristic's automatic choice is not
-#: benchmarked against the unsplit GEMMs it would replace. Explicit
-#: ``GemmConfig(split_k=...)`` configs run it (the loss's short dh GEMMs take the
-#: heuristic's split config that way: ``coda.fusions.ce_fused._split_config``).
-AUTO_SPLIT_K = False
+#: Let the heuristic split K for fp32 outputs (not under
+#: ``torch.use_deterministic_algorithms(True)``): ``choose_config(split_ok=True)`` splits
+#: where M x N has too few tiles to fill the GPU and every split keeps its minimum of
+#: k-tiles. Measured on an H200 (``benchmarks/split_k.py`` ->
+#: ``results/split_k_h200.json``, weight-gradient layout, CUDA-graph replays, 2026-11-29):
+#: where it splits (64 and 96 tiles, K = 4096-16384) 1.22-1.87x the unsplit GEMM's speed,
+#: writing a fresh output (zeroed first) or accumulating; where it does not (128 tiles
+#: and up) 2- and 4-way splits ran 0.94-1.01x. Explicit ``GemmConfig(split_k=...)``
+#: configs run it too (the loss's short dh GEMMs: ``coda.fusions.ce_fused._split_config``).
+AUTO_SPLIT_K = True
 
 _configs: BoundedCache[tuple[int, int, int, int, bool], GemmConfig] = BoundedCache(4096)
 
@@ -51,15 +54,15 @@ _configs: BoundedCache[tuple[int, int, int, int, bool], GemmConfig] = BoundedCac
 _validated: BoundedCache[tuple, object] = BoundedCache(4096)
 
 
-def _signature(A, B, out, accumulate) -> tuple | None:
+def _signature(A, B, out, accumulate, allow_split) -> tuple | None:
     """What decides a launch's validity and kernel, read cheaply (``out`` None: the
-    default output, allocated); None if the arguments are not tensors."""
+    default output, allocated, never split); None if the arguments are not tensors."""
     try:
         if out is None:
             return (A.dtype, B.dtype, A.device, B.device, A.shape, B.shape, A.stride(), B.stride())
         return (
-            A.dtype, B.dtype, out.dtype, accumulate, A.device, B.device, out.device,
-            A.shape, B.shape, out.shape, A.stride(), B.stride(), out.stride(),
+            A.dtype, B.dtype, out.dtype, accumulate, allow_split, A.device, B.device,
+            out.device, A.shape, B.shape, out.shape, A.stride(), B.stride(), out.stride(),
         )  # fmt: skip
     except (AttributeError, TypeError):
         return None
@@ -85,6 +88,7 @@ def gemm(
     out_dtype: torch.dtype | None = None,
     accumulate: bool = False,
     config: GemmConfig | str | None = None,
+    allow_split: bool = True,
 ) -> torch.Tensor:
     """out = A @ B.T (or out += A @ B.T) on a Hopper GPU with coda's PingPong kernel.
 
@@ -98,9 +102,10 @@ def gemm(
     ``None`` for the shape heuristic, or ``"autotune"`` to time a few configs on first use
     of a shape. A config with ``split_k`` > 1 runs several units of work per output tile
     over K ranges, adding through TMA reduce-add (the output is zeroed first unless
-    ``accumulate``); with ``AUTO_SPLIT_K`` the heuristic picks it for fp32 outputs whose
-    M x N has too few tiles to fill the GPU. Split sums are not bitwise reproducible: under
-    ``torch.use_deterministic_algorithms(True)`` the heuristic never splits and an explicit
+    ``accumulate``); the heuristic picks it (``AUTO_SPLIT_K``) for fp32 outputs whose
+    M x N has too few tiles to fill the GPU, unless ``allow_split=False``. Split sums are
+    not bitwise reproducible: under ``torch.use_deterministic_algorithms(True)`` (or with
+    ``allow_split=False``) the heuristic never splits, and under the former an explicit
     split config raises (warns with ``warn_only=True``); every other call is. The
     contiguous dimension of every tensor is padded to 16 bytes (its other stride a
     multiple of 8 elements for 16-bit data); M, N, K need not be multiples of the tile.
@@ -108,11 +113,11 @@ def gemm(
     """
     sig = None
     if config is None and out_dtype is None:
-        sig = _signature(A, B, out, accumulate)
+        sig = _signature(A, B, out, accumulate, allow_split)
         hit = _validated.get(sig)
         if hit is not None and not (A.data_ptr() | B.data_ptr()) & 15:
-            launcher, zero = hit
-            if zero and torch.are_deterministic_algorithms_enabled():
+            launcher, zero, split = hit
+            if split and torch.are_deterministic_algorithms_enabled():
                 launcher = None  # a split kernel: the heuristic again, unsplit
             if out is None:
                 out = torch.empty((A.shape[0], B.shape[0]), dtype=A.dtype, device=A.device)
@@ -148,6 +153,7 @@ def gemm(
         # torch.use_deterministic_algorithms(True) (the splits add in finishing order)
         split_ok = (
             AUTO_SPLIT_K
+            and allow_split
             and out.dtype == torch.float32
             and not torch.are_deterministic_algorithms_enabled()
         )
@@ -174,5 +180,5 @@ def gemm(
         out.zero_()
     gemm_kernels.launch(key, A, B, (out,))
     if sig is not None:  # validated: later calls with the same signature skip to the launch
-        _validated.put(sig, (gemm_kernels.launcher(key), zero))
+        _validated.put(sig, (gemm_kernels.launcher(key), zero, cfg.split_k > 1))
     return out

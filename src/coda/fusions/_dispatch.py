@@ -330,14 +330,16 @@ def matmul(
     """``A @ B.T`` (A: (M, K), B: (N, K), each row-major or a transposed view) into a new
     tensor of ``out_dtype`` (default A's), or into ``out`` (``out += A @ B.T`` with
     ``accumulate=True``). fp32 accumulation on both paths. ``config``: the GEMM's
-    (Hopper; None: ``coda.gemm``'s heuristic)."""
+    (Hopper; None: ``coda.gemm``'s heuristic, which the ops keep from splitting K, so
+    that their results repeat bit for bit: an explicit split config is the caller's
+    choice)."""
     if uses_kernels(A):
         from coda.matmul import gemm
 
         extra = {"accumulate": True} if accumulate else {}
         if config is not None:
             extra["config"] = config
-        return gemm(A, B, out, out_dtype=out_dtype, **extra)
+        return gemm(A, B, out, out_dtype=out_dtype, allow_split=False, **extra)
     product = A.float() @ B.float().T
     if out is None:
         if accumulate:
