@@ -45,6 +45,7 @@ from gemm_configs import label  # noqa: E402
 
 from coda.mainloop.config import MIN_SPLIT_K_TILES, GemmConfig, choose_config  # noqa: E402
 from coda.matmul import gemm  # noqa: E402
+from coda.runtime.checks import short_swizzle_groups  # noqa: E402
 
 #: Weight-gradient shapes (wgrad layout: A = dY^T M-major, B = X^T N-major; K = tokens)
 #: of a few hundred to a few thousand outputs a side: Llama 3.2 1B's K/V (512 x 2048),
@@ -66,11 +67,15 @@ SPLITS = (2, 4)
 GRAPH_CALLS = 10
 
 
-def contender_configs(m: int, n: int, k: int, sms: int) -> dict[str, GemmConfig]:
-    """The configs a row times, by contender name (``auto`` only where it differs)."""
-    unsplit = choose_config(m, n, k, sms)
+def contender_configs(
+    m: int, n: int, k: int, sms: int, short_groups: bool = False
+) -> dict[str, GemmConfig]:
+    """The configs a row times, by contender name (``auto`` only where it differs), as
+    ``coda.gemm``'s heuristic picks them on a card with ``short_groups``
+    (``checks.short_swizzle_groups``: an H100's memory)."""
+    unsplit = choose_config(m, n, k, sms, short_groups=short_groups)
     found = {"unsplit": unsplit}
-    auto = choose_config(m, n, k, sms, split_ok=True)
+    auto = choose_config(m, n, k, sms, split_ok=True, short_groups=short_groups)
     if auto != unsplit:
         found["auto"] = auto
     k_tiles = -(-k // GemmConfig().tile_k)
@@ -102,11 +107,10 @@ def cublas_fn(a, bt, out32):
 
 
 def bench(layout: str, mode: str, m: int, n: int, k: int, args) -> dict:
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
     a, b = layout_operands(layout, m, n, k)
     out = torch.zeros(m, n, device="cuda", dtype=torch.float32)
     acc = mode == "accumulate"
-    configs = contender_configs(m, n, k, sms)
+    configs = contender_configs(m, n, k, *_device_class())
     fns = {}
     fns["cublas"], cublas_out = cublas_fn(a, b.t(), out)
     for name, cfg in configs.items():
@@ -144,6 +148,12 @@ def bench(layout: str, mode: str, m: int, n: int, k: int, args) -> dict:
     best_auto = "auto" if "auto" in times else "unsplit"
     row["cublas_over_auto"] = common.median_ratio(times["cublas"], times[best_auto])
     return row
+
+
+def _device_class() -> tuple[int, bool]:
+    """(SMs, short swizzle groups) of the current GPU: what the heuristic's pick needs."""
+    dev = torch.device("cuda", torch.cuda.current_device())
+    return torch.cuda.get_device_properties(dev).multi_processor_count, short_swizzle_groups(dev)
 
 
 def compile_one(job: tuple) -> None:
@@ -208,13 +218,13 @@ def main(argv=None) -> None:
         return
     modes = [x for x in args.modes.split(",") if x]
     shapes = problems(args)
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    device_class = _device_class()
     jobs = sorted(
         {
             (layout, mode, cfg)
             for layout, m, n, k in shapes
             for mode in modes
-            for cfg in contender_configs(m, n, k, sms).values()
+            for cfg in contender_configs(m, n, k, *device_class).values()
         },
         key=repr,
     )
