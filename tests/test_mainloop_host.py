@@ -40,6 +40,27 @@ def test_split_k_only_for_long_k_small_outputs():
         GemmConfig(split_k=0)
 
 
+def test_split_k_where_it_measured_faster_on_the_h200():
+    """The heuristic's split boundary on the shapes of ``results/split_k_h200.json``
+    (weight gradients into fp32, 132 SMs): it splits the 64- and 96-tile problems, where
+    its split ran 1.22-1.87x the unsplit GEMM, and none of 128 tiles or more, where
+    forced 2- and 4-way splits ran 0.94-1.01x."""
+    import json
+    import os
+
+    path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "results")
+    with open(os.path.join(path, "split_k_h200.json")) as f:
+        rows = json.load(f)["rows"]
+    assert len(rows) == 24
+    for r in rows:
+        picked = choose_config(r["M"], r["N"], r["K"], 132, split_ok=True)
+        assert (picked.split_k > 1) == (r["auto_ms"] is not None), r
+        if r["auto_ms"] is not None:
+            assert r["auto_speedup"] > 1.2, r  # measured faster where it splits
+        else:
+            assert max(r["split2_speedup"], r["split4_speedup"]) < 1.02, r
+
+
 def test_long_running_problems_take_wide_tiles():
     # the LM head's backward GEMMs (V = 128256), the picks that measured fastest on an
     # H200 (vocab_gemm_configs_coop_h200.json): cooperative 256-row tiles from 8.6 TFLOP
