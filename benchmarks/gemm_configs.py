@@ -62,6 +62,17 @@ def label(cfg) -> str:
     )
 
 
+def layout_shapes(shapes: str, layouts: list[str]) -> list[tuple[str, int, int, int]]:
+    """(layout, M, N, K) of ``[layout:]MxNxK,...``: a shape without a layout in each of
+    ``layouts``, one with a layout in that one."""
+    found = []
+    for item in shapes.split(","):
+        where, _, shape = item.rpartition(":")
+        m, n, k = (int(v) for v in shape.split("x"))
+        found += [(layout, m, n, k) for layout in ([where] if where else layouts)]
+    return found
+
+
 def problems(args) -> list[tuple[str, str, int, int, int]]:
     """(layout, projection, M, N, K) of every shape the sweep times."""
     layouts = [x for x in args.layouts.split(",") if x]
@@ -69,10 +80,7 @@ def problems(args) -> list[tuple[str, str, int, int, int]]:
     if args.shapes == "none":
         pass
     elif args.shapes:
-        for item in args.shapes.split(","):
-            where, _, shape = item.rpartition(":")
-            mnk = tuple(int(v) for v in shape.split("x"))
-            found += [(layout, "", *mnk) for layout in ([where] if where else layouts)]
+        found += [(layout, "", *mnk) for layout, *mnk in layout_shapes(args.shapes, layouts)]
     elif "fwd" in layouts:
         found += [("fwd", "", *s) for s in SHAPES]
     ffn = ffn_sizes(args.ffn)

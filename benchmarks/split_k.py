@@ -41,7 +41,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
 from gemm import layout_operands  # noqa: E402
-from gemm_configs import label  # noqa: E402
+from gemm_configs import label, layout_shapes  # noqa: E402
 
 from coda.mainloop.config import MIN_SPLIT_K_TILES, GemmConfig, choose_config  # noqa: E402
 from coda.matmul import gemm  # noqa: E402
@@ -87,13 +87,7 @@ def contender_configs(
 
 def problems(args) -> list[tuple[str, int, int, int]]:
     """(layout, M, N, K) of every shape the run times."""
-    layouts = [x for x in args.layouts.split(",") if x]
-    found = []
-    for item in args.shapes.split(","):
-        where, _, shape = item.rpartition(":")
-        m, n, k = (int(v) for v in shape.split("x"))
-        found += [(layout, m, n, k) for layout in ([where] if where else layouts)]
-    return found
+    return layout_shapes(args.shapes, [x for x in args.layouts.split(",") if x])
 
 
 def cublas_fn(a, bt, out32):
