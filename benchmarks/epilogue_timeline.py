@@ -10,6 +10,10 @@ to a row sum, no M x N traffic; ``fma16_rolled``: fma16's FMAs in a loop the ker
 not unroll; ``shfl16``: as many warp shuffles instead; ``hfma16_bf16`` / ``hfma16_f16``:
 fma16's chain on packed 16-bit pairs, half its instructions (``HFMA2.BF16_V2`` /
 ``HFMA2``); ``hfma32_bf16``: as many packed instructions as fma16 has FMAs;
+``dfma16``: fma16's chain in fp64 (``DFMA``); ``imad16`` / ``lop16``: 16 integer steps per
+element (``IMAD``; ``SHF`` + ``LOP3``) on acc converted to int32; ``fma16_paced0`` /
+``_paced20`` / ``_paced50``: fma16's FFMAs with a ``nanosleep`` of 0 / 20 / 50 ns between
+elements (the same FP32 work issued less densely);
 ``swiglu_bwd_packed_bf16`` / ``_f16``: the catalogue's SwiGLU backward with its products on
 packed bf16 pairs (``_f16``: 1 + g (1 - sig) on fp16 pairs), the sigmoid and the row
 partial in fp32, converting to and from fp32 around them (an experiment: its values are
@@ -213,6 +217,91 @@ hfma16_f16 = _packed_chain(16, "f16")
 hfma32_bf16 = _packed_chain(32, "bf16")
 
 
+def dfma16(x):
+    """fma16's chain in fp64 (``DFMA``: the double-precision pipe, not the FP32 one), the
+    element widened once before it and narrowed once after (torch tensors: the fp32 chain)."""
+    if isinstance(x, torch.Tensor):
+        return _fma_chain(x, 16)
+    import cutlass
+
+    xd = x.to(cutlass.Float64)
+    y = xd
+    for _ in range(16):
+        y = y * cutlass.Float64(0.999) + xd
+    return y.to(cutlass.Float32)
+
+
+def _fma16_paced(ns: int):
+    """fma16 with the elements' chains taken one after another and a ``nanosleep.u32
+    ns`` between them (an inline-asm ``mov`` that passes the next element through, so no
+    chain starts before the previous has ended and slept): as many FFMAs as fma16, issued
+    less densely (is the k-loop's loss per FFMA or per cycle of dense FP32 issue?); torch
+    tensors: fma16."""
+
+    def paced(x):
+        if isinstance(x, torch.Tensor):
+            return _fma_chain(x, 16)
+        import cutlass.cute as cute
+        from cutlass import Float32
+        from cutlass._mlir import ir
+        from cutlass._mlir.dialects import llvm
+
+        y = cute.make_rmem_tensor(x.shape, Float32)
+        y.store(x)
+        prev = None
+        for i in range(cute.size(y)):
+            xi = y[i]
+            if prev is not None:
+                xi = Float32(
+                    llvm.inline_asm(
+                        ir.F32Type.get(),
+                        [xi.ir_value(), prev.ir_value()],
+                        f"mov.b32 $0, $1;\n\tnanosleep.u32 {ns};",
+                        "=f,f,f",
+                        has_side_effects=True,
+                    )
+                )
+            v = xi
+            for _ in range(16):
+                v = v * 0.999 + xi
+            y[i] = v
+            prev = v
+        return y.load()
+
+    paced.__name__ = f"fma16_paced{ns}"
+    return paced
+
+
+def _int_chain(step):
+    """16 dependent integer steps per element on acc converted to int32 once (and back
+    once): which integer pipe slows the k-loop? (torch tensors: the identity; the values
+    are not checked)."""
+
+    def chain(x):
+        if isinstance(x, torch.Tensor):
+            return x
+        import cutlass.cute as cute
+        from cutlass import Float32, Int32
+
+        y = cute.make_rmem_tensor(x.shape, Float32)
+        y.store(x)
+        for i in range(cute.size(y)):
+            xi = Int32(y[i])
+            v = xi
+            for _ in range(16):
+                v = step(v, xi)
+            y[i] = Float32(v)
+        return y.load()
+
+    return chain
+
+
+#: ``IMAD``: integer multiply-add (issued to the FMA pipe on recent GPUs?)
+imad16 = _int_chain(lambda v, xi: v * v + xi)
+#: ``LOP3`` / ``SHF``: the integer ALU pipe
+lop16 = _int_chain(lambda v, xi: (v >> 1) ^ xi)
+
+
 def _swiglu_backward_packed(narrow_w: str):
     """``ops.swiglu_backward`` with its products on packed bf16 pairs: the sigmoid in
     fp32, then dg = dy s u (1 + g (1 - s)) and du = dy s g from the operands rounded to
@@ -290,6 +379,12 @@ def probes() -> dict[str, Epilogue]:
         "hfma32_bf16": reduced(hfma32_bf16),
         "swiglu_bwd_packed_bf16": _swiglu_bwd_packed("bf16"),
         "swiglu_bwd_packed_f16": _swiglu_bwd_packed("f16"),
+        "fma16_paced0": reduced(_fma16_paced(0)),
+        "fma16_paced20": reduced(_fma16_paced(20)),
+        "fma16_paced50": reduced(_fma16_paced(50)),
+        "dfma16": reduced(dfma16),
+        "imad16": reduced(imad16),
+        "lop16": reduced(lop16),
         "fma64": reduced(fma64),
         "exp8": reduced(exp8),
     }
