@@ -232,11 +232,13 @@ def dfma16(x):
 
 
 def _fma16_paced(ns: int):
-    """fma16 with the elements' chains taken one after another and a ``nanosleep.u32
-    ns`` between them (an inline-asm ``mov`` that passes the next element through, so no
-    chain starts before the previous has ended and slept): as many FFMAs as fma16, issued
-    less densely (is the k-loop's loss per FFMA or per cycle of dense FP32 issue?); torch
-    tensors: fma16."""
+    """fma16 with a ``nanosleep.u32 ns`` before each element's chain but a subtile's first
+    (an inline-asm ``mov`` that passes the element through, after the previous element's
+    chain): as many FFMAs as fma16, issued less densely (is the k-loop's loss per FFMA or
+    per cycle of dense FP32 issue?). ptxas still interleaves neighbouring chains around
+    the sleeps (the SASS is not one chain after another), so what this buys is a
+    spread-out stream: the epilogue runs 2.3-3.2x fma16's on the H200
+    (``results/epilogue_timeline_paced_h200.json``); torch tensors: fma16."""
 
     def paced(x):
         if isinstance(x, torch.Tensor):

@@ -112,9 +112,9 @@ def test_hfma32_has_fma16s_instruction_count_in_packed_pairs(tmp_path):
     assert ops.get("FFMA", 0) == 0
 
 
-def _probe_opcodes(name: str, tmp_path) -> tuple[dict[str, int], int]:
-    """({opcode without modifiers: count}, elements per thread per tile) of a probe's
-    kernel in the config coda picks for it, compiled here for sm_90a."""
+def _probe_kernel(name: str, tmp_path):
+    """(opcode counts, the config) of a probe's kernel in the config coda picks for it,
+    compiled here for sm_90a."""
     from coda.runtime import gemm_kernels
     from coda.runtime.epilogue_kernels import epilogue_choice
     from coda.runtime.fused import FusedVisitor
@@ -127,11 +127,20 @@ def _probe_opcodes(name: str, tmp_path) -> tuple[dict[str, int], int]:
     cfg = epilogue_choice(epi, bf16, 4096, 2048, 2048, num_sms=132, majors=("k", "k"))[0]
     key = gemm_kernels.GemmKernelKey(cfg, bf16, FusedVisitor(epi), 132, "k", "k")
     _, cubin = gemm_kernels.compile_artifacts(key, str(tmp_path))
+    return opcode_counts(disassemble(cubin)), cfg
+
+
+def _elements(cfg) -> int:
+    """acc elements a thread holds per tile (a PingPong warpgroup's 128 threads)."""
+    return cfg.warpgroup_config.tile_m * cfg.tile_n // 128
+
+
+def _base_opcodes(ops: dict[str, int]) -> dict[str, int]:
+    """Counts by opcode without its modifiers."""
     base: dict[str, int] = {}
-    for op, n in opcode_counts(disassemble(cubin)).items():
+    for op, n in ops.items():
         base[op.split(".")[0]] = base.get(op.split(".")[0], 0) + n
-    # a PingPong warpgroup's 128 threads hold its tile_m x tile_n tile
-    return base, cfg.warpgroup_config.tile_m * cfg.tile_n // 128
+    return base
 
 
 #: probe -> the opcodes its 16 steps per element become (at least 16 per element of a
@@ -144,14 +153,19 @@ PIPE_PROBES = {"dfma16": ("DFMA",), "imad16": ("IMAD",), "lop16": ("LOP3", "SHF"
 def test_pipe_probes_run_their_chains_off_the_fp32_pipe(name, tmp_path):
     # epilogue_timeline_pipes_h200.json reads each probe's cost per instruction beside the
     # k-loop: that needs the chain to be the instructions named, not FFMAs
-    ops, elements = _probe_opcodes(name, tmp_path)
-    assert sum(ops.get(op, 0) for op in PIPE_PROBES[name]) >= 16 * elements
+    raw, cfg = _probe_kernel(name, tmp_path)
+    ops = _base_opcodes(raw)
+    assert sum(ops.get(op, 0) for op in PIPE_PROBES[name]) >= 16 * _elements(cfg)
     assert ops.get("FFMA", 0) == 0
 
 
 @pytest.mark.compile
 def test_paced_probe_keeps_fma16s_ffmas_and_sleeps_between_elements(tmp_path):
     # epilogue_timeline_paced_h200.json compares it with fma16: the same FFMAs, spread
-    ops, elements = _probe_opcodes("fma16_paced20", tmp_path)
-    assert ops["FFMA"] == 16 * elements
-    assert ops["NANOSLEEP"] >= elements - 1  # one between each element's chain and the next
+    raw, cfg = _probe_kernel("fma16_paced20", tmp_path)
+    elements = _elements(cfg)
+    per_subtile = cfg.epi_m * cfg.epi_n // 128  # the elements of one call of the probe
+    assert _base_opcodes(raw)["FFMA"] == 16 * elements
+    # a plain NANOSLEEP (the pipeline's waits are NANOSLEEP.SYNCS) before each element's
+    # chain but the first of each subtile
+    assert raw["NANOSLEEP"] == elements - elements // per_subtile
