@@ -181,16 +181,22 @@ def bench(
     }
 
 
+def variant_columns(prefix: str) -> list[str]:
+    """A config variant's row fields (:func:`variant_fields`), in table order."""
+    return [f"{prefix}{suffix}" for suffix in ("_ms", "_plain_ms", "_ratio", "_own_ratio")]
+
+
 def variant_fields(prefix: str, times: dict, method: str) -> dict:
     """A config variant's row fields: its fused and plain medians, its fused / the
     default plain (``_ratio``) and its fused / its own plain (``_own_ratio``)."""
     fused, plain = times[method], times[f"{method}_plain"]
-    return {
-        f"{prefix}_ms": common.median(fused),
-        f"{prefix}_plain_ms": common.median(plain),
-        f"{prefix}_ratio": common.median_ratio(fused, times["plain"]),
-        f"{prefix}_own_ratio": common.median_ratio(fused, plain),
-    }
+    values = (
+        common.median(fused),
+        common.median(plain),
+        common.median_ratio(fused, times["plain"]),
+        common.median_ratio(fused, plain),
+    )
+    return dict(zip(variant_columns(prefix), values, strict=True))
 
 
 def row_key(row: dict) -> tuple:
@@ -316,7 +322,7 @@ def main(argv=None) -> None:
         cols += ["buffers_ms", "buffers_ratio"]
     for prefix, on in ((f"epi{args.epi_n}", args.epi_n), (f"tile{args.tile_n}", args.tile_n)):
         if on:
-            cols += [f"{prefix}_ms", f"{prefix}_plain_ms", f"{prefix}_ratio", f"{prefix}_own_ratio"]
+            cols += variant_columns(prefix)
     if baseline is not None:
         cols += ["baseline_ratio"]
     common.print_table(rows, cols)

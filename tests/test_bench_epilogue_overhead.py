@@ -72,3 +72,16 @@ def test_training_epilogues_are_named_beside_the_catalogue():
     assert overhead.epilogue_named("swiglu_bwd") is overhead.EPILOGUES["swiglu_bwd"]
     with pytest.raises(SystemExit, match="unknown epilogue"):
         overhead.epilogue_named("swiglu_bwdd")
+
+
+def test_variant_fields_are_the_committed_tile_rows_fields():
+    # --tile-n 192 wrote these fields into epilogue_overhead_tile192_h200.json; the
+    # table's columns and the row's fields come from one list
+    row = _rows("epilogue_overhead_tile192_h200.json")[0]
+    assert set(overhead.variant_columns("tile192")) <= set(row)
+    times = {"plain": [2.0, 2.0], "tile": [3.0, 3.0], "tile_plain": [1.5, 1.5]}
+    got = overhead.variant_fields("tile192", times, "tile")
+    assert list(got) == overhead.variant_columns("tile192")
+    assert got["tile192_ms"] == 3.0 and got["tile192_plain_ms"] == 1.5
+    assert got["tile192_ratio"] == pytest.approx(1.5)
+    assert got["tile192_own_ratio"] == pytest.approx(2.0)
