@@ -5,7 +5,8 @@
                                            [--rotate] [--precompile 14] [--seconds 0.5]
 
 For each representative epilogue of ``coda.testing.catalog`` (``--epilogues`` may also
-name the training ops' of :data:`TRAINING_EPILOGUES`), each shape (M=16384,
+name the training ops' of :data:`TRAINING_EPILOGUES` and the experiments of
+:data:`EXPERIMENTAL_EPILOGUES`), each shape (M=16384,
 N=K in ``--sizes``) and each operand layout (``coda.testing.layouts``: forward, dgrad
 with B N-major, wgrad with A M-major and B N-major), the fused kernel
 (``epi(A, B, **tensors)``, finalize included) and the plain GEMM (``coda.gemm`` with the
@@ -71,13 +72,31 @@ TRAINING_EPILOGUES = {
 }
 
 
+#: experiments of ``epilogue_timeline.py`` that ``--epilogues`` may name, timed by this
+#: script's protocol (their values are not checked: e.g. SwiGLU backward's products on
+#: packed bf16 pairs, beside the catalogue's ``swiglu_bwd``)
+EXPERIMENTAL_EPILOGUES = {
+    f"swiglu_bwd_packed_{w}": (lambda w=w: _timeline().swiglu_bwd_packed(w))
+    for w in ("bf16", "f16")
+}
+
+
+def _timeline():
+    import epilogue_timeline
+
+    return epilogue_timeline
+
+
 def epilogue_named(name: str) -> Epilogue:
-    """A catalogue epilogue or one of :data:`TRAINING_EPILOGUES`, by name."""
+    """A catalogue epilogue or one of :data:`TRAINING_EPILOGUES` or
+    :data:`EXPERIMENTAL_EPILOGUES`, by name."""
     if name in EPILOGUES:
         return EPILOGUES[name]
-    if name in TRAINING_EPILOGUES:
-        return TRAINING_EPILOGUES[name]()
-    raise SystemExit(f"unknown epilogue {name!r}: one of {[*EPILOGUES, *TRAINING_EPILOGUES]}")
+    for table in (TRAINING_EPILOGUES, EXPERIMENTAL_EPILOGUES):
+        if name in table:
+            return table[name]()
+    known = [*EPILOGUES, *TRAINING_EPILOGUES, *EXPERIMENTAL_EPILOGUES]
+    raise SystemExit(f"unknown epilogue {name!r}: one of {known}")
 
 
 def contenders(

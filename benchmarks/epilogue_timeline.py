@@ -329,7 +329,7 @@ def _swiglu_backward_packed(narrow_w: str):
     return swiglu_backward_packed
 
 
-def _swiglu_bwd_packed(narrow_w: str) -> Epilogue:
+def swiglu_bwd_packed(narrow_w: str) -> Epilogue:
     """The catalogue's ``swiglu_bwd`` with ``_swiglu_backward_packed`` as its map."""
     bf16 = torch.bfloat16
     fn = _swiglu_backward_packed(narrow_w)
@@ -379,8 +379,8 @@ def probes() -> dict[str, Epilogue]:
         "hfma16_bf16": reduced(hfma16_bf16),
         "hfma16_f16": reduced(hfma16_f16),
         "hfma32_bf16": reduced(hfma32_bf16),
-        "swiglu_bwd_packed_bf16": _swiglu_bwd_packed("bf16"),
-        "swiglu_bwd_packed_f16": _swiglu_bwd_packed("f16"),
+        "swiglu_bwd_packed_bf16": swiglu_bwd_packed("bf16"),
+        "swiglu_bwd_packed_f16": swiglu_bwd_packed("f16"),
         "fma16_paced0": reduced(_fma16_paced(0)),
         "fma16_paced20": reduced(_fma16_paced(20)),
         "fma16_paced50": reduced(_fma16_paced(50)),

@@ -74,6 +74,18 @@ def test_training_epilogues_are_named_beside_the_catalogue():
         overhead.epilogue_named("swiglu_bwdd")
 
 
+def test_the_packed_swiglu_experiment_takes_the_catalogue_swiglu_bwds_tensors():
+    """``--epilogues swiglu_bwd_packed_bf16`` times the timeline's experiment under this
+    script's protocol: the same inputs and outputs as the catalogue's swiglu_bwd (so one
+    set of tensors serves both), a different map."""
+    base = overhead.EPILOGUES["swiglu_bwd"]
+    for w in ("bf16", "f16"):
+        epi = overhead.epilogue_named(f"swiglu_bwd_packed_{w}")
+        assert [s.name for s in epi.inputs] == [s.name for s in base.inputs]
+        assert [(s.name, s.dtype) for s in epi.outputs] == [(s.name, s.dtype) for s in base.outputs]
+        assert epi != base
+
+
 def test_variant_fields_are_the_committed_tile_rows_fields():
     # --tile-n 192 wrote these fields into epilogue_overhead_tile192_h200.json; the
     # table's columns and the row's fields come from one list

@@ -157,3 +157,85 @@ def test_split_k_contenders():
         ("fwd", 512, 2048, 16384),
         ("fwd", 256, 256, 4096),
     ]
+
+
+def test_sanitize_report_reads_compute_sanitizer_summaries():
+    """``sanitize_report.py`` takes memcheck's error count and racecheck's hazards from
+    the tools' summaries, and counts a hazard against coda unless its kernel is
+    PyTorch's or cuBLAS's (the script's eager baselines)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        from sanitize_report import command, hazard_kernel_is_foreign, summarize
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+
+    mem = summarize(
+        "memcheck", "fwd", 0, "sanitize_gemm fwd ...\n========= ERROR SUMMARY: 0 errors\n", 1.0
+    )
+    assert (mem["errors"], mem["values_match_float64"], mem["rc"]) == (0, True, 0)
+    bad = summarize("memcheck", "mk", 1, "========= ERROR SUMMARY: 3 errors\n", 1.0)
+    assert (bad["errors"], bad["values_match_float64"]) == (3, False)
+    race_log = "\n".join(
+        [
+            "========= Error: Race reported between Read access at "
+            "nvjet_sm90_tst_160x256_64x3_1x2_h_bz_coopA_NNN+0x980",
+            "=========     and Write access at "
+            "nvjet_sm90_tst_160x256_64x3_1x2_h_bz_coopA_NNN+0x3340 [2424 hazards]",
+            "========= Error: Race reported between Write access at 0x10 in "
+            "kernel_cutlass_CodaMainloop_0 [4 hazards]",
+            "========= RACECHECK SUMMARY: 3 hazards displayed (3 errors, 0 warnings)",
+        ]
+    )
+    race = summarize("racecheck", "dgrad", 0, race_log, 2.0)
+    assert race["hazards_displayed"] == 3
+    assert race["hazards_in_coda_kernels"] == 1  # the older "at 0x.. in KERNEL" form
+    assert race["hazard_kernels"] == [
+        "kernel_cutlass_CodaMainloop_0",
+        "nvjet_sm90_tst_160x256_64x3_1x2_h_bz_coopA_NNN",
+    ]
+    clean = summarize("racecheck", "fwd", 0, "========= RACECHECK SUMMARY: 0 hazards displayed", 1)
+    assert (clean["hazards_displayed"], clean["hazards_in_coda_kernels"]) == (0, 0)
+    assert hazard_kernel_is_foreign("void at::native::elementwise_kernel<128, 4>(int)")
+    assert not hazard_kernel_is_foreign("kernel_cutlass_finalize_1")
+    san = command("racecheck", "wgrad", ["--split-wide-only"])
+    assert san[:5] == ["compute-sanitizer", "--report-api-errors", "no", "--tool", "racecheck"]
+    assert san[-2:] == ["--layout=wgrad", "--split-wide-only"]
+    assert command("values", "fwd", [])[-1] == "--layout=fwd"
+
+
+def test_sanitize_sections_and_their_processes():
+    """``sanitize_gemm.py`` runs its sections in a fixed order (``--sections`` picks some,
+    the older ``--*-only`` flags keep what they ran), and ``sanitize_report.py
+    --sections`` gives each (section, layout, tool) a process of its own, the map pass
+    (no layout) once."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        from sanitize_gemm import SECTIONS, parse_args
+        from sanitize_report import command, jobs_for
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+
+    assert parse_args([]) == (SECTIONS, ["fwd", "dgrad", "wgrad", "mk"])
+    assert parse_args(["--split-wide-only", "--layout=mk"]) == (
+        ("few_buffers", "split_wide"),
+        ["mk"],
+    )
+    assert parse_args(["--cooperative-only"])[0] == SECTIONS[:4]
+    # asked out of order, run in the script's order
+    assert parse_args(["--sections=map,rolled"])[0] == ("rolled", "map")
+    with pytest.raises(SystemExit, match="unknown sections"):
+        parse_args(["--sections=rolled,nope"])
+
+    jobs = jobs_for(["values", "racecheck"], ["fwd", "mk"], ["plain", "map"])
+    assert jobs == [
+        ("values", "fwd", "plain"),
+        ("racecheck", "fwd", "plain"),
+        ("values", "mk", "plain"),
+        ("racecheck", "mk", "plain"),
+        ("values", "fwd", "map"),
+        ("racecheck", "fwd", "map"),
+    ]
+    assert jobs_for(["memcheck"], ["fwd"], []) == [("memcheck", "fwd", None)]
+    run = command("values", "wgrad", [], "rolled")
+    assert run[1:] == [run[1], "--sections=rolled", "--layout=wgrad"]
+    assert run[1].endswith("sanitize_gemm.py")

@@ -377,6 +377,31 @@ def test_kernels_with_a_mainloop_keep_five_ab_stages_before_deep_epilogue_buffer
     assert (epi_stages, load_stages) != (2, 2) and ab < 5
 
 
+def test_each_consumer_warpgroup_has_its_own_scratch_when_epilogues_take_turns():
+    """A PingPong kernel whose epilogues take turns reserves one scratch per consumer
+    warpgroup (a column reduction's per-warp slots): a warpgroup's first writes of a tile
+    never meet the other's last reads of the one before, which compute-sanitizer's
+    racecheck did not count the epilogue turn's bar.arrive -> bar.sync as ordering
+    (``benchmarks/results/sanitize_split_wide_racecheck_before_h200.json``). The shared
+    memory plan pays for both copies."""
+    from coda.mainloop.config import SMEM_CAPACITY_SM90
+    from coda.mainloop.dtypes import to_cutlass
+    from coda.mainloop.kernel import PingPongGemm
+    from coda.runtime.fused import FusedVisitor
+    from coda.testing.catalog import EPILOGUES
+
+    epi = EPILOGUES["dgamma_colsum"]  # two column reductions: 4 warps x tile_n floats each
+    for tile_n in (128, 192):
+        cfg = GemmConfig(tile_n=tile_n, cluster_m=2)
+        k = PingPongGemm(cfg, to_cutlass(torch.bfloat16), FusedVisitor(epi))
+        assert not k.concurrent and not k.cooperative
+        assert k.scratch_floats == 2 * 4 * tile_n
+        assert k.scratch_copies == 2
+        x_hat = 64 * 32 * 2  # one bf16 64 x 32 subtile of the loaded x_hat per load stage
+        assert k.smem.visitor_bytes == x_hat * k.load_stages + 2 * 4 * k.scratch_floats
+        assert k.smem.total_bytes <= SMEM_CAPACITY_SM90
+
+
 def test_autotune_candidates_start_with_the_heuristic_and_its_raster_variants():
     from coda.runtime import autotune
 

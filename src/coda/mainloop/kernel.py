@@ -19,7 +19,8 @@ Schedule (one CTA = 3 warpgroups, 384 threads, persistent over output tiles):
   epilogue hides behind the matmul. Consumers take 240 registers each.
   With ``concurrent_epilogues`` (problems of one k-tile, whose epilogue is the whole
   kernel) the epi pair is not used: each warpgroup stores through its own half of the
-  store buffers and has its own scratch, and both epilogues run at once.
+  store buffers, and both epilogues run at once. Each warpgroup has its own scratch
+  (e.g. a column reduction's per-warp slots) in every schedule.
 * the epilogue visits the 128 x tile_n accumulator in ``epi_m x epi_n`` subtiles:
   registers -> visitor -> dtype convert -> shared memory (stmatrix) -> global (TMA
   store), with ``epi_stages`` buffers in flight, for every output the visitor stores.
@@ -209,12 +210,18 @@ class PingPongGemm(Producers, EpilogueIO):
             )
         # a warpgroup's scratch: its 128-row tile's (a cooperative tile's half)
         self.scratch_floats = self.visitor.smem_bytes(self.config) // 4
-        # concurrent epilogues (when they fit): each consumer warpgroup has its own scratch
+        # each consumer warpgroup has its own scratch: epilogues at once (concurrent,
+        # cooperative) need it, and when they take turns it keeps one warpgroup's last
+        # reads of a tile's scratch (a column reduction's flush) apart from the other's
+        # first writes of the next tile by more than the epilogue turn's bar.arrive ->
+        # bar.sync: compute-sanitizer's racecheck does not count that arrival as ordering
+        # the two and reported those hazards (128 x 192 tiles, several per CTA,
+        # results/sanitize_split_wide_racecheck_before_h200.json); a few KiB at most
+        self.scratch_copies = 2
         fit = None
         if self.config.concurrent_epilogues:
             fit = self._fit_smem(config, concurrent=True)
         self.concurrent = fit is not None
-        self.scratch_copies = 2 if self.concurrent else 1
         if fit is None:
             fit = None if self.cooperative else self._fit_smem(config, concurrent=False)
             if fit is None:
@@ -280,7 +287,7 @@ class PingPongGemm(Producers, EpilogueIO):
             # have 5 keep their deeper buffers (from 5 to 6 stages the same trade lost at
             # the power limit). A map pass has no mainloop: its buffers come first
             min_abs = (FEWEST_MAINLOOP_AB_STAGES, 4, 2) if self.mainloop else (4, 2)
-        scratch_bytes = 4 * self.scratch_floats * (2 if concurrent else 1)
+        scratch_bytes = 4 * self.scratch_floats * self.scratch_copies
         for min_ab in min_abs:
             for epi_st, load_st in candidates:
                 try:
@@ -762,7 +769,7 @@ class PingPongGemm(Producers, EpilogueIO):
         own_bufs = self.epi_stages // 2 if const_expr(concurrent) else self.epi_stages
         first_buf = wg * own_bufs if const_expr(concurrent) else 0
         scratch = scratch_all
-        if const_expr(self.scratch_floats > 0 and concurrent):
+        if const_expr(self.scratch_floats > 0):
             scratch = cute.make_tensor(
                 scratch_all.iterator + wg * self.scratch_floats,
                 cute.make_layout(self.scratch_floats),

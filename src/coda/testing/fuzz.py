@@ -43,8 +43,12 @@ from .tolerance import compare
 ATOL = 1e-3
 
 
-def check_example(epi, A, B, tensors, config=None) -> dict[str, Any]:
-    """Run one composition fused and compare it; returns a JSON-able record."""
+def check_example(epi, A, B, tensors, config=None, reference_device=None) -> dict[str, Any]:
+    """Run one composition fused and compare it; returns a JSON-able record.
+
+    ``reference_device`` (e.g. ``"cpu"``): compute the float64 and eager references and
+    compare there, so that the GPU runs coda's kernels alone (under compute-sanitizer's
+    racecheck, cuBLAS's kernels for the references would be instrumented too)."""
     from ..mainloop.config import choose_epilogue_config
 
     outputs = {}
@@ -58,6 +62,13 @@ def check_example(epi, A, B, tensors, config=None) -> dict[str, Any]:
             )
     got = epi(A, B, config=cfg, outputs=outputs, check_contents=True, **tensors)
     torch.cuda.synchronize()
+    if reference_device is not None:
+        A, B = A.to(reference_device), B.to(reference_device)
+        tensors = {
+            key: v.to(reference_device) if isinstance(v, torch.Tensor) else v
+            for key, v in tensors.items()
+        }
+        got = {key: v.to(reference_device) for key, v in got.items()}
     truth = epi.reference(A, B, tile=cfg_tile, acc=A.double() @ B.double().T, **tensors)
     eager = epi.reference(A, B, tile=cfg_tile, acc=(A @ B.T).float(), **tensors)
     record: dict[str, Any] = {"outputs": {}, "failed": False}
