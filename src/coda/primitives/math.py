@@ -102,7 +102,7 @@ cross-entropy gradient uses it (its map pass: 3696 -> 2800 SASS instructions), a
 the fused log-sum-exp (``LogSumExp``: the catalogue's ``lse_target`` kernel 3696 -> 2392
 instructions with its column-only bounds mask, its fused / plain at M = 16384, N = K =
 2048 on an H100 1.035-1.053 -> 0.998-1.012; spill-free since the PingPong consumers
-took 240 registers, ``coda.mainloop.kernel.REGS_CONSUMER``).
+took 240 registers, ``coda.mainloop.roles.REGS_CONSUMER``).
 
 (****) The fast functions, for values stored in 16 bits. sin_fast / cos_fast: the
 ``.approx`` instructions' absolute error (PTX: 2^-20.9 on [-pi, pi]) after an exact

@@ -16,10 +16,12 @@ pipe's, MUFU, SHFL, IMAD, spills, adds of zero), before -> after given two folde
 change meant to take instructions out rather than keep the code the same. The set covers
 the mainloop's schedules and the epilogue paths a change to ``coda.mainloop.kernel`` can
 touch: PingPong and cooperative tiles, split-K, 2 x 2 clusters, operand layouts, M x N
-loads and stores, row and column reductions, the kernel's own finalize, the concurrent
-epilogues of a map pass, staggered copies, the rolled epilogue and 64-column subtiles.
-(Used on 2026-11-28: moving the tile's mainloop and the epilogue's parts into helpers of
-``PingPongGemm`` left all of them bitwise identical.)
+loads and stores, row and column reductions (on cooperative and on 128 x 192 PingPong
+tiles), the kernel's own finalize, the concurrent epilogues of a map pass, staggered
+copies, the rolled epilogue and 64-column subtiles. (Used on 2026-11-28: moving the
+tile's mainloop and the epilogue's parts into helpers of ``PingPongGemm`` left all of
+them bitwise identical; and on 2026-11-29: moving the epilogue driver and the CTA's
+roles into modules of their own, likewise.)
 """
 
 from __future__ import annotations
@@ -58,7 +60,7 @@ def _key(config, visitor=None, a_major="k", b_major="k"):
 def _pingpong(**kw):
     from coda.mainloop.config import GemmConfig
 
-    return GemmConfig(tile_n=128, cluster_m=2, **kw)
+    return GemmConfig(**{"tile_n": 128, "cluster_m": 2, **kw})
 
 
 def _fused(name: str, in_kernel: bool = False):
@@ -104,6 +106,12 @@ def _dgamma_coop():
 
     coop = GemmConfig(tile_m=256, tile_n=128, cluster_m=1, cluster_n=2)
     return _key(coop, _fused("dgamma_colsum"))
+
+
+@_kernel("dgamma_colsum_wide_tile")
+def _dgamma_wide():
+    # PingPong 128 x 192, the warpgroups taking turns: each with its own column scratch
+    return _key(_pingpong(tile_n=192), _fused("dgamma_colsum"))
 
 
 @_kernel("lse_target_map_pass_concurrent")
