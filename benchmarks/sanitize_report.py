@@ -3,7 +3,8 @@ JSON summary (the driver behind ``results/sanitize_*_h200.json``).
 
     python benchmarks/sanitize_report.py [--tools values,memcheck,racecheck]
         [--layouts fwd,dgrad,wgrad,mk] [--sections few_buffers,split_wide,...]
-        [--args=--split-wide-only] [--timeout 540] [--logs DIR] --out results.json
+        [--args=--split-wide-only] [--timeout 540] [--jobs 16] [--logs DIR]
+        --out results.json
 
 Each (layout, tool) is one process (with ``--sections``, each (section, layout, tool):
 the map pass once; rows then carry ``section``), sharing one ``CODA_CACHE_DIR``: the ``values``
@@ -14,7 +15,10 @@ float64 checks), ``memcheck`` / ``racecheck`` under ``compute-sanitizer
 cuda-python's driver look-ups, not from coda). Rows
 ``{"tool", "layout", "rc", "values_match_float64", "errors", "hazards_displayed",
 "hazard_kernels", "hazards_in_coda_kernels", "seconds"}`` (``errors`` for memcheck, the
-hazard fields for racecheck; ``rc`` 124 when the process ran past ``--timeout``).
+hazard fields for racecheck; ``rc`` 124 when the process ran past ``--timeout``;
+``values_match_float64``: the script's checks held, which are float64 comparisons in its
+few-buffer and split-K / wide-tile sections and finiteness and the plain GEMM's error in
+the others). ``--jobs`` caps the processes at once (default 16).
 A hazard counts against coda unless its kernel is PyTorch's or cuBLAS's
 (``hazard_kernel_is_foreign``). The script computes its references on the CPU, so that
 the GPU runs coda's kernels (and PyTorch's fills and copies) alone: racecheck flags
@@ -72,7 +76,9 @@ def summarize(
         "layout": layout,
         **({} if section is None else {"section": section}),
         "rc": rc,
-        # every section of the script asserts its values; a clean exit means they held
+        # the script's own checks held (a clean exit): outputs against float64 in the
+        # few-buffer and split-K / wide-tile sections, finite outputs and the plain
+        # GEMM's error in the others
         "values_match_float64": rc == 0,
         "seconds": round(seconds, 1),
     }
@@ -123,6 +129,7 @@ def main() -> None:
     )
     p.add_argument("--args", default="", help="extra arguments for sanitize_gemm.py")
     p.add_argument("--timeout", type=float, default=540.0)
+    p.add_argument("--jobs", type=int, default=16, help="processes at once, at most")
     p.add_argument("--logs", default=None, help="keep each process's output here")
     p.add_argument("--out", required=True)
     args = p.parse_args()
@@ -163,7 +170,7 @@ def main() -> None:
     rows = []
     for batch in (plain, sanitized):
         if batch:
-            with ThreadPoolExecutor(len(batch)) as pool:
+            with ThreadPoolExecutor(min(len(batch), args.jobs)) as pool:
                 rows += list(pool.map(run, batch))
     for row in rows:
         print(row)
