@@ -11,7 +11,8 @@ ids: packed sequences, offsets). GQA is just the head counts in those two layout
 
 Forward (1 GEMM): acc = h @ w_qkv.T; epilogue z = rstd * acc, y = rotate(z) by
 pos * freq over adjacent pairs: (a, b) -> (a c - b s, b c + a s), c, s = cos, sin(angle);
-angles in fp32 from the fp32 position and frequency (as Hugging Face computes them).
+the angle the exact product of the fp32 position and frequency (``ops.rope``; Hugging
+Face rounds it to fp32, off by up to |pos freq| 2^-24 radians).
 
 Backward from dqkv (2 GEMMs + 1 pass):
 
