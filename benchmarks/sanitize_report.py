@@ -19,13 +19,15 @@ hazard fields for racecheck; ``rc`` 124 when the process ran past ``--timeout``;
 ``values_match_float64``: the script's checks held, which are float64 comparisons in its
 few-buffer and split-K / wide-tile sections and finiteness and the plain GEMM's error in
 the others). ``--jobs`` caps the processes at once (default 16).
-A hazard counts against coda unless its kernel is PyTorch's or cuBLAS's
-(``hazard_kernel_is_foreign``). The script computes its references on the CPU, so that
-the GPU runs coda's kernels (and PyTorch's fills and copies) alone: racecheck flags
-cuBLAS's GEMM kernels by the thousand and runs them slowly, and leaving them
-uninstrumented (``--kernel-name-exclude kns=nvjet``, compute-sanitizer 2025.3.1) made the
-tool fail ("Internal Sanitizer Error: The Sanitizer failed to handle a hardware
-exception") on the H200, in every layout.
+``hazards_displayed`` is the tool's summary count; ``hazards_in_coda_kernels`` counts the
+reported accesses (each "access at" line of a hazard report: a hazard names two or more)
+whose kernel is not PyTorch's or cuBLAS's (``hazard_kernel_is_foreign``), so it is zero
+exactly when no displayed hazard touches coda's kernels. The script computes its
+references on the CPU, so that the GPU runs coda's kernels (and PyTorch's fills and
+copies) alone: racecheck flags cuBLAS's GEMM kernels by the thousand and runs them
+slowly, and leaving them uninstrumented (``--kernel-name-exclude kns=nvjet``,
+compute-sanitizer 2025.3.1) made the tool fail ("Internal Sanitizer Error: The Sanitizer
+failed to handle a hardware exception") on the H200, in every layout.
 """
 
 from __future__ import annotations
@@ -91,6 +93,7 @@ def summarize(
         named = [k for k in named if k is not None]
         row["hazards_displayed"] = int(found[-1]) if found else None
         row["hazard_kernels"] = sorted(set(named))
+        # reported accesses (not hazards) in coda's kernels: zero iff none touches them
         row["hazards_in_coda_kernels"] = sum(not hazard_kernel_is_foreign(k) for k in named)
     return row
 
