@@ -176,21 +176,25 @@ def test_qkv_rope(M, H, heads, kv_heads, D, dtype):
     inv_freq = layouts.rope_inv_freq(D, 500000.0).cuda()
     rs = [_rand(g, M, n, D).cuda() for n in (heads, kv_heads, kv_heads)]
     mine, eager, truth = _versions(*vals, dtype=dtype)
-    angle = (positions.float()[:, None] * inv_freq[None, :]).double()
-    emb = torch.cat((angle, angle), dim=-1)
-    cos, sin = emb.cos()[:, None, :], emb.sin()[:, None, :]
+    # eager rotates by Hugging Face's angle (the product pos * inv_freq rounded to fp32);
+    # the float64 truth by that product taken exactly, as coda's rope takes it (ops.rope)
+    angles = {
+        "eager": (positions.float()[:, None] * inv_freq[None, :]).double(),
+        "truth": positions.double()[:, None] * inv_freq.double()[None, :],
+    }
 
-    def rot(t):
+    def rot(t, which):
+        emb = torch.cat((angles[which], angles[which]), dim=-1)
+        c, s = emb.cos()[:, None, :].to(t.dtype), emb.sin()[:, None, :].to(t.dtype)
         x1, x2 = t.chunk(2, dim=-1)
-        c, s = cos.to(t.dtype), sin.to(t.dtype)
         return t * c + torch.cat((-x2, x1), dim=-1) * s
 
     outs = {}
-    for leaves in (eager, truth):
+    for which, leaves in (("eager", eager), ("truth", truth)):
         x, gamma, wq, wk, wv = leaves
         n = F.rms_norm(x, (H,), gamma, EPS)
-        q = rot((n @ wq.T).view(M, heads, D))
-        k = rot((n @ wk.T).view(M, kv_heads, D))
+        q = rot((n @ wq.T).view(M, heads, D), which)
+        k = rot((n @ wk.T).view(M, kv_heads, D), which)
         v = (n @ wv.T).view(M, kv_heads, D)
         sum((t * r.to(t.dtype)).sum() for t, r in zip((q, k, v), rs, strict=True)).backward()
         outs[x.dtype] = (q, k, v)
