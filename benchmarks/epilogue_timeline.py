@@ -1,8 +1,12 @@
 """Where a fused epilogue's time goes inside the kernel: a per-tile timeline of SM clocks.
 
     python benchmarks/epilogue_timeline.py [--m 16384] [--size 2048] [--variants a,b]
-        [--burst 30] [--waits] [--out benchmarks/results/epilogue_timeline_h200.json]
-        (+ a PNG)
+        [--burst 30] [--waits] [--precompile N]
+        [--out benchmarks/results/epilogue_timeline_h200.json] (+ a PNG)
+
+``--variants`` names any of the variants and probes below or any catalogue epilogue
+(``coda.testing.catalog.EPILOGUES``: ``row_scale``, ``silu_max``, ``rope``, ...);
+``--precompile N`` compiles the named kernels in N processes first (the disk cache).
 
 Each variant of ``epilogue_anatomy.py`` (``store_acc`` is the plain GEMM's work), and the
 synthetic ``probes`` here (``fma16``, ``fma64``, ``exp8``: ALU or MUFU work on acc reduced
@@ -76,6 +80,7 @@ from coda.geometry import ceil_div  # noqa: E402
 from coda.mainloop.config import choose_epilogue_config  # noqa: E402
 from coda.primitives import Elementwise, TileLoad, TileReduce, TileStore, ops  # noqa: E402
 from coda.primitives import math as cm  # noqa: E402
+from coda.testing.catalog import EPILOGUES  # noqa: E402
 from coda.testing.probes import MainloopCycles, store_if  # noqa: E402
 
 #: clocks are written as their low 24 bits (exact in fp32); spans stay far below 2^23
@@ -513,22 +518,37 @@ def main(argv=None) -> None:
         action="store_true",
         help="also split the k-loop into stage waits, WGMMA issue and WGMMA waits (clock reads)",
     )
+    common.add_precompile_options(p)
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = p.parse_args(argv)
     m = args.m
     n = k = args.size
     cfg = choose_epilogue_config(m, n, k)
     epis = variants()
     if args.variants:
-        every = {**epis, **probes()}
+        every = {**EPILOGUES, **epis, **probes()}
+        unknown = [name for name in args.variants.split(",") if name not in every]
+        if unknown:  # before any GPU work
+            raise SystemExit(f"unknown variants {unknown}; known: {sorted(every)}")
         epis = {name: every[name] for name in args.variants.split(",")}
     bf16 = torch.bfloat16
     A = torch.randn(m, k, device="cuda").to(bf16)
     B = torch.randn(n, k, device="cuda").to(bf16) / k**0.5
-    rows = []
-    for name, epi in epis.items():
+
+    def timed_call(epi: Epilogue):
         timed = epi.add(Timeline("timeline", waits=args.waits))
         _, _, tensors = common.cuda_inputs(epi, m, n, k)
-        run = lambda timed=timed, t=tensors: timed(A, B, config=cfg, **t)  # noqa: E731
+        return lambda: timed(A, B, config=cfg, **tensors)
+
+    def compile_one(name: str) -> None:  # one call compiles (and runs) its kernel
+        timed_call(epis[name])()
+
+    script = os.path.abspath(__file__)
+    if common.precompiled(args, argv, script, list(epis), compile_one):
+        return
+    rows = []
+    for name, epi in epis.items():
+        run = timed_call(epi)
         for _ in range(args.burst):
             run()
         kernel_ms = common.time_once(run, args.burst)
