@@ -19,22 +19,33 @@ epilogue time the tensor cores wait for, the last tile's epilogue, start-up):
 * ``last_epilogue_share``: (epilogue - p.epilogue) / p.span: the extra length of each
   SM's last epilogue, which no mainloop overlaps;
 * ``rest_share``: span / p.span - 1 minus the three (hand-overs, start-up, noise);
-* ``clock_ratio``: p.mhz / mhz: the plain GEMM's SM clock over the fused kernel's (a
-  fused kernel spends more energy a tile, so the power-limited card clocks it lower);
-* ``kernel_ratio``: kernel_us / p.kernel_us, the timeline's own fused / plain
-  (= span ratio x clock ratio up to rounding);
-* what-ifs, each removing one term and keeping the others: ``ratio_last_hidden``
-  ((span ratio - last_epilogue_share) x clock_ratio), ``ratio_last_halved`` (half of
-  it: the most a split of the last tile's epilogue between the two warpgroups could
-  take), ``ratio_mainloop_unslowed`` (without mainloop_share and steady_exposed_share),
-  ``ratio_same_clock`` (span ratio alone);
+* ``clock_ratio``: p.sm_mhz / sm_mhz, the plain GEMM kernel's SM clock over the fused
+  one's (span cycles over the GEMM kernel's time: a fused kernel spends more energy a
+  tile, so the power-limited card clocks it lower);
+* ``tail_share``: (tail_us - p.tail_us) / p.gemm_us: what the fused call's finalize
+  kernel adds after its GEMM beyond the plain call's (every timed call has the
+  Timeline's own finalize);
+* ``kernel_ratio``: kernel_us / p.kernel_us, the timeline's own fused / plain call time
+  from CUDA events over its burst; ``model_ratio``: span ratio x clock ratio + tail
+  share, the same from the terms (a burst's hiccup moves the first, not the second);
+* what-ifs, each removing one term and keeping the others, on that model:
+  ``ratio_last_hidden`` ((span ratio - last_epilogue_share) x clock_ratio + tail_share),
+  ``ratio_last_halved`` (half of it: the most a split of the last tile's epilogue
+  between the two warpgroups could take), ``ratio_mainloop_unslowed`` (without
+  mainloop_share and steady_exposed_share), ``ratio_no_tail`` (without tail_share),
+  ``ratio_same_clock`` (clock_ratio 1).
+
+Timelines written before ``gemm_us`` / ``tail_us`` / ``sm_mhz`` were recorded lack the
+split: their clock_ratio is p.mhz / mhz from the call's time (the finalize tail folded
+in) and their tail_share is 0.
 * ``item4_ratios``: the item-4 table's fused / plain of the epilogue at this N = K, per
   layout, from ``--overhead`` (another protocol: rotated rounds without clock reads).
 
 JSON: ``{"sources": [{"path", "command", "note"}], "rows": [{"epilogue", "N", "K",
 "runs", "span_ratio", "mainloop_share", "steady_exposed_share", "last_epilogue_share",
-"rest_share", "clock_ratio", "kernel_ratio", "ratio_last_hidden", "ratio_last_halved",
-"ratio_mainloop_unslowed", "ratio_same_clock", "item4_ratios"}]}``.
+"rest_share", "clock_ratio", "tail_share", "kernel_ratio", "model_ratio", "ratio_last_hidden",
+"ratio_last_halved", "ratio_mainloop_unslowed", "ratio_no_tail", "ratio_same_clock",
+"item4_ratios"}]}``.
 """
 
 from __future__ import annotations
@@ -50,7 +61,7 @@ import common  # noqa: E402
 
 PLAIN = "store_acc"
 SHARES = ("mainloop_share", "steady_exposed_share", "last_epilogue_share", "rest_share")
-WHAT_IFS = ("ratio_last_hidden", "ratio_last_halved", "ratio_mainloop_unslowed")
+WHAT_IFS = ("ratio_last_hidden", "ratio_last_halved", "ratio_mainloop_unslowed", "ratio_no_tail")
 
 
 def budget(row: dict, plain: dict) -> dict:
@@ -60,7 +71,15 @@ def budget(row: dict, plain: dict) -> dict:
     mainloop = row["tiles"] * (row["mainloop"] - plain["mainloop"]) / span_p
     steady = (row["exposed_frac"] * row["span"] - plain["exposed_frac"] * span_p) / span_p
     last = (row["epilogue"] - plain["epilogue"]) / span_p
-    clock = plain["mhz"] / row["mhz"]
+    if "sm_mhz" in row and "sm_mhz" in plain:
+        clock = plain["sm_mhz"] / row["sm_mhz"]
+        tail = (row["tail_us"] - plain["tail_us"]) / plain["gemm_us"]
+    else:  # an older timeline: the call's time, the finalize tail folded into the clock
+        clock, tail = plain["mhz"] / row["mhz"], 0.0
+
+    def model(span: float, clock: float = clock, tail: float = tail) -> float:
+        return span * clock + tail
+
     return {
         "span_ratio": span_ratio,
         "mainloop_share": mainloop,
@@ -68,11 +87,14 @@ def budget(row: dict, plain: dict) -> dict:
         "last_epilogue_share": last,
         "rest_share": span_ratio - 1.0 - mainloop - steady - last,
         "clock_ratio": clock,
+        "tail_share": tail,
         "kernel_ratio": row["kernel_us"] / plain["kernel_us"],
-        "ratio_last_hidden": (span_ratio - last) * clock,
-        "ratio_last_halved": (span_ratio - last / 2) * clock,
-        "ratio_mainloop_unslowed": (span_ratio - mainloop - steady) * clock,
-        "ratio_same_clock": span_ratio,
+        "model_ratio": model(span_ratio),
+        "ratio_last_hidden": model(span_ratio - last),
+        "ratio_last_halved": model(span_ratio - last / 2),
+        "ratio_mainloop_unslowed": model(span_ratio - mainloop - steady),
+        "ratio_no_tail": model(span_ratio, tail=0.0),
+        "ratio_same_clock": model(span_ratio, clock=1.0),
     }
 
 
@@ -118,9 +140,9 @@ def combine(runs: list[list[dict]], overhead_rows: list[dict]) -> list[dict]:
 
 def chart(payload: dict, path: str) -> None:
     """Per N = K, each epilogue's fused / plain as stacked shares from 1.0 (the span's
-    terms and the clock's part, kernel_ratio - span_ratio; negative ones stacked
-    downwards), the timeline's kernel ratio (dots), the item-4 table's worst layout (bars)
-    and the 1.03 line."""
+    terms, the clock's part span_ratio x (clock_ratio - 1) and the finalize tail's;
+    negative ones stacked downwards), the timeline's call ratio (dots), the item-4
+    table's worst layout (bars) and the 1.03 line."""
     plt = common.pyplot()
     if plt is None:
         print("matplotlib not installed: no PNG", file=sys.stderr)
@@ -132,13 +154,14 @@ def chart(payload: dict, path: str) -> None:
         xs = range(len(rows))
         up, down = [1.0] * len(rows), [1.0] * len(rows)
         parts = [(s, [r[s] for r in rows]) for s in SHARES]
-        parts.append(("clock", [r["kernel_ratio"] - r["span_ratio"] for r in rows]))
+        parts.append(("clock", [r["span_ratio"] * (r["clock_ratio"] - 1.0) for r in rows]))
+        parts.append(("finalize tail", [r["tail_share"] for r in rows]))
         for label, ys in parts:
             base = [u if y >= 0 else d for u, d, y in zip(up, down, ys, strict=True)]
             ax.bar(xs, ys, bottom=base, label=label.replace("_share", ""))
             up = [u + max(y, 0.0) for u, y in zip(up, ys, strict=True)]
             down = [d + min(y, 0.0) for d, y in zip(down, ys, strict=True)]
-        ax.plot(xs, [r["kernel_ratio"] for r in rows], "ko", markersize=4, label="timeline")
+        ax.plot(xs, [r["kernel_ratio"] for r in rows], "ko", markersize=4, label="timeline call")
         worst = [max(r["item4_ratios"].values(), default=float("nan")) for r in rows]
         ax.plot(xs, worst, "k_", markersize=18, label="item-4 table, worst layout")
         ax.axhline(1.03, color="red", linewidth=0.8, linestyle="--")
@@ -174,7 +197,9 @@ def main(argv=None) -> None:
     chart(payload, common.png_beside(args.out))
     common.print_table(
         rows,
-        ["epilogue", "K", "runs", "kernel_ratio", *SHARES, "clock_ratio", *WHAT_IFS],
+        ["epilogue", "K", "runs", "kernel_ratio", "model_ratio", *SHARES]
+        + ["clock_ratio", "tail_share"]
+        + list(WHAT_IFS),
     )
 
 

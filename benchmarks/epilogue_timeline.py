@@ -51,8 +51,12 @@ So ``mainloop`` against ``ideal`` (and ``store_acc``'s) says how much slower the
 mainloop runs beside an epilogue, and ``exposed_frac`` how much of the epilogue is left
 outside the mainloop's shadow. JSON rows ``{"variant", "M", "N", "K", "config",
 "kernel_us", "tiles", "ideal", "mainloop", "exposed_frac", "late_frac", "epi_wait",
-"epilogue", "period", "span", "mhz", "sample"}`` (``mhz``: span cycles over the kernel's
-time from CUDA events; ``sample``: the first SM's records, [ready, mainloop end,
+"epilogue", "period", "span", "mhz", "gemm_us", "tail_us", "sm_mhz", "sample"}``
+(``mhz``: span cycles over the call's time from CUDA events, which holds the finalize
+kernel's tail too; ``gemm_us``: the GEMM kernel alone and ``tail_us``: what the finalize
+kernel adds after it, medians over ``--burst`` more calls under torch.profiler
+(``call_split``); ``sm_mhz``: span cycles over ``gemm_us``, the SM
+clock; ``sample``: the first SM's records, [ready, mainloop end,
 epilogue begin, end, warpgroup] relative to its first ready, in tensor-core order).
 With ``--waits`` the primitive also asks for ``TraceTile.mainloop_waits`` (clock reads in
 the k-loop) and the rows gain ``stage_wait``, ``mma_issue`` and ``mma_wait``: medians
@@ -473,6 +477,37 @@ def analyse(tl: torch.Tensor, tile_m: int, waits: bool = False) -> dict:
     return {**{k: statistics.median(v) for k, v in stats.items()}, "sample": sample}
 
 
+def call_split(fn, reps: int) -> tuple[float, float]:
+    """(GEMM kernel us, finalize tail us): medians over ``reps`` profiled calls of the GEMM
+    kernel's duration and of what the call's later kernels add after it (the span from
+    the GEMM's start to the call's last kernel's end, minus the GEMM). Per call, so that
+    a burst whose clock drifts does not pair one call's GEMM with another's span."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    kernels = sorted(
+        (e.start_ns(), e.duration_ns(), e.name().lower())
+        for e in prof.profiler.kineto_results.events()
+        if e.device_type() == torch.autograd.DeviceType.CUDA
+    )
+    calls = []  # [gemm start, gemm end, call end] in ns
+    for start, dur, name in kernels:
+        if "codamainloop" in name:
+            calls.append([start, start + dur, start + dur])
+        elif "finalize" in name and calls:
+            calls[-1][2] = max(calls[-1][2], start + dur)
+    if not calls:
+        raise RuntimeError("no GEMM kernel in the profile")
+    gemm = statistics.median((b - a) / 1e3 for a, b, _ in calls)
+    tail = statistics.median((c - b) / 1e3 for _, b, c in calls)
+    return gemm, tail
+
+
 def plot(rows: list[dict], path: str) -> None:
     """Per variant, a tile's period in cycles split into the tensor cores' ideal time, the
     mainloop's slowdown beside the other warpgroup's epilogue, the exposed epilogue and
@@ -555,6 +590,8 @@ def main(argv=None) -> None:
         run()
         torch.cuda.synchronize()
         s = analyse(RECORDS["timeline"], cfg.warpgroup_config.tile_m, args.waits)
+        # after the records are read: the profiled calls overwrite them
+        gemm_us, tail_us = call_split(run, reps=args.burst)
         ideal = 2 * cfg.warpgroup_config.tile_m * cfg.tile_n * k / FLOP_PER_CYCLE
         rows.append(
             {
@@ -567,6 +604,9 @@ def main(argv=None) -> None:
                 "ideal": ideal,
                 **s,
                 "mhz": s["span"] / (kernel_ms * 1e3),
+                "gemm_us": gemm_us,
+                "tail_us": tail_us,
+                "sm_mhz": s["span"] / gemm_us,
             }
         )
         print({k: v for k, v in rows[-1].items() if k != "sample"}, flush=True)
@@ -574,8 +614,8 @@ def main(argv=None) -> None:
     plot(rows, os.path.splitext(args.out)[0] + ".png")
     common.print_table(
         rows,
-        ["variant", "kernel_us", "tiles", "ideal", "mainloop", "exposed_frac", "late_frac"]
-        + ["epi_wait", "epilogue", "period", "mhz"]
+        ["variant", "kernel_us", "gemm_us", "tail_us", "tiles", "ideal", "mainloop"]
+        + ["exposed_frac", "late_frac", "epi_wait", "epilogue", "period", "mhz", "sm_mhz"]
         + (list(WAIT_FIELDS) if args.waits else []),
     )
 

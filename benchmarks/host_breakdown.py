@@ -88,8 +88,10 @@ def steps(name: str, size: int) -> dict:
         "scratch": lambda: ek._scratch(device).get(plan, m, n, work, slots),
         "gemm_launch": lambda: plan.kernel(A, B, stores, loads, extras),
     }
-    if plan.after:
-        fns["finalize_launch"] = lambda: plan.finalizer(out, m, n, extent, {})
+    if plan.after and not plan.early:  # an early finalize waits for its GEMM's arrivals
+        fns["finalize_launch"] = lambda: plan.finalizer(
+            out, m, n, extent, {}, plan._no_counters, 0
+        )
     # what the GEMM launch is made of: TVM-FFI's conversion of the same arguments (its
     # no-op test function), and a bare kernel launch through torch (a 1-cycle sleep)
     import tvm_ffi

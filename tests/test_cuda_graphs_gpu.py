@@ -179,10 +179,11 @@ def test_patched_llama_training_step_replays_in_a_cuda_graph():
 
 
 def forget_kept_tensors():
-    """Empty coda's caches of kept tensors (map passes' zero operands, per-stream scratch),
-    so that the next call allocates them again."""
+    """Empty coda's caches of kept tensors (map passes' zero operands, per-stream scratch,
+    the finalize's stand-in counters), so that the next call allocates them again."""
     _dispatch._ZEROS.clear()
     epilogue_kernels._scratches.clear()
+    epilogue_kernels._STAND_INS.clear()
 
 
 def test_loss_under_torch_compile_reduce_overhead():

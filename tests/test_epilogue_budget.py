@@ -53,6 +53,28 @@ def test_shares_add_up_to_the_span_and_the_clock_to_the_kernel_ratio():
     assert b["ratio_same_clock"] == pytest.approx(b["span_ratio"])
 
 
+def test_the_gemm_kernels_clock_and_the_finalize_tail_are_separate_terms():
+    plain = _row("store_acc", 1000.0, 200.0, 1500.0)
+    fused = _row("reducing", 1100.0, 700.0, 1400.0)
+    for row, tail in ((plain, 1.0), (fused, 4.0)):  # us after the GEMM kernel
+        row["gemm_us"] = row["span"] / row["mhz"]
+        row["tail_us"] = tail
+        row["sm_mhz"] = row["mhz"]
+        row["kernel_us"] = row["gemm_us"] + tail
+        row["mhz"] = row["span"] / row["kernel_us"]  # the call's time: tail folded in
+    b = budget_mod.budget(fused, plain)
+    assert b["clock_ratio"] == pytest.approx(1500.0 / 1400.0)
+    assert b["tail_share"] == pytest.approx(3.0 / plain["gemm_us"])
+    model = b["span_ratio"] * b["clock_ratio"] + b["tail_share"]
+    assert b["model_ratio"] == pytest.approx(model)
+    assert b["ratio_no_tail"] == pytest.approx(b["span_ratio"] * b["clock_ratio"])
+    assert b["ratio_same_clock"] == pytest.approx(b["span_ratio"] + b["tail_share"])
+    no_last = (b["span_ratio"] - b["last_epilogue_share"]) * b["clock_ratio"] + b["tail_share"]
+    assert b["ratio_last_hidden"] == pytest.approx(no_last)
+    # the call's own ratio agrees with the model up to the tail's denominator
+    assert b["kernel_ratio"] == pytest.approx(model, rel=3.0 / plain["gemm_us"])
+
+
 def test_waiting_tensor_cores_count_as_steady_exposure():
     plain = _row("store_acc", 1000.0, 200.0, 1500.0)
     fused = _row("long", 1000.0, 1200.0, 1500.0, exposed=0.05)

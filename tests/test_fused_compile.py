@@ -182,6 +182,33 @@ def test_finalize_kernel_waits_for_the_gemm_grid(name, tmp_path):
     assert count_prefix(ops, "SHFL.BFLY") > 0
 
 
+@pytest.mark.parametrize("name", ["lse_target", "rmsnorm_fwd"])
+def test_early_finalize_waits_for_its_row_of_tiles(name, tmp_path, monkeypatch):
+    """The early finalize (row results): one thread polls its row of tiles' counter with
+    GPU-scope acquire loads before any partial is read, each CTA counts itself done (one
+    atomic add), and the grid's last CTA still waits for the GEMM grid after its work;
+    the GEMM kernel arrives once per tile (fence, then one atomic add)."""
+    monkeypatch.setattr(finalize, "EARLY_ROWS", True)
+    epi = EPILOGUES[name]
+    cfg = epilogue_choice(epi, torch.bfloat16, 16384, 2048, 2048, num_sms=132)[0]
+    assert finalize.early_rows(epi, cfg, in_kernel=False)
+    (tmp_path / "fin").mkdir()
+    (tmp_path / "gemm").mkdir()
+    ptx, cubin = finalize.compile_artifacts(epi, str(tmp_path / "fin"), (16, 4), early=True)
+    first_acquire = ptx.index("ld.acquire.gpu")
+    loads = [i for i in range(len(ptx)) if ptx.startswith("ld.global", i)]
+    assert loads and first_acquire < min(loads)
+    assert ptx.count("atom.global.add") == 1
+    assert ptx.count("griddepcontrol.wait") == 1 and ptx.index("griddepcontrol.wait") > min(loads)
+    key = gemm_kernels.GemmKernelKey(cfg, torch.bfloat16, FusedVisitor(epi, False, True))
+    gptx, gcubin = gemm_kernels.compile_artifacts(key, str(tmp_path / "gemm"))
+    assert gptx.count("atom.global.add") == 1 and gptx.count("fence.acq_rel.gpu") == 1
+    if find_nvdisasm() is not None:
+        for binary in (cubin, gcubin):
+            ops = opcode_counts(disassemble(binary))
+            assert count_prefix(ops, "LDL") == 0 and count_prefix(ops, "STL") == 0
+
+
 def test_finalize_kernel_extent_covers_rows_and_column_lanes():
     """A warp per row; COL_LANES threads per column in whole warps of 32 / COL_LANES
     columns (a ragged last warp included)."""

@@ -22,7 +22,7 @@ from coda.caches import BoundedCache  # noqa: E402
 from coda.mainloop.config import GemmConfig, choose_epilogue_config  # noqa: E402
 from coda.primitives import Elementwise, TileLoad, TileReduce, TileStore, VecLoad, ops  # noqa: E402
 from coda.runtime import epilogue_kernels, finalize  # noqa: E402
-from coda.runtime.fused import n_multiple  # noqa: E402
+from coda.runtime.fused import in_kernel_axes, n_multiple  # noqa: E402
 from coda.testing import fns  # noqa: E402
 from coda.testing.catalog import EPILOGUES  # noqa: E402
 from coda.testing.fuzz import check_example  # noqa: E402
@@ -227,6 +227,42 @@ def test_in_kernel_finalize_counters_reset_across_calls_and_streams(name):
     torch.cuda.synchronize()
     for (A, B, t), got in zip(runs, outs, strict=True):
         _assert_matches(epi, A, B, t, got)
+
+
+#: the catalogue epilogues an early finalize applies to (row results only)
+EARLY = [n for n in REDUCING if in_kernel_axes(EPILOGUES[n]) == (True, False)]
+
+
+@pytest.mark.parametrize("name", EARLY)
+def test_early_finalize_counters_reset_across_calls_streams_and_plans(name, monkeypatch):
+    """Row results finalized early (opt-in: each row band by the finalize kernel as soon
+    as the GEMM's tiles of it are in): back-to-back calls, a call whose GEMM finalizes
+    itself in between (it needs the shared counters back at zero), and two streams at
+    once (no sync in between) all finalize right, and every stream's counters end at
+    zero."""
+    monkeypatch.setattr(finalize, "EARLY_ROWS", True)
+    monkeypatch.setattr(epilogue_kernels, "_plans", BoundedCache(4096))
+    monkeypatch.setattr(epilogue_kernels, "_calls", BoundedCache(4096))
+    epi = EPILOGUES[name]
+    assert finalize.early_rows(epi, CONFIG, in_kernel=False)
+    mult = n_multiple(epi)
+    big = (8192 + 77, -(-1000 // mult) * mult, 136)  # 65 rows of tiles, 520 tiles
+    small = (1000, -(-776 // mult) * mult, 136)
+    assert not finalize.in_gemm(epi, CONFIG, big[0], big[1], 132)
+    assert finalize.in_gemm(epi, CONFIG, small[0], small[1], 132)
+    runs = [_inputs(epi, *shape, seed) for seed, shape in enumerate([big, small, big, big, big])]
+    outs = [epi(A, B, config=CONFIG, **t) for A, B, t in runs[:4]]  # one stream
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        outs.append(epi(*runs[4][:2], config=CONFIG, **runs[4][2]))
+    torch.cuda.synchronize()
+    for (A, B, t), got in zip(runs, outs, strict=True):
+        _assert_matches(epi, A, B, t, got)
+    device = runs[0][0].device
+    assert not epilogue_kernels._scratch(device).counters(1).any()
+    with torch.cuda.stream(side):
+        assert not epilogue_kernels._scratch(device).counters(1).any()
 
 
 @pytest.mark.parametrize("where", ["in_gemm", "finalize_kernel"])

@@ -117,14 +117,54 @@ def test_in_kernel_finalize_launches_once_with_counters(rec):
     assert set(out) == {"x", "h", "rstd"}
 
 
-def test_finalize_kernel_runs_when_rows_are_long(rec):
+def test_finalize_kernel_runs_when_rows_are_long(rec, monkeypatch):
+    """Without early finalizes the GEMM takes no counters and the finalize kernel waits
+    for the whole grid (it is handed a stand-in counter tensor and 0 arrivals)."""
+    monkeypatch.setattr(finalize, "EARLY_ROWS", False)
     epi, A, B, tensors = _inputs("rmsnorm_fwd", 64, finalize.ROWS_IN_GEMM_MAX_N + 8, 64)
     out = epi(A, B, config=CONFIG, **tensors)
     assert len(rec.gemm) == 1 and len(rec.finalize) == 1
     *_, extras = rec.gemm[0]
     assert not any(t.dtype == torch.int32 for t in extras if isinstance(t, torch.Tensor))
-    ((written, *_),) = rec.finalize
+    ((written, counters, m, n, _, arrivals),) = rec.finalize
     assert any(out["rstd"] is t for t in written)  # the finalize kernel writes the result
+    assert counters.dtype == torch.int32 and arrivals == 0
+
+
+@pytest.mark.parametrize("m,n", [(64, finalize.ROWS_IN_GEMM_MAX_N + 8), (16384, 2048), (300, 9000)])
+def test_early_finalize_hands_the_gemms_counters_to_the_finalize_kernel(rec, m, n, monkeypatch):
+    """Row results finalized by the kernel early (opt-in): the GEMM takes the stream's
+    zeroed counters (an arrival and a done counter per row of tiles), the finalize kernel
+    the same tensor and the arrivals a row of tiles completes at (its tiles as
+    scheduled)."""
+    monkeypatch.setattr(finalize, "EARLY_ROWS", True)
+    epi, A, B, tensors = _inputs("lse_target", m, n, 64)
+    out = epi(A, B, config=CONFIG, **tensors)
+    assert len(rec.gemm) == 1 and len(rec.finalize) == 1
+    *_, extras = rec.gemm[0]
+    counters = extras[-1]
+    assert counters.dtype == torch.int32 and not counters.any()
+    assert counters.numel() >= finalize.early_counter_slots(CONFIG, m)
+    assert finalize.early_counter_slots(CONFIG, m) == 2 * padded_tiles(m, 128, 2)
+    ((written, fin_counters, fm, fn, _, arrivals),) = rec.finalize
+    assert fin_counters is counters and (fm, fn) == (m, n)
+    assert arrivals == padded_tiles(n, CONFIG.tile_n, CONFIG.cluster_n)
+    assert any(out["lse"] is t for t in written)
+
+
+def test_early_finalize_rule(monkeypatch):
+    """Opt-in; row results only, nothing finalized in the GEMM, 128-row tiles, no
+    split-K."""
+    assert not finalize.early_rows(EPILOGUES["lse_target"], CONFIG, in_kernel=False)  # off
+    monkeypatch.setattr(finalize, "EARLY_ROWS", True)
+    rms, dgamma = EPILOGUES["rmsnorm_fwd"], EPILOGUES["dgamma_colsum"]
+    assert finalize.early_rows(rms, CONFIG, in_kernel=False)
+    assert finalize.early_rows(EPILOGUES["lse_target"], CONFIG, in_kernel=False)
+    assert not finalize.early_rows(rms, CONFIG, in_kernel=True)
+    assert not finalize.early_rows(dgamma, CONFIG, in_kernel=False)  # column results
+    assert not finalize.early_rows(EPILOGUES["swiglu_fwd"], CONFIG, in_kernel=False)
+    assert not finalize.early_rows(rms, GemmConfig(tile_m=256), in_kernel=False)
+    assert not finalize.early_rows(rms, GemmConfig(split_k=2), in_kernel=False)
 
 
 def test_partials_come_back_only_when_passed(rec):

@@ -35,7 +35,7 @@ SHAPES = ("16384x2048x2048", "16384x4096x4096")
 
 
 @cute.kernel
-def _wait_only(self, tensors, m, n):
+def _wait_only(self, tensors, counters, m, n, arrivals):
     cute.arch.griddepcontrol_wait()
 
 

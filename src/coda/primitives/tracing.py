@@ -1044,6 +1044,23 @@ def arrive_last(counters, index, expected, flag, barrier):
     return flag[0] != Float32(0.0)
 
 
+@cute.jit
+def arrive(counters, index, barrier, live):
+    """When ``live`` (the same in the whole warpgroup), count this tile at
+    ``counters[index]`` once all its partials are written (the warpgroup's barrier, then
+    one thread's GPU-scope fence and atomic add): the signal a finalize kernel that
+    finalizes each row of tiles as soon as it is complete waits for
+    (``coda.runtime.finalize_kernel``, ``early``), which also resets the counter."""
+    if live:
+        barrier.arrive_and_wait()
+        # the warpgroup's last thread, as in ``arrive_last``
+        if cute.arch.thread_idx()[0] % 128 == 127:
+            cute.arch.fence_acq_rel_gpu()
+            cute.arch.atomic_add(
+                ptr=(counters.iterator + index).llvm_ptr, val=Int32(1), sem="relaxed", scope="gpu"
+            )
+
+
 def thread_in_warpgroup():
     """This thread's index in its warpgroup (0..127)."""
     return cute.arch.thread_idx()[0] % 128

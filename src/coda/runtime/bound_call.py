@@ -44,7 +44,8 @@ def bind(
     """The straight-line call. ``allocated``: (name, shape, dtype) of each output made
     per call; ``partials``: names of the per-tile partials ``lend()`` hands out (with the
     arrival counters when ``counters``); ``extras``: (name, is_output, is_scalar) in the
-    kernel's order; ``finalize(out)`` runs after the kernel with every output by name;
+    kernel's order; ``finalize(out, counters)`` runs after the kernel with every output
+    by name and the lent counters (None without ``counters``);
     ``returned``: the names of the result dictionary."""
     env: dict[str, Any] = {"empty": torch.empty, "kernel": kernel, "device": device}
     lines = ["def call(A, B, t):"]
@@ -89,7 +90,7 @@ def bind(
         env["finalize"] = finalize
         everything = ", ".join(f"{n!r}: {v}" for n, v in outputs.items())
         lines.append(f"    out = {{{everything}}}")
-        lines.append("    finalize(out)")
+        lines.append(f"    finalize(out, {'c' if counters else 'None'})")
         lines.append("    return {" + ", ".join(f"{n!r}: out[{n!r}]" for n in returned) + "}")
     else:
         lines.append("    return {" + ", ".join(f"{n!r}: {outputs[n]}" for n in returned) + "}")

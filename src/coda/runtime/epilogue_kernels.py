@@ -52,7 +52,14 @@ from ..mainloop.config import (
     epilogue_size_class,
 )
 from . import bound_call, checks, finalize, gemm_kernels
-from .fused import FusedVisitor, counter_slots, n_multiple, not_rollable, unsupported
+from .fused import (
+    FusedVisitor,
+    counter_slots,
+    n_multiple,
+    not_rollable,
+    padded_tiles,
+    unsupported,
+)
 from .kept import kept
 from .operands import cached_problem
 
@@ -95,18 +102,53 @@ def epilogue_choice(
     kernels a launch there runs (``gemm_kernels.device_key``: the grid sized by the
     clusters that fit), so the winner's compile is the launch's; without, kernels for
     ``num_sms`` SMs (inspection off the GPU)."""
+    return epilogue_placement(epi, ab_dtype, m, n, k, num_sms, majors, base, device)[:2]
+
+
+def epilogue_placement(
+    epi: Epilogue,
+    ab_dtype: torch.dtype,
+    m: int,
+    n: int,
+    k: int,
+    num_sms: int,
+    majors: tuple[str, str] = ("k", "k"),
+    base: GemmConfig | None = None,
+    device: torch.device | None = None,
+) -> tuple[GemmConfig, bool, bool]:
+    """:func:`epilogue_choice` and whether the finalize kernel finalizes row results
+    early (``finalize.early_rows``): at each width and finalize placement, the kernel
+    whose tiles arrive for an early finalize first, the one without those arrivals when
+    it spills (their barrier and atomic can tip an epilogue at the register limit)."""
     if base is None:
         base = choose_epilogue_config(m, n, k, num_sms)
     for cfg in tile_candidates(base):
         for in_kernel in (True, False) if finalize.in_gemm(epi, cfg, m, n, num_sms) else (False,):
-            visitor = FusedVisitor(epi, in_kernel)
-            if device is None:
-                key = gemm_kernels.kernel_key(cfg, ab_dtype, visitor, num_sms, *majors)
-            else:
-                key = gemm_kernels.device_key(cfg, ab_dtype, visitor, device, *majors)
-            if gemm_kernels.local_memory_bytes(key) == 0:
-                return cfg, in_kernel
-    return cfg, False  # every candidate spills: the narrowest, which spills least
+            for early in (True, False) if finalize.early_rows(epi, cfg, in_kernel) else (False,):
+                if spills_free(epi, ab_dtype, cfg, in_kernel, early, num_sms, majors, device):
+                    return cfg, in_kernel, early
+    return cfg, False, False  # every candidate spills: the narrowest, which spills least
+
+
+def spills_free(
+    epi: Epilogue,
+    ab_dtype: torch.dtype,
+    cfg: GemmConfig,
+    in_kernel: bool,
+    early: bool,
+    num_sms: int,
+    majors: tuple[str, str],
+    device: torch.device | None,
+) -> bool:
+    """True when the fused kernel of ``epi`` in ``cfg`` (finalizing in the kernel, or
+    arriving for an early finalize) uses no local memory. Compiles it (or loads it from
+    the caches); with ``device``, the kernel a launch there runs."""
+    visitor = FusedVisitor(epi, in_kernel, early)
+    if device is None:
+        key = gemm_kernels.kernel_key(cfg, ab_dtype, visitor, num_sms, *majors)
+    else:
+        key = gemm_kernels.device_key(cfg, ab_dtype, visitor, device, *majors)
+    return gemm_kernels.local_memory_bytes(key) == 0
 
 
 class EpiloguePlan:
@@ -121,12 +163,16 @@ class EpiloguePlan:
         config: GemmConfig,
         finalize_in_kernel: bool = False,
         finalize_lanes: tuple[int, int] = finalize.DEFAULT_LANES,
+        early_finalize: bool = False,
     ):
         self.epi = epi
         self.device = device
         self.config = config
         self.tile = config.partials_tile
-        self.visitor = FusedVisitor(epi, finalize_in_kernel)
+        #: the GEMM's tiles arrive per row of tiles and the finalize kernel finalizes each
+        #: row band as soon as its tiles are in (``finalize.early_rows``)
+        self.early = early_finalize and finalize.early_rows(epi, config, finalize_in_kernel)
+        self.visitor = FusedVisitor(epi, finalize_in_kernel, self.early)
         self.key = gemm_kernels.device_key(config, ab_dtype, self.visitor, device, *majors)
         self.kernel = gemm_kernels.launcher(self.key)
         self.need_n = n_multiple(epi)
@@ -140,9 +186,12 @@ class EpiloguePlan:
         self.extras = tuple(
             (s.name, s.direction == "out", s.role == "scalar") for s in self.visitor.extras_specs
         )
-        self.finalizer = finalize.plan(epi, finalize_in_kernel, finalize_lanes)
-        #: the kernel takes arrival counters (after its extras) and finalizes itself
-        self.counters = finalize_in_kernel
+        self.finalizer = finalize.plan(epi, finalize_in_kernel, finalize_lanes, self.early)
+        #: the kernel takes arrival counters (after its extras): it finalizes itself, or
+        #: its tiles arrive for the early finalize
+        self.counters = self.visitor.takes_counters
+        #: what a finalize kernel that reads no counters is handed in their place
+        self._no_counters = _stand_in_counters(device)
         # what runs after the GEMM: the finalize kernel and / or torch finalizes
         self.after = self.finalizer is not None and (
             self.finalizer.launch is not None or bool(self.finalizer.eager)
@@ -180,7 +229,11 @@ class EpiloguePlan:
                 else:
                     outs.append((s.name, shape, s.dtype, s.role == "tile"))
             extent = self.finalizer.extent(m, n) if self.finalizer is not None else 0
-            slots = counter_slots(self.config, m, n) if self.counters else 0
+            slots = 0
+            if self.early:
+                slots = finalize.early_counter_slots(self.config, m)
+            elif self.counters:
+                slots = counter_slots(self.config, m, n)
             got = self._sizes.put((m, n), (tuple(outs), (floats, tuple(views)), extent, slots))
         return got
 
@@ -265,8 +318,13 @@ class EpiloguePlan:
             def lend():
                 return _scratch(device).get(self, m, n, work, slots)
 
-            def after(out):
-                self.finalizer(out, m, n, extent, {})
+            arrivals = self.arrivals(n)
+            no_counters = self._no_counters
+
+            def after(out, counters):
+                if counters is None:
+                    counters = no_counters
+                self.finalizer(out, m, n, extent, {}, counters, arrivals)
 
             fn = bound_call.bind(
                 kernel=self.kernel,
@@ -285,6 +343,11 @@ class EpiloguePlan:
             self._bound.put((m, n), fn)
         return fn
 
+    def arrivals(self, n: int) -> int:
+        """The tiles of a row of tiles an early finalize waits for (the scheduler's, with
+        the cluster's padding columns; 0 without ``early``)."""
+        return padded_tiles(n, self.config.tile_n, self.config.cluster_n) if self.early else 0
+
     def _launch(self, A, B, tensors, out, counters, m, n, extent, given) -> None:
         extras = [
             (float(tensors[name]) if scalar else (out[name] if is_out else tensors[name]))
@@ -300,7 +363,23 @@ class EpiloguePlan:
             tuple(extras),
         )
         if self.after:
-            self.finalizer(out, m, n, extent, given)
+            fin_counters = counters if counters is not None else self._no_counters
+            self.finalizer(out, m, n, extent, given, fin_counters, self.arrivals(n))
+
+
+#: device -> the int32 tensor a finalize kernel that reads no counters is handed
+_STAND_INS: dict[torch.device, torch.Tensor] = {}
+
+
+def _stand_in_counters(device: torch.device) -> torch.Tensor:
+    """One int32 element per device, kept between calls (``kept``: never in a private
+    memory pool that a CUDA graph tree warms up)."""
+    got = _STAND_INS.get(device)
+    if got is None:
+        got = _STAND_INS[device] = kept(
+            lambda: torch.zeros(1, dtype=torch.int32, device=device), device
+        )
+    return got
 
 
 #: The largest partials workspace (fp32 elements, 8 MiB) a stream keeps between calls.
@@ -423,16 +502,22 @@ def _plan(epi, A, B, majors, config, m, n, k) -> EpiloguePlan:
                     f"subtile index (Primitive.rollable is False); drop rolled_epilogue"
                 )
         if config is None:
-            cfg, in_kernel = epilogue_choice(epi, A.dtype, m, n, k, num_sms, majors, device=device)
+            cfg, in_kernel, early = epilogue_placement(
+                epi, A.dtype, m, n, k, num_sms, majors, device=device
+            )
         elif config == GEMM_TILES:
             base = gemm_tiles(m, n, k, num_sms, checks.short_swizzle_groups(device))
-            cfg, in_kernel = epilogue_choice(
+            cfg, in_kernel, early = epilogue_placement(
                 epi, A.dtype, m, n, k, num_sms, majors, base=base, device=device
             )
         else:  # the caller's config, as given
             cfg, in_kernel = config, finalize.in_gemm(epi, config, m, n, num_sms)
+            early = finalize.early_rows(epi, cfg, in_kernel) and spills_free(
+                epi, A.dtype, cfg, in_kernel, True, num_sms, majors, device
+            )
         lanes = finalize.lanes(m, n)
-        plan = _plans.put(pkey, EpiloguePlan(epi, A.dtype, majors, device, cfg, in_kernel, lanes))
+        plan = EpiloguePlan(epi, A.dtype, majors, device, cfg, in_kernel, lanes, early)
+        plan = _plans.put(pkey, plan)
     return plan
 
 

@@ -13,7 +13,10 @@ Every primitive with ``traces_finalize`` is finalized on the GPU, in one of two 
 * else by ONE small kernel per epilogue (:mod:`coda.runtime.finalize_kernel`, compiled
   once per epilogue value and kept in the same memory and disk caches as the GEMM
   kernels), launched right after the GEMM on the same stream (an LM head's rows have
-  ~1000 tiles: a grid of warps reads them faster than one tile's threads would).
+  ~1000 tiles: a grid of warps reads them faster than one tile's threads would). With
+  row results only (:func:`early_rows`), the GEMM's tiles count themselves per row of
+  tiles and the kernel finalizes each row band as soon as its tiles are in, during the
+  GEMM's last wave, instead of after the whole grid.
 
 Either way: no allocation the caller did not ask for, CUDA graph friendly. A user
 primitive without ``trace_finalize`` is finalized by its torch ``finalize`` (correct,
@@ -22,6 +25,7 @@ just slower). :func:`plan` prepares this once per launch plan.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -31,7 +35,7 @@ from ..epilogue import Epilogue
 from ..geometry import Problem
 from ..primitives.base import COL_LANES, Primitive
 from . import gemm_kernels
-from .fused import in_kernel_axes, traced_finalizers
+from .fused import in_kernel_axes, padded_tiles, traced_finalizers
 
 #: The GEMM kernel finalizes its results itself only while the problem has at most this
 #: many 128 x 128 output tiles per SM, i.e. each consumer warpgroup arrives about once.
@@ -60,6 +64,29 @@ def in_gemm(epi: Epilogue, config: Any, m: int, n: int, num_sms: int) -> bool:
     rows, cols = axes
     few, short_rows, short_cols = size_class(m, n, num_sms)
     return few and (short_rows or not rows) and (short_cols or not cols)
+
+
+#: Finalize row results early (:func:`early_rows`) where that applies: opt-in
+#: (``CODA_EARLY_FINALIZE=1`` in the environment, read at import) until it is measured
+#: faster and the GPU tests of every reducing path have run with it (docs/fused-epilogues.md,
+#: "Early finalize").
+EARLY_ROWS = os.environ.get("CODA_EARLY_FINALIZE", "0") == "1"
+
+
+def early_rows(epi: Epilogue, config: Any, in_kernel: bool) -> bool:
+    """True when ``epi``'s finalize kernel finalizes each row band as soon as the GEMM's
+    tiles of that band are in (the tiles arrive at per-band counters): every
+    GPU-finalized result is a row result, the GEMM finalizes nothing itself, its tiles
+    are 128 rows high (PingPong) and not split along K."""
+    if not EARLY_ROWS or in_kernel or config.tile_m != 128 or config.split_k != 1:
+        return False
+    return in_kernel_axes(epi) == (True, False)
+
+
+def early_counter_slots(config: Any, m: int) -> int:
+    """Length of an early finalize's counter tensor: an arrival counter per row of tiles
+    (as the scheduler enumerates them), then one counting the finalize's CTAs done."""
+    return 2 * padded_tiles(m, config.tile_m, config.cluster_m)
 
 
 def size_class(m: int, n: int, num_sms: int) -> tuple[bool, bool, bool]:
@@ -127,6 +154,8 @@ class FinalizeKey:
     col_lanes: int = DEFAULT_LANES[1]
     #: shared memory each CTA reserves to spread the grid over the SMs (0: none)
     spread_smem: int = 0
+    #: each CTA waits for its row of tiles' arrivals, not the GEMM grid (``early_rows``)
+    early: bool = False
 
     def traced(self) -> tuple[Primitive, ...]:
         return traced_finalizers(self.epilogue)
@@ -157,18 +186,24 @@ class FinalizeKey:
             self.row_lanes,
             self.col_lanes,
             self.spread_smem,
+            self.early,
         )
         opts = f"{gemm_kernels.TVM_FFI} {options or ''}".strip()
         return cute.compile(kernel, *fake_args(kernel, shapes), options=opts)
 
 
-def key_for(epi: Epilogue, lanes: tuple[int, int] = DEFAULT_LANES) -> FinalizeKey:
+def key_for(
+    epi: Epilogue, lanes: tuple[int, int] = DEFAULT_LANES, early: bool = False
+) -> FinalizeKey:
     """The finalize kernel of ``epi`` with ``lanes`` threads per row and per column
     result; with column results only, its CTAs spread over the SMs
-    (``COLUMNS_SPREAD_SMEM``)."""
+    (``COLUMNS_SPREAD_SMEM``); ``early``: it follows a GEMM whose tiles arrive per row
+    of tiles (:func:`early_rows`)."""
     rows, _ = _extent_widths(epi, traced_finalizers(epi))
     spread = 0 if rows else COLUMNS_SPREAD_SMEM
-    return FinalizeKey(epi, row_lanes=lanes[0], col_lanes=lanes[1], spread_smem=spread)
+    return FinalizeKey(
+        epi, row_lanes=lanes[0], col_lanes=lanes[1], spread_smem=spread, early=early
+    )
 
 
 def _rank(epi: Epilogue, name: str) -> int:
@@ -194,14 +229,21 @@ class FinalizePlan:
 
     ``results``: the result tensors the finalize kernel writes (the caller allocates them
     with the kernel's other outputs); ``extent(m, n)``: the kernel's thread count;
-    ``__call__(out, m, n, extent, given)``: launch the kernel on ``out`` (partials and
-    results by name), then run the torch ``finalize`` of primitives without a traced one.
+    ``__call__(out, m, n, extent, given, counters, arrivals)``: launch the kernel on
+    ``out`` (partials and results by name; ``early``: the GEMM's arrival counters and the
+    arrivals a row of tiles completes at, else any int32 tensor and 0), then run the
+    torch ``finalize`` of primitives without a traced one.
     """
 
     def __init__(
-        self, epi: Epilogue, in_kernel: bool = False, lanes: tuple[int, int] = DEFAULT_LANES
+        self,
+        epi: Epilogue,
+        in_kernel: bool = False,
+        lanes: tuple[int, int] = DEFAULT_LANES,
+        early: bool = False,
     ):
-        key = key_for(epi, lanes)
+        key = key_for(epi, lanes, early)
+        self.early = early
         self.row_lanes, self.col_lanes = lanes
         traced = key.traced()
         #: the GEMM kernel finalizes ``traced`` itself: nothing to launch here
@@ -229,9 +271,18 @@ class FinalizePlan:
         rows = -(-self.row_lanes * m // 32) * 32  # whole warps
         return max(([rows] if self._rows else [1]) + cols)
 
-    def __call__(self, out: dict, m: int, n: int, extent: int, given: Mapping) -> None:
+    def __call__(
+        self,
+        out: dict,
+        m: int,
+        n: int,
+        extent: int,
+        given: Mapping,
+        counters: Any = None,
+        arrivals: int = 0,
+    ) -> None:
         if self.launch is not None:
-            self.launch(tuple([out[name] for name in self.names]), m, n, extent)
+            self.launch(tuple([out[name] for name in self.names]), counters, m, n, extent, arrivals)
         if self.eager:
             problem = Problem(M=m, N=n, K=1)
             partials = dict(out)
@@ -245,20 +296,23 @@ class FinalizePlan:
 
 
 def plan(
-    epi: Epilogue, in_kernel: bool = False, lanes: tuple[int, int] = DEFAULT_LANES
+    epi: Epilogue,
+    in_kernel: bool = False,
+    lanes: tuple[int, int] = DEFAULT_LANES,
+    early: bool = False,
 ) -> FinalizePlan | None:
     """The :class:`FinalizePlan` of ``epi`` (``in_kernel``: the GEMM kernel finalizes what
-    it can; ``lanes``: threads per row and per column result in the finalize kernel), or
-    None when nothing needs finalizing."""
-    return FinalizePlan(epi, in_kernel, lanes) if _finalizing(epi) else None
+    it can; ``lanes``: threads per row and per column result in the finalize kernel;
+    ``early``: :func:`early_rows`), or None when nothing needs finalizing."""
+    return FinalizePlan(epi, in_kernel, lanes, early) if _finalizing(epi) else None
 
 
 def compile_artifacts(
-    epi: Epilogue, dump_dir: str, lanes: tuple[int, int] = DEFAULT_LANES
+    epi: Epilogue, dump_dir: str, lanes: tuple[int, int] = DEFAULT_LANES, early: bool = False
 ) -> tuple[str, bytes]:
     """(PTX, cubin) of ``epi``'s finalize kernel with ``lanes`` threads per row and per
-    column result; for inspection and CPU tests."""
-    fn = key_for(epi, lanes).compile(
+    column result (``early``: :func:`early_rows`); for inspection and CPU tests."""
+    fn = key_for(epi, lanes, early).compile(
         options=f"--keep-ptx --keep-cubin --gpu-arch sm_90a --dump-dir {dump_dir}"
     )
     return fn.__ptx__, fn.__cubin__
@@ -273,6 +327,8 @@ __all__: list[Any] = [
     "FinalizeKey",
     "FinalizePlan",
     "compile_artifacts",
+    "early_counter_slots",
+    "early_rows",
     "in_gemm",
     "plan",
     "size_class",

@@ -14,7 +14,12 @@ visitor protocol by calling every primitive's trace hooks in order, on each subt
   arrival-counter tensor (:func:`counter_slots`): the last tile of each row of tiles
   finalizes those rows, the last of each column of tiles those columns, in the GEMM
   kernel itself (``after_tile``, once the warpgroup has handed the epilogue to the
-  other), so no finalize launch follows.
+  other), so no finalize launch follows;
+* with ``early_rows``, every tile of a row of tiles inside M arrives at that row's
+  counter (the same int32 tensor after the extras) and nothing more: the finalize kernel
+  that follows finalizes each row band as soon as its count is complete, on the SMs the
+  GEMM's last wave leaves idle, instead of after the whole grid
+  (:mod:`coda.runtime.finalize_kernel`).
 
 :func:`unsupported` says, before anything is compiled, why an epilogue cannot be fused
 yet (the reference and simulator still run it).
@@ -201,10 +206,18 @@ def counter_slots(config: Any, m: int, n: int) -> int:
 @attrs.frozen(cache_hash=True)
 class FusedVisitor:
     """Mainloop visitor running ``epilogue`` (a frozen value: part of the cache key);
-    ``finalize_in_kernel``: the GEMM kernel finalizes the results itself (module doc)."""
+    ``finalize_in_kernel``: the GEMM kernel finalizes the results itself; ``early_rows``:
+    its tiles count themselves in per-row-of-tiles counters for an early finalize kernel
+    (module doc)."""
 
     epilogue: Epilogue
     finalize_in_kernel: bool = False
+    early_rows: bool = False
+
+    @property
+    def takes_counters(self) -> bool:
+        """Whether the kernel takes the int32 arrival counters after its extras."""
+        return self.finalize_in_kernel or self.early_rows
 
     @property
     def finalized(self) -> tuple[Primitive, ...]:
@@ -308,7 +321,7 @@ class FusedVisitor:
                 out.append(make_fake_compact_tensor(cutlass.Float32, shape, stride_order=(1, 0)))
             else:
                 raise NotImplementedError(f"extras role {spec.role!r} is not fused yet")
-        if self.finalize_in_kernel:  # the arrival counters
+        if self.takes_counters:  # the arrival counters
             out.append(make_fake_compact_tensor(cutlass.Int32, (cute.sym_int32(),)))
         return tuple(out)
 
@@ -411,11 +424,24 @@ class FusedVisitor:
                 counters, tiles_m + tn, tiles_m, flag, tctx.barrier
             )
 
+    def _arrive_early(self, tctx: Any) -> None:
+        """Count this tile at its row of tiles' counter, for rows of tiles inside M (the
+        cluster's padding rows have no finalize to signal, and would leave their counters
+        set)."""
+        from ..primitives import tracing
+
+        m, _ = tctx.shape_mn
+        tm, _ = tctx.tile_coord
+        counters = tctx.extras[len(self.extras_specs)]
+        tracing.arrive(counters, tm, tctx.barrier, tm * tctx.config.tile_m < m)
+
     def after_tile(self, tctx: Any) -> None:
         """After the warpgroup has handed the epilogue to the other one: the tile
         arrives at its row's (column's) counter; the last tile of a row of tiles
         finalizes the row results of its rows (a thread per row), the last of a column
         of tiles the column results of its columns (a thread per column)."""
+        if self.early_rows:
+            self._arrive_early(tctx)
         if not self.finalize_in_kernel:
             return
         from ..primitives import tracing
