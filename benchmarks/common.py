@@ -234,6 +234,24 @@ def graphed(step: Callable[[], object], warmup: int = 2) -> Callable[[], None]:
     return graph.replay
 
 
+def profiled_kernels(fn: Callable[[], object], reps: int) -> list[tuple[int, int, str]]:
+    """(start ns, duration ns, lower-case name) of every CUDA kernel of ``reps`` calls of
+    ``fn`` under torch.profiler (after one unprofiled call), in start order."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    return sorted(
+        (e.start_ns(), e.duration_ns(), e.name().lower())
+        for e in prof.profiler.kineto_results.events()
+        if e.device_type() == torch.autograd.DeviceType.CUDA
+    )
+
+
 def median(xs: list[float]) -> float:
     return float(statistics.median(xs))
 

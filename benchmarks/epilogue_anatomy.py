@@ -92,19 +92,7 @@ def _kernel_split(fn, reps: int = 10) -> tuple[float, float, float]:
     The span runs from the GEMM kernel's start to the end of the call's last kernel. The
     finalize kernel is a programmatic dependent launch: its own duration includes the
     time its CTAs wait for the GEMM grid to finish."""
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(reps):
-            fn()
-        torch.cuda.synchronize()
-    kernels = sorted(
-        (e.start_ns(), e.duration_ns(), e.name().lower())
-        for e in prof.profiler.kineto_results.events()
-        if e.device_type() == torch.autograd.DeviceType.CUDA
-    )
+    kernels = common.profiled_kernels(fn, reps)
     gemm_us, fin_us, spans = 0.0, 0.0, []
     for start, dur, name in kernels:
         if "codamainloop" in name:

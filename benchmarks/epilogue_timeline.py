@@ -482,19 +482,7 @@ def call_split(fn, reps: int) -> tuple[float, float]:
     kernel's duration and of what the call's later kernels add after it (the span from
     the GEMM's start to the call's last kernel's end, minus the GEMM). Per call, so that
     a burst whose clock drifts does not pair one call's GEMM with another's span."""
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(reps):
-            fn()
-        torch.cuda.synchronize()
-    kernels = sorted(
-        (e.start_ns(), e.duration_ns(), e.name().lower())
-        for e in prof.profiler.kineto_results.events()
-        if e.device_type() == torch.autograd.DeviceType.CUDA
-    )
+    kernels = common.profiled_kernels(fn, reps)
     calls = []  # [gemm start, gemm end, call end] in ns
     for start, dur, name in kernels:
         if "codamainloop" in name:
