@@ -1022,19 +1022,31 @@ def finalize_entropy(
 OUT_OF_RANGE = 1 << 30
 
 
+def is_counting_thread():
+    """Whether this thread counts its warpgroup's tile at an arrival counter: the
+    warpgroup's last thread, not the one that issued its TMA stores (which a fence
+    would wait for)."""
+    return thread_in_warpgroup() == 127
+
+
+def count_tile(counters, index):
+    """One thread's arrival at ``counters[index]`` once its warpgroup's barrier has
+    ordered every partial store before it: a GPU-scope acquire-release fence, then a
+    relaxed atomic add of 1; the count before it."""
+    cute.arch.fence_acq_rel_gpu()
+    return cute.arch.atomic_add(
+        ptr=(counters.iterator + index).llvm_ptr, val=Int32(1), sem="relaxed", scope="gpu"
+    )
+
+
 @cute.jit
 def arrive_last(counters, index, expected, flag, barrier):
     """True (in every thread of the warpgroup) when this tile is the last of the
     ``expected`` tiles to arrive at ``counters[index]``. ``flag``: a one-float slot of
     the warpgroup's shared scratch that carries the answer to its 128 threads."""
     barrier.arrive_and_wait()
-    # the warpgroup's last thread: not the one that issued its TMA stores, which a fence
-    # would wait for
-    if cute.arch.thread_idx()[0] % 128 == 127:
-        cute.arch.fence_acq_rel_gpu()
-        old = cute.arch.atomic_add(
-            ptr=(counters.iterator + index).llvm_ptr, val=Int32(1), sem="relaxed", scope="gpu"
-        )
+    if is_counting_thread():
+        old = count_tile(counters, index)
         flag[0] = Float32(0.0)
         if old == expected - 1:
             counters[index] = Int32(0)
@@ -1053,12 +1065,8 @@ def arrive(counters, index, barrier, live):
     (``coda.runtime.finalize_kernel``, ``early``), which also resets the counter."""
     if live:
         barrier.arrive_and_wait()
-        # the warpgroup's last thread, as in ``arrive_last``
-        if cute.arch.thread_idx()[0] % 128 == 127:
-            cute.arch.fence_acq_rel_gpu()
-            cute.arch.atomic_add(
-                ptr=(counters.iterator + index).llvm_ptr, val=Int32(1), sem="relaxed", scope="gpu"
-            )
+        if is_counting_thread():
+            count_tile(counters, index)
 
 
 def thread_in_warpgroup():

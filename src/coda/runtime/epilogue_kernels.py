@@ -170,8 +170,9 @@ class EpiloguePlan:
         self.config = config
         self.tile = config.partials_tile
         #: the GEMM's tiles arrive per row of tiles and the finalize kernel finalizes each
-        #: row band as soon as its tiles are in (``finalize.early_rows``)
-        self.early = early_finalize and finalize.early_rows(epi, config, finalize_in_kernel)
+        #: row band as soon as its tiles are in (the caller, :func:`_plan`, decided it
+        #: with ``finalize.early_rows`` and :func:`spills_free`)
+        self.early = early_finalize
         self.visitor = FusedVisitor(epi, finalize_in_kernel, self.early)
         self.key = gemm_kernels.device_key(config, ab_dtype, self.visitor, device, *majors)
         self.kernel = gemm_kernels.launcher(self.key)
