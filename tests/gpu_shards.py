@@ -5,8 +5,10 @@ module: most of a GPU test's time is CuTeDSL compiling its kernels on one CPU co
 one process runs a few hundred tests in a 10-minute call while the machine has 16
 cores. This collects the test ids, drops those that earlier logs show passed or skipped
 (``--done``: a call cut by its time limit continues in the next), deals the rest round
-robin to ``--procs`` processes (each with its own kernel cache: no two write one
-directory), runs them under ``--timeout``, and writes to ``--out``:
+robin to ``--procs`` processes sharing one kernel cache (``--cache-dir``: a kernel one
+process compiled is loaded, not compiled again, by every later test that needs it; the
+disk cache takes concurrent writers; ``--own-caches`` gives each process its own, as
+before 2026-11-29), runs them under ``--timeout``, and writes to ``--out``:
 
 * ``shard_NN.log``: each process's ``pytest -v`` output (the ``--done`` input of the next
   call), ``shard_NN.ids`` its ids;
@@ -26,6 +28,10 @@ import subprocess
 import sys
 from collections import Counter
 from pathlib import Path
+
+#: the kernel cache every process shares (``--cache-dir``): on a warm machine a later call
+#: finds the kernels of the calls before it
+SHARED_CACHE = "/tmp/coda-kcache-shared"
 
 #: the outcome word ``pytest -v`` prints after a test id
 OUTCOME = re.compile(r"^(?P<id>\S.*?::.*?) (?P<outcome>PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS)\b")
@@ -88,6 +94,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=int, default=540, help="seconds per process")
     p.add_argument("--out", required=True, help="folder for the logs and the summary")
     p.add_argument("--done", nargs="*", default=[], help="earlier pytest -v logs (globs)")
+    p.add_argument("--cache-dir", default=SHARED_CACHE, help="the processes' kernel cache")
+    p.add_argument(
+        "--own-caches", action="store_true", help="a kernel cache per process (CACHE-DIR-NN)"
+    )
     p.add_argument("pytest_args", nargs="*", help="paths and options for pytest")
     args = p.parse_args(argv)
     out = Path(args.out)
@@ -99,7 +109,8 @@ def main(argv: list[str] | None = None) -> int:
     running = []
     for n, shard in enumerate(shards):
         (out / f"shard_{n:02d}.ids").write_text("\n".join(shard) + "\n")
-        env = {**os.environ, "CODA_CACHE_DIR": f"/tmp/coda-kcache-shard{n:02d}"}
+        cache = f"{args.cache_dir}-{n:02d}" if args.own_caches else args.cache_dir
+        env = {**os.environ, "CODA_CACHE_DIR": cache}
         log = open(out / f"shard_{n:02d}.log", "w")  # noqa: SIM115 (closed below)
         cmd = ["timeout", str(args.timeout), sys.executable, "-m", "pytest", "-p", "no:logging"]
         cmd += ["-p", "no:cacheprovider", "-v", "--tb=short", f"@{out / f'shard_{n:02d}.ids'}"]

@@ -84,3 +84,26 @@ def test_a_whole_run_then_a_continuation(tmp_path, monkeypatch, capsys):
     assert (second / "summary.txt").read_text().startswith("outcomes: 1 FAILED\n")
     assert list(second.glob("shard_*.ids")) == [second / "shard_00.ids"]
     assert "outcomes:" in capsys.readouterr().out
+
+
+CACHE_SAMPLE = """
+import os
+
+import pytest
+
+@pytest.mark.parametrize("i", range(4))
+def test_cache(i):
+    with open(f"cache_{os.getpid()}.txt", "w") as f:
+        f.write(os.environ["CODA_CACHE_DIR"])
+"""
+
+
+@pytest.mark.parametrize("own", [False, True])
+def test_processes_share_one_kernel_cache_unless_asked(tmp_path, monkeypatch, own):
+    (tmp_path / "test_cache_gpu.py").write_text(CACHE_SAMPLE)
+    monkeypatch.chdir(tmp_path)
+    cache = str(tmp_path / "kcache")
+    args = ["--procs", "2", "--timeout", "120", "--out", str(tmp_path / "o"), "--cache-dir", cache]
+    assert gpu_shards.main(args + (["--own-caches"] if own else []) + ["test_cache_gpu.py"]) == 0
+    seen = sorted(p.read_text() for p in tmp_path.glob("cache_*.txt"))
+    assert seen == ([f"{cache}-00", f"{cache}-01"] if own else [cache, cache])
