@@ -12,7 +12,9 @@ before 2026-11-29), runs them under ``--timeout``, and writes to ``--out``:
 
 * ``shard_NN.log``: each process's ``pytest -v`` output (the ``--done`` input of the next
   call), ``shard_NN.ids`` its ids;
-* ``summary.txt``: counts per outcome and per file, the failed ids, the ids not run.
+* ``summary.txt``: counts per outcome and per file, the seconds each file's tests took
+  (``console_output_style=times``, summed over the processes) and the slowest ids, the
+  failed ids, the ids not run.
 
     python tests/gpu_shards.py --procs 12 --timeout 540 --out $OUT [--done OLD.log ...]
         [--] [pytest paths and options; default: tests/*_gpu.py]
@@ -48,6 +50,31 @@ def outcomes(lines: list[str]) -> dict[str, str]:
     return found
 
 
+#: the duration ``console_output_style=times`` prints at the end of an outcome line:
+#: "182.0us", "200.9ms", "12.34s", "3m 5s", "1h 2m"
+DURATION = re.compile(
+    r"(?:(?P<h>\d+)h (?P<hm>\d+)m|(?P<m>\d+)m (?P<ms>\d+)s|(?P<v>[\d.]+)(?P<unit>us|ms|s))\s*$"
+)
+UNIT_SECONDS = {"us": 1e-6, "ms": 1e-3, "s": 1.0}
+
+
+def durations(lines: list[str]) -> dict[str, float]:
+    """{test id: seconds} from the outcome lines of a log written with
+    ``console_output_style=times`` (lines without a duration are left out)."""
+    found: dict[str, float] = {}
+    for line in lines:
+        got, took = OUTCOME.match(line), DURATION.search(line)
+        if not (got and took):
+            continue
+        if took["h"]:
+            found[got["id"]] = 3600 * int(took["h"]) + 60 * int(took["hm"])
+        elif took["m"]:
+            found[got["id"]] = 60 * int(took["m"]) + int(took["ms"])
+        else:
+            found[got["id"]] = float(took["v"]) * UNIT_SECONDS[took["unit"]]
+    return found
+
+
 def settled(logs: list[str]) -> set[str]:
     """The ids that passed or were skipped in these ``pytest -v`` logs."""
     done: set[str] = set()
@@ -75,12 +102,25 @@ def collect(args: list[str]) -> list[str]:
     return [line.strip() for line in got.stdout.splitlines() if "::" in line]
 
 
-def summarize(ids: list[str], found: dict[str, str], rcs: list[int]) -> str:
-    """The summary text: outcomes, per file, failures, ids not run, shard exit codes."""
+def summarize(
+    ids: list[str], found: dict[str, str], rcs: list[int], took: dict[str, float] | None = None
+) -> str:
+    """The summary text: outcomes, per file, seconds per file and the slowest ids (from
+    ``took``, {id: seconds}), failures, ids not run, shard exit codes."""
     counts = Counter(found.get(i, "NOT RUN") for i in ids)
     per_file = Counter((i.split("::")[0], found.get(i, "NOT RUN")) for i in ids)
     lines = ["outcomes: " + ", ".join(f"{n} {o}" for o, n in sorted(counts.items()))]
     lines += [f"  {f}: {n} {o}" for (f, o), n in sorted(per_file.items())]
+    wanted = set(ids)
+    took = {i: t for i, t in (took or {}).items() if i in wanted}
+    if took:
+        seconds = Counter()
+        for i, t in took.items():
+            seconds[i.split("::")[0]] += t
+        lines += ["test seconds (summed over processes):"]
+        lines += [f"  {f}: {t:.0f} s" for f, t in sorted(seconds.items())]
+        lines += ["slowest:"]
+        lines += [f"  {t:7.1f} s  {i}" for i, t in sorted(took.items(), key=lambda x: -x[1])[:10]]
     lines += ["shard exit codes: " + " ".join(map(str, rcs)) + " (124: cut by --timeout)"]
     bad = [i for i in ids if found.get(i) in ("FAILED", "ERROR")]
     lines += ["failed:"] + [f"  {i}" for i in bad]
@@ -113,18 +153,20 @@ def main(argv: list[str] | None = None) -> int:
         env = {**os.environ, "CODA_CACHE_DIR": cache}
         log = open(out / f"shard_{n:02d}.log", "w")  # noqa: SIM115 (closed below)
         cmd = ["timeout", str(args.timeout), sys.executable, "-m", "pytest", "-p", "no:logging"]
-        cmd += ["-p", "no:cacheprovider", "-v", "--tb=short", f"@{out / f'shard_{n:02d}.ids'}"]
+        cmd += ["-p", "no:cacheprovider", "-v", "--tb=short", "-o", "console_output_style=times"]
+        cmd += [f"@{out / f'shard_{n:02d}.ids'}"]
         running.append((subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env), log))
     rcs = []
     for proc, log in running:
         rcs.append(proc.wait())
         log.close()
     found: dict[str, str] = {}
+    took: dict[str, float] = {}
     for n in range(len(shards)):
-        found.update(
-            outcomes((out / f"shard_{n:02d}.log").read_text(errors="replace").splitlines())
-        )
-    text = summarize(ids, found, rcs)
+        lines = (out / f"shard_{n:02d}.log").read_text(errors="replace").splitlines()
+        found.update(outcomes(lines))
+        took.update(durations(lines))
+    text = summarize(ids, found, rcs, took)
     (out / "summary.txt").write_text(text)
     print(text, end="")
     return 1 if any(found.get(i) in ("FAILED", "ERROR") for i in ids) else 0

@@ -28,6 +28,33 @@ def test_outcomes_read_ids_with_spaces_and_skip_cut_lines():
     }
 
 
+TIMED = """\
+tests/test_a_gpu.py::test_one[x-1] PASSED                                    182.0us
+tests/test_a_gpu.py::test_cfg[GemmConfig(tile_m=128, tile_n=192)] PASSED     200.9ms
+tests/test_a_gpu.py::test_two SKIPPED (needs more)                            12.50s
+tests/test_b_gpu.py::test_three FAILED                                        3m 5s
+tests/test_b_gpu.py::test_four PASSED                                         1h 2m
+tests/test_b_gpu.py::test_five[3s] PASSED [ 90%]
+"""
+
+
+def test_durations_read_every_unit_and_skip_lines_without_one():
+    got = gpu_shards.durations(TIMED.splitlines())
+    assert got == pytest.approx(
+        {
+            "tests/test_a_gpu.py::test_one[x-1]": 182e-6,
+            "tests/test_a_gpu.py::test_cfg[GemmConfig(tile_m=128, tile_n=192)]": 0.2009,
+            "tests/test_a_gpu.py::test_two": 12.5,
+            "tests/test_b_gpu.py::test_three": 185.0,
+            "tests/test_b_gpu.py::test_four": 3720.0,
+        }
+    )
+    ids = list(gpu_shards.outcomes(TIMED.splitlines()))
+    text = gpu_shards.summarize(ids, gpu_shards.outcomes(TIMED.splitlines()), [0], got)
+    assert "  tests/test_b_gpu.py: 3905 s" in text
+    assert text.split("slowest:\n")[1].startswith("   3720.0 s  tests/test_b_gpu.py::test_four")
+
+
 def test_settled_takes_passed_and_skipped_from_every_log(tmp_path):
     (tmp_path / "a.log").write_text(LOG)
     (tmp_path / "b.log").write_text("tests/test_b_gpu.py::test_three PASSED [100%]\n")
@@ -75,6 +102,7 @@ def test_a_whole_run_then_a_continuation(tmp_path, monkeypatch, capsys):
     summary = (first / "summary.txt").read_text()
     assert "outcomes: 1 FAILED, 2 PASSED, 1 SKIPPED" in summary
     assert "test_sample_gpu.py::test_fail" in summary.split("failed:")[1]
+    assert "test seconds (summed over processes):\n  test_sample_gpu.py: " in summary
     assert sorted(p.name for p in first.glob("shard_*.log")) == ["shard_00.log", "shard_01.log"]
     # the next call runs only what did not pass or skip
     second = tmp_path / "second"
