@@ -27,38 +27,26 @@ def test_readme_example_runs():
 
 def test_write_your_own_primitive_snippets_run():
     """The page's snippets, run in order, compose and fuzz the two primitives."""
+    from coda.testing.profiles import active_profile, load_profile
+
     blocks = python_blocks(ROOT / "docs" / "write-your-own-primitive.md")
-    namespace: dict = {}
-    import torch
-
-    import coda
-    from coda import Epilogue, TileStore
-
-    g = torch.Generator().manual_seed(0)
-    namespace.update(
-        coda=coda,
-        Epilogue=Epilogue,
-        TileStore=TileStore,
-        A=torch.randn(40, 8, generator=g),
-        B=torch.randn(24, 8, generator=g),
-    )
-    for i, block in enumerate(blocks):
-        exec(compile(block, f"write-your-own-primitive.md[{i}]", "exec"), namespace)  # noqa: S102
-    assert set(namespace["ref"]) == {"c", "amax"}
-    assert namespace["sim"]["amax.partials"].shape == (40, 2)
-    namespace["test_my_primitives"]()  # the hypothesis test defined on the page
+    namespace: dict = {}  # the page imports and defines everything it uses
+    profile = active_profile()
+    try:  # the page loads coda's "ci" hypothesis profile: put the session's back after
+        for i, block in enumerate(blocks):
+            exec(compile(block, f"write-your-own-primitive.md[{i}]", "exec"), namespace)  # noqa: S102
+        assert set(namespace["ref"]) == {"c", "amax"}
+        assert namespace["sim"]["amax.partials"].shape == (40, 2)
+        namespace["test_my_primitives"]()  # the hypothesis test defined on the page
+    finally:
+        load_profile(profile)
 
 
 def test_primitive_reference_snippets_run():
-    """Every snippet of docs/primitives.md executes (inputs of the last one provided)."""
+    """Every snippet of docs/primitives.md executes as written, in order."""
     import torch
 
-    g = torch.Generator().manual_seed(0)
-    namespace: dict = {
-        "hidden": torch.randn(10, 16, generator=g).to(torch.bfloat16),
-        "lm_head_weight": torch.randn(40, 16, generator=g).to(torch.bfloat16),
-        "labels": torch.tensor([3, -100, 0, 39, 7, 7, -100, 1, 2, 5]),
-    }
+    namespace: dict = {}  # the prelude block and the examples' own inputs
     for i, block in enumerate(python_blocks(ROOT / "docs" / "primitives.md")):
         exec(compile(block, f"primitives.md[{i}]", "exec"), namespace)  # noqa: S102
     loss = namespace["loss"]
@@ -70,3 +58,34 @@ def test_primitive_reference_snippets_run():
     keep = namespace["labels"] != -100
     torch.testing.assert_close(loss[keep].double(), expected[keep], rtol=1e-4, atol=1e-4)
     assert (loss[~keep] == 0).all()
+
+
+def _pages() -> list[Path]:
+    return [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+
+def test_code_fences_close_bare():
+    """A closing fence carries no text: "``` The gradient ..." does not close a block in
+    CommonMark, it turns the prose after it into code (docs/cross-entropy.md did)."""
+    bad = []
+    for page in _pages():
+        inside = False
+        for n, line in enumerate(page.read_text().splitlines(), 1):
+            if not line.lstrip().startswith("```"):
+                continue
+            if inside and line.strip() != "```":
+                bad.append(f"{page.name}:{n}: {line.strip()[:60]}")
+            inside = not inside  # a bad closer is counted as one, to keep reading in step
+        if inside:
+            bad.append(f"{page.name}: a code block is never closed")
+    assert not bad, bad
+
+
+def test_python_blocks_compile():
+    """Every ```python block of the README and the docs is valid Python (the ones that
+    need a GPU or a model included; the tests above and tests/test_fusions_docs.py run
+    the CPU ones)."""
+    for page in _pages():
+        text = page.read_text()
+        for i, block in enumerate(re.findall(r"```python[^\n]*\n(.*?)\n```", text, flags=re.S)):
+            compile(block, f"{page.name}[{i}]", "exec")
