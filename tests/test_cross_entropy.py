@@ -477,6 +477,13 @@ def test_out_of_range_targets_raise_on_cpu():
         (dict(reduction="none", num_items_in_batch=3), "num_items_in_batch"),
         (dict(label_smoothing=1.5), "label_smoothing"),
         (dict(softcap=0.0), "softcap"),
+        (dict(softcap=float("inf")), "positive finite"),
+        (dict(z_loss=-1e-3), "z_loss"),
+        (dict(z_loss=float("nan")), "z_loss"),
+        (dict(num_items_in_batch=0), "num_items_in_batch must be positive"),
+        (dict(num_items_in_batch=-2.0), "num_items_in_batch must be positive"),
+        (dict(chunk_rows=2.5), "whole number"),
+        (dict(chunk_size=16.0), "multiple of 8"),
         (dict(temperature=0.0), "temperature"),
         (dict(temperature=float("inf")), "temperature"),
         (dict(chunk_size=12), "multiple of 8"),
@@ -501,3 +508,34 @@ def test_shape_and_dtype_errors():
         linear_cross_entropy(h, W.double(), target)
     with pytest.raises(ValueError, match="int64/int32"):
         linear_cross_entropy(h, W, target.float())
+    with pytest.raises(TypeError, match="bias must be bfloat16, float16 or float32"):
+        linear_cross_entropy(h, W, target, bias=torch.randn(10).double())
+    with pytest.raises(ValueError, match=r"h must be \(\.\.\., H\)"):
+        linear_cross_entropy(torch.tensor(1.0), W, target)
+    for empty in (torch.randn(0, 8), torch.randn(10, 0)):
+        with pytest.raises(ValueError, match="V and H must be positive"):
+            linear_cross_entropy(h[:, : empty.shape[1]], empty, target)
+
+
+def test_argument_types():
+    h, W, target = torch.randn(4, 8), torch.randn(10, 8), torch.tensor([1, 2, 3, 4])
+    with pytest.raises(TypeError, match=r"W=lm_head.weight"):
+        linear_cross_entropy(h, torch.nn.Linear(8, 10), target)
+    with pytest.raises(TypeError, match="shift must be True or False"):
+        linear_cross_entropy(h, W, target, shift="yes")
+    with pytest.raises(TypeError, match="grad_in_forward must be None, True or False"):
+        linear_cross_entropy(h, W, target, grad_in_forward="x")
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_shift_over_empty_sequences(reduction):
+    """(B, 0, H) with shift=True: no tokens, as without shift (a zero loss, or an empty
+    (B, 0) one), and a zero gradient."""
+    h = torch.randn(2, 0, 8, requires_grad=True)
+    target = torch.zeros(2, 0, dtype=torch.long)
+    loss = linear_cross_entropy(h, torch.randn(10, 8), target, shift=True, reduction=reduction)
+    assert loss.shape == ((2, 0) if reduction == "none" else ())
+    if reduction != "none":
+        assert loss.item() == 0.0
+        loss.backward()
+        assert h.grad.shape == h.shape

@@ -238,3 +238,10 @@ def test_sharded_weight_tensors_are_refused_before_any_work():
     # path; one that does not skips the gradient work and may round the loss differently)
     whole = W.float().requires_grad_()
     assert torch.equal(got, linear_cross_entropy(x.float(), whole, labels, shift=True))
+
+
+def test_module_checks_its_reduction_and_shows_its_options():
+    with pytest.raises(ValueError, match="reduction must be"):
+        LinearCrossEntropyLoss(reduction="avg")
+    text = repr(LinearCrossEntropyLoss(check=True, chunk_rows=256))
+    assert text.endswith("shift=False, check=True, chunk_rows=256)")

@@ -102,3 +102,12 @@ def test_float64_is_refused_with_a_clear_error():
     x = torch.randn(4, 8, dtype=F64)
     with pytest.raises(TypeError, match="bfloat16, float16 or float32"):
         rms_norm_stats(x, torch.ones(8, dtype=F64), 1e-6)
+
+
+@pytest.mark.parametrize("eps", [-1.0, float("nan"), float("inf")])
+def test_eps_must_be_non_negative_and_finite(eps):
+    x, w = torch.randn(4, 8), torch.randn(8, 6)
+    with pytest.raises(ValueError, match="eps must be a non-negative finite float"):
+        rms_norm_stats(x, torch.ones(8), eps)
+    with pytest.raises(ValueError, match="eps must be a non-negative finite float"):
+        linear_add_rms_norm(torch.randn(4, 6), w, x, torch.ones(8), eps)

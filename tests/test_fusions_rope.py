@@ -140,3 +140,19 @@ def test_per_step_assembly_equals_the_layouts_values_and_gradients(dtype, H):
             torch.autograd.grad(mine, inputs, dy), torch.autograd.grad(ref, inputs, dy), strict=True
         ):
             assert torch.equal(a, b) and a.is_contiguous()
+
+
+def test_qkv_rope_refuses_head_counts_its_weight_does_not_have():
+    """Before any GEMM: 2 q heads + 2 x 1 kv heads of 4 make 16 rows; w_qkv has 16."""
+    g = torch.Generator().manual_seed(0)
+    H, D = 8, 4
+    x, gamma = torch.randn(3, H, generator=g), torch.ones(H)
+    h, rstd = rms_norm_stats(x, gamma, 1e-6)
+    wqkv = torch.randn(16, H, generator=g)
+    freq = layouts.rope_frequencies(layouts.rope_inv_freq(D, 1e4), 2, 1, D)
+    positions = torch.arange(3)
+    for heads, kv_heads in ((3, 1), (2, 2), (0, 1)):
+        with pytest.raises(ValueError, match="w_qkv has 16 rows"):
+            qkv_rope(NormedStream(x, h, rstd), gamma, wqkv, positions, freq, heads, kv_heads, D)
+    q, k, v = qkv_rope(NormedStream(x, h, rstd), gamma, wqkv, positions, freq, 2, 1, D)
+    assert (q.shape, k.shape, v.shape) == ((3, 2, 4), (3, 1, 4), (3, 1, 4))

@@ -349,3 +349,30 @@ def test_run_layers_is_forward_with_the_callers_parameters():
     for a, b in zip(got, want, strict=True):
         assert torch.equal(a, b)
     assert events == [("norm", 0)] + [e for i in range(3) for e in (("norm", i + 1), ("layer", i))]
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(num_kv_heads=0), "num_kv_heads must be a positive int"),
+        (dict(head_dim=16.0), "head_dim must be a positive int"),
+        (dict(num_heads=6), "not a multiple of"),
+        (dict(rotary_dim=3), "rotary_dim must be even"),
+        (dict(rotary_dim=20), "rotary_dim must be even"),
+    ],
+)
+def test_attention_refuses_impossible_sizes(kwargs, match):
+    sizes = {"hidden_size": 64, "num_heads": 4, "num_kv_heads": 4, "head_dim": 16, **kwargs}
+    with pytest.raises(ValueError, match=match):
+        FusedLlamaAttention(**sizes)
+
+
+def test_module_reprs_show_their_sizes():
+    assert repr(FusedLlamaMLP(64, 172)) == (
+        "FusedLlamaMLP(hidden_size=64, intermediate_size=172, eps=1e-06)"
+    )
+    attn = FusedLlamaAttention(64, 4, 2, 16, rotary_dim=8, eps=1e-5)
+    assert repr(attn) == (
+        "FusedLlamaAttention(hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16, "
+        "rotary_dim=8, eps=1e-05)"
+    )

@@ -16,7 +16,7 @@ try:  # torch.distributed is optional in some PyTorch builds
 except ImportError:  # pragma: no cover - builds without torch.distributed
     _DTensor = None
 
-__all__ = ["activation", "same_dtype", "shard_kind", "vector", "whole_tensors"]
+__all__ = ["activation", "epsilon", "same_dtype", "shard_kind", "vector", "whole_tensors"]
 
 
 def shard_kind(t: torch.Tensor) -> str | None:
@@ -76,3 +76,11 @@ def vector(op: str, name: str, t: torch.Tensor, n: int, dtype: torch.dtype | Non
         raise TypeError(f"{op}: {name} must be {dtype_name(dtype)}; got {dtype_name(t.dtype)}")
     if dtype is None and t.dtype not in FLOAT_DTYPES:
         raise TypeError(f"{op}: {name} must be bfloat16, float16 or float32; got {t.dtype}")
+
+
+def epsilon(op: str, eps: float) -> None:
+    """An RMSNorm's ``eps`` is a non-negative finite float (comparisons, not
+    ``math.isfinite``: under ``torch.compile(dynamic=True)`` it may be a SymFloat; NaN
+    fails the first)."""
+    if not (eps >= 0 and eps < float("inf")):
+        raise ValueError(f"{op}: eps must be a non-negative finite float; got {eps}")

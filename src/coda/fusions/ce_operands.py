@@ -58,6 +58,10 @@ def check_operands(
         )
     if bias is not None and (bias.dim() != 1 or bias.shape[0] != W.shape[0]):
         raise ValueError(f"{OP}: bias must have shape ({W.shape[0]},); got {tuple(bias.shape)}")
+    if bias is not None and bias.dtype not in FLOAT_DTYPES:
+        raise TypeError(
+            f"{OP}: bias must be bfloat16, float16 or float32; got {dtype_name(bias.dtype)}"
+        )
     if rstd is not None and (rstd.shape != (h.shape[0],) or rstd.dtype != F32):
         raise ValueError(f"{OP}: rstd must be fp32 ({h.shape[0]},); got {tuple(rstd.shape)}")
     if uses_kernels(h) and h.shape[1] % TMA_COLS:

@@ -383,8 +383,37 @@ _lce_lse = EagerOp(lce_lse, _lce_lse_impl, _lse_setup, _lse_backward)
 def _shift(x: torch.Tensor, fill: float) -> torch.Tensor:
     """Causal-LM labels (and their per-token weights): position t predicts label t + 1;
     the last position gets ``fill`` (``ignore_index`` for labels: Hugging Face's
-    ``ForCausalLMLoss``; h is used unshifted, so no copy of h)."""
+    ``ForCausalLMLoss``; h is used unshifted, so no copy of h). Sequences of length 0
+    stay empty."""
+    if x.shape[-1] == 0:
+        return x
     return F.pad(x[..., 1:], (0, 1), value=fill)
+
+
+def _check_tensors(h: object, W: object, target: object) -> None:
+    """h (..., H), W (V, H) and target are tensors with H, V > 0 (the op's own checks
+    name the rest; these would otherwise fail deep inside with an unrelated message)."""
+    if isinstance(W, torch.nn.Module):
+        raise TypeError(
+            "linear_cross_entropy: W must be the LM head's weight tensor (V, H), not the "
+            f"{type(W).__name__} module: pass W=lm_head.weight (and bias=lm_head.bias), or "
+            "coda.nn.LinearCrossEntropyLoss()(hidden, lm_head, labels), which takes the module"
+        )
+    for name, t in (("h", h), ("W", W), ("target", target)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(
+                f"linear_cross_entropy: {name} must be a tensor; got {type(t).__name__}"
+            )
+    if h.dim() < 1 or W.dim() != 2:
+        raise ValueError(
+            f"linear_cross_entropy: h must be (..., H) and W (V, H); got {tuple(h.shape)} "
+            f"and {tuple(W.shape)}"
+        )
+    if W.shape[0] == 0 or W.shape[1] == 0:
+        raise ValueError(
+            f"linear_cross_entropy: W {tuple(W.shape)} has no classes or no features (V and H "
+            f"must be positive)"
+        )
 
 
 def _reduce(
@@ -616,23 +645,40 @@ def linear_cross_entropy(
         *(("h", h), ("W", W), ("target", target), ("bias", bias), ("rstd", rstd)),
         ("row_weight", row_weight),
     )
+    _check_tensors(h, W, target)
     if reduction not in ("mean", "sum", "none"):
         raise ValueError(f"reduction must be 'mean', 'sum' or 'none'; got {reduction!r}")
     if num_items_in_batch is not None and reduction == "none":
         raise ValueError("num_items_in_batch divides a summed loss: use reduction 'mean'/'sum'")
+    # a Python number is checked here (a tensor's value would need a device sync)
+    if isinstance(num_items_in_batch, (int, float)) and not num_items_in_batch > 0:
+        raise ValueError(
+            f"num_items_in_batch must be positive (the count of target tokens the summed "
+            f"loss is divided by); got {num_items_in_batch}"
+        )
     if not 0.0 <= label_smoothing <= 1.0:
         raise ValueError(f"label_smoothing must be in [0, 1]; got {label_smoothing}")
-    if softcap is not None and not softcap > 0:
-        raise ValueError(f"softcap must be a positive float or None; got {softcap}")
-    if chunk_size is not None and (chunk_size <= 0 or chunk_size % TMA_COLS):
-        raise ValueError(f"chunk_size must be a positive multiple of {TMA_COLS}; got {chunk_size}")
-    if chunk_rows is not None and chunk_rows <= 0:
-        raise ValueError(f"chunk_rows must be a positive number of rows; got {chunk_rows}")
     # comparisons, not math.isfinite: under torch.compile(dynamic=True) a default float
     # argument arrives as a SymFloat, which math.isfinite cannot take (a graph break);
     # NaN fails the first comparison
+    if softcap is not None and not (softcap > 0 and softcap < math.inf):
+        raise ValueError(f"softcap must be a positive finite float or None; got {softcap}")
+    if not (z_loss >= 0 and z_loss < math.inf):
+        raise ValueError(f"z_loss must be a non-negative finite float; got {z_loss}")
+    if chunk_size is not None and (
+        isinstance(chunk_size, (float, bool)) or chunk_size <= 0 or chunk_size % TMA_COLS
+    ):
+        raise ValueError(f"chunk_size must be a positive multiple of {TMA_COLS}; got {chunk_size}")
+    if chunk_rows is not None and (isinstance(chunk_rows, (float, bool)) or chunk_rows <= 0):
+        raise ValueError(f"chunk_rows must be a positive whole number of rows; got {chunk_rows}")
     if not (temperature > 0 and temperature < math.inf):
         raise ValueError(f"temperature must be a positive finite float; got {temperature}")
+    for name, flag in (("shift", shift), ("return_lse", return_lse),
+                       ("return_z_loss", return_z_loss), ("check", check)):  # fmt: skip
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be True or False; got {flag!r}")
+    if grad_in_forward is not None and not isinstance(grad_in_forward, bool):
+        raise TypeError(f"grad_in_forward must be None, True or False; got {grad_in_forward!r}")
     if not (return_entropy is True or return_entropy is False or return_entropy == "detached"):
         raise ValueError(
             f"return_entropy must be True, False or 'detached'; got {return_entropy!r}"

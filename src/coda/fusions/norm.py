@@ -93,6 +93,7 @@ def _rms_norm_stats_impl(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(h = x * gamma, rstd) of the stream x (M, H); both non-differentiable caches."""
     _checks.activation("rms_norm_stats", "x", x)
+    _checks.epsilon("rms_norm_stats", eps)
     _checks.vector("rms_norm_stats", "gamma", gamma, x.shape[1])
     out = run_map(epilogues.norm_stats(x.dtype, gamma.dtype, eps), *x.shape, x, x=x, gamma=gamma)
     return out["h"], out["rstd"]
@@ -131,6 +132,7 @@ def _linear_add_rms_norm_impl(
     _checks.activation(op, "residual", residual, w.shape[0])
     _checks.same_dtype(op, ("a", a), ("w", w), ("residual", residual))
     _checks.vector(op, "gamma", gamma, w.shape[0])
+    _checks.epsilon(op, eps)
     epi = epilogues.residual_norm(a.dtype, gamma.dtype, eps)
     out = run_epilogue(epi, a, w, residual=residual, gamma=gamma)
     return out["x"], out["h"], out["rstd"]

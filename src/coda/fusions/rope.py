@@ -149,6 +149,13 @@ def qkv_rope(
     """(q, k, v) of shapes (M, heads, head_dim), views of the fused op's output: q and k
     rotated, in the interleaved head-dim order (``layouts.to_rotate_half`` gives HF's).
     ``positions``: (M,) position ids (any integer or float dtype; converted to fp32)."""
+    width = (num_heads + 2 * num_kv_heads) * head_dim
+    if min(num_heads, num_kv_heads, head_dim) <= 0 or w_qkv.shape[0] != width:
+        raise ValueError(
+            f"qkv_rope: w_qkv has {w_qkv.shape[0]} rows, but num_heads={num_heads}, "
+            f"num_kv_heads={num_kv_heads} and head_dim={head_dim} make "
+            f"(num_heads + 2 num_kv_heads) head_dim = {width} (q, k, v stacked)"
+        )
     qkv = _rms_norm_qkv_rope(stream.x, stream.h, stream.rstd, gamma, w_qkv, positions.to(F32), freq)
     nq, nkv = num_heads * head_dim, num_kv_heads * head_dim
     q, k, v = qkv.split((nq, nkv, nkv), dim=1)

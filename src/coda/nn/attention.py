@@ -15,6 +15,7 @@ to both, and v (hence the output) is not permuted.
 
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 import torch
@@ -26,6 +27,14 @@ from coda.nn import _hf
 from coda.nn._autocast import autocast_dtype_over, run_cast
 
 __all__ = ["FusedLlamaAttention"]
+
+
+def _positive_int(n: Any) -> bool:
+    """Whether ``n`` is a positive integer (a Python or NumPy int, not a bool)."""
+    try:
+        return not isinstance(n, bool) and operator.index(n) > 0
+    except TypeError:
+        return False
 
 
 class FusedLlamaAttention(nn.Module):
@@ -49,8 +58,17 @@ class FusedLlamaAttention(nn.Module):
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
+        for name, n in (("hidden_size", hidden_size), ("num_heads", num_heads),
+                        ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):  # fmt: skip
+            if not _positive_int(n):
+                raise ValueError(f"FusedLlamaAttention: {name} must be a positive int; got {n!r}")
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads={num_heads} is not a multiple of {num_kv_heads}")
+        if rotary_dim is not None and not (0 < rotary_dim <= head_dim and rotary_dim % 2 == 0):
+            raise ValueError(
+                f"FusedLlamaAttention: rotary_dim must be even and in (0, head_dim={head_dim}] "
+                f"(RoPE rotates pairs of a head's first rotary_dim features); got {rotary_dim}"
+            )
         kw = dict(device=device, dtype=dtype)
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.rotary_dim = head_dim if rotary_dim is None else rotary_dim
@@ -65,6 +83,13 @@ class FusedLlamaAttention(nn.Module):
             inv_freq = layouts.rope_inv_freq(self.rotary_dim, rope_theta)
         self._inv_freq = inv_freq.detach().to("cpu", torch.float32)  # the exact source
         self.register_buffer("freq", self._frequencies(device), persistent=False)
+
+    def extra_repr(self) -> str:
+        hidden, inner = self.o_weight.shape
+        dims = f"hidden_size={hidden}, num_heads={self.num_heads}, "
+        dims += f"num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}"
+        rotary = f", rotary_dim={self.rotary_dim}" if self.rotary_dim != self.head_dim else ""
+        return f"{dims}{rotary}, eps={self.eps}"
 
     def _frequencies(self, device: torch.device | str | None) -> torch.Tensor:
         freq = layouts.rope_frequencies(

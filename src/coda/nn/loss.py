@@ -76,6 +76,8 @@ class LinearCrossEntropyLoss(nn.Module):
         return_entropy: bool | Literal["detached"] = False,
     ) -> None:
         super().__init__()
+        if reduction not in ("mean", "sum", "none"):  # at construction, not the first call
+            raise ValueError(f"reduction must be 'mean', 'sum' or 'none'; got {reduction!r}")
         self.ignore_index = ignore_index
         self.reduction = reduction
         self.label_smoothing = label_smoothing
@@ -94,6 +96,8 @@ class LinearCrossEntropyLoss(nn.Module):
         keys += ("temperature",) if self.temperature != 1.0 else ()
         keys += ("grad_in_forward",) if self.grad_in_forward is not None else ()
         keys += ("return_entropy",) if self.return_entropy else ()
+        keys += ("check",) if self.check else ()
+        keys += tuple(k for k in ("chunk_size", "chunk_rows") if getattr(self, k) is not None)
         return ", ".join(f"{k}={getattr(self, k)!r}" for k in keys)
 
     def forward(

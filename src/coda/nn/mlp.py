@@ -44,6 +44,10 @@ class FusedLlamaMLP(nn.Module):
         for w in (self.gate_up_weight, self.down_weight):
             nn.init.normal_(w, std=0.02)
 
+    def extra_repr(self) -> str:
+        hidden, inner = self.down_weight.shape
+        return f"hidden_size={hidden}, intermediate_size={inner}, eps={self.eps}"
+
     def forward(
         self, stream: NormedStream, next_norm_weight: torch.Tensor, next_eps: float
     ) -> NormedStream:
