@@ -245,3 +245,10 @@ def test_module_checks_its_reduction_and_shows_its_options():
         LinearCrossEntropyLoss(reduction="avg")
     text = repr(LinearCrossEntropyLoss(check=True, chunk_rows=256))
     assert text.endswith("shift=False, check=True, chunk_rows=256)")
+
+
+def test_module_names_a_norm_weight_of_the_wrong_size():
+    loss = LinearCrossEntropyLoss()
+    h, W, labels = torch.randn(4, 8), torch.randn(10, 8), torch.tensor([1, 2, 3, 4])
+    with pytest.raises(ValueError, match=r"norm_weight must have shape \(8,\)"):
+        loss(h, W, labels, norm_weight=torch.ones(9))

@@ -111,3 +111,18 @@ def test_eps_must_be_non_negative_and_finite(eps):
         rms_norm_stats(x, torch.ones(8), eps)
     with pytest.raises(ValueError, match="eps must be a non-negative finite float"):
         linear_add_rms_norm(torch.randn(4, 6), w, x, torch.ones(8), eps)
+
+
+def test_weights_and_streams_are_named_when_wrong():
+    from coda.fusions import NormedStream, swiglu_mlp
+
+    x = torch.randn(4, 8)
+    h, rstd = rms_norm_stats(x, torch.ones(8), 1e-6)
+    with pytest.raises(ValueError, match=r"rms_norm_linear: w must be an \(out_features, 8\)"):
+        rms_norm_linear(x, h, rstd, torch.ones(8), torch.randn(6, 7))
+    with pytest.raises(ValueError, match=r"linear_add_rms_norm: w must be an \(out_features, 6\)"):
+        linear_add_rms_norm(torch.randn(4, 6), torch.randn(8, 5), x, torch.ones(8), 1e-6)
+    with pytest.raises(TypeError, match="stream must be a coda.fusions.NormedStream"):
+        swiglu_mlp((x, h, rstd), torch.ones(8), torch.randn(12, 8), torch.randn(8, 6),
+                   torch.ones(8), 1e-6)  # fmt: skip
+    assert isinstance(NormedStream(x, h, rstd).x, torch.Tensor)

@@ -16,7 +16,16 @@ try:  # torch.distributed is optional in some PyTorch builds
 except ImportError:  # pragma: no cover - builds without torch.distributed
     _DTensor = None
 
-__all__ = ["activation", "epsilon", "same_dtype", "shard_kind", "vector", "whole_tensors"]
+__all__ = [
+    "activation",
+    "epsilon",
+    "same_dtype",
+    "shard_kind",
+    "stream",
+    "vector",
+    "weight",
+    "whole_tensors",
+]
 
 
 def shard_kind(t: torch.Tensor) -> str | None:
@@ -84,3 +93,21 @@ def epsilon(op: str, eps: float) -> None:
     fails the first)."""
     if not (eps >= 0 and eps < float("inf")):
         raise ValueError(f"{op}: eps must be a non-negative finite float; got {eps}")
+
+
+def weight(op: str, name: str, w: torch.Tensor, in_features: int) -> None:
+    """``w`` is a 2-D (out_features, in_features) weight, nn.Linear's layout."""
+    if w.dim() != 2 or w.shape[1] != in_features:
+        raise ValueError(
+            f"{op}: {name} must be an (out_features, {in_features}) weight (nn.Linear's "
+            f"layout); got {tuple(w.shape)}"
+        )
+
+
+def stream(op: str, s: object) -> None:
+    """``s`` is a ``coda.fusions.NormedStream`` (x with its norm's caches h and rstd)."""
+    if not all(hasattr(s, f) for f in ("x", "h", "rstd")):
+        raise TypeError(
+            f"{op}: stream must be a coda.fusions.NormedStream (x with its RMSNorm caches: "
+            f"normed_stream(x, gamma, eps) makes one); got {type(s).__name__}"
+        )

@@ -79,7 +79,8 @@ def check_targets(target: torch.Tensor, V: int, ignore_index: int) -> None:
         row = int(bad.nonzero()[0, 0])
         raise InputError(
             f"{OP}: target[{row}] = {int(target[row])} is not a class index "
-            f"(0 <= target < V={V}) nor ignore_index={ignore_index}"
+            f"(0 <= target < V={V}) nor ignore_index={ignore_index} (the index counts the "
+            f"tokens of target.reshape(-1), after shift)"
         )
 
 

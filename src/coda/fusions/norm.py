@@ -129,6 +129,7 @@ def _linear_add_rms_norm_impl(
     """x = a @ w.T + residual, with the next RMSNorm's caches h = x * gamma and rstd."""
     op = "linear_add_rms_norm"
     _checks.activation(op, "a", a)
+    _checks.weight(op, "w", w, a.shape[1])
     _checks.activation(op, "residual", residual, w.shape[0])
     _checks.same_dtype(op, ("a", a), ("w", w), ("residual", residual))
     _checks.vector(op, "gamma", gamma, w.shape[0])
@@ -215,6 +216,7 @@ def _rms_norm_linear_impl(
     op = "rms_norm_linear"
     _checks.activation(op, "x", x)
     _checks.activation(op, "h", h, x.shape[1])
+    _checks.weight(op, "w", w, x.shape[1])
     _checks.same_dtype(op, ("x", x), ("h", h), ("w", w))
     _checks.vector(op, "rstd", rstd, x.shape[0], F32)
     _checks.vector(op, "gamma", gamma, x.shape[1])

@@ -149,6 +149,7 @@ def qkv_rope(
     """(q, k, v) of shapes (M, heads, head_dim), views of the fused op's output: q and k
     rotated, in the interleaved head-dim order (``layouts.to_rotate_half`` gives HF's).
     ``positions``: (M,) position ids (any integer or float dtype; converted to fp32)."""
+    _checks.stream("qkv_rope", stream)
     width = (num_heads + 2 * num_kv_heads) * head_dim
     if min(num_heads, num_kv_heads, head_dim) <= 0 or w_qkv.shape[0] != width:
         raise ValueError(

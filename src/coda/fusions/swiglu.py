@@ -172,6 +172,7 @@ def swiglu_mlp(
     """The fused MLP half of a Llama block: ``x + down(silu(n @ Wg.T) * (n @ Wu.T))`` with
     n = rmsnorm(x) * gamma, from and to a ``NormedStream`` (the next norm's caches use
     ``gamma_next``/``eps_next``). ``w_gate_up`` is interleaved (``layouts``)."""
+    _checks.stream("swiglu_mlp", stream)
     x, h, rstd, _ = _rms_norm_swiglu_mlp(
         stream.x, stream.h, stream.rstd, gamma, w_gate_up, w_down, gamma_next, eps_next
     )

@@ -151,6 +151,11 @@ class LinearCrossEntropyLoss(nn.Module):
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         rstd = None
         if norm_weight is not None:
+            if norm_weight.shape != hidden.shape[-1:]:
+                raise ValueError(
+                    f"norm_weight must have shape ({hidden.shape[-1]},), the hidden size of "
+                    f"hidden {tuple(hidden.shape)}; got {tuple(norm_weight.shape)}"
+                )
             x = hidden
             rstd = torch.rsqrt(x.float().pow(2).mean(-1) + norm_eps)
             hidden = x * norm_weight.to(x.dtype)
