@@ -85,8 +85,7 @@ class FusedLlamaAttention(nn.Module):
         self.register_buffer("freq", self._frequencies(device), persistent=False)
 
     def extra_repr(self) -> str:
-        hidden, inner = self.o_weight.shape
-        dims = f"hidden_size={hidden}, num_heads={self.num_heads}, "
+        dims = f"hidden_size={self.o_weight.shape[0]}, num_heads={self.num_heads}, "
         dims += f"num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}"
         rotary = f", rotary_dim={self.rotary_dim}" if self.rotary_dim != self.head_dim else ""
         return f"{dims}{rotary}, eps={self.eps}"
