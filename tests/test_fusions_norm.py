@@ -126,3 +126,14 @@ def test_weights_and_streams_are_named_when_wrong():
         swiglu_mlp((x, h, rstd), torch.ones(8), torch.randn(12, 8), torch.randn(8, 6),
                    torch.ones(8), 1e-6)  # fmt: skip
     assert isinstance(NormedStream(x, h, rstd).x, torch.Tensor)
+
+
+def test_normed_linear_layer_over_no_tokens():
+    x = torch.randn(0, 8, requires_grad=True)
+    gamma, w = torch.ones(8, requires_grad=True), torch.randn(6, 8, requires_grad=True)
+    h, rstd = rms_norm_stats(x, gamma, 1e-6)
+    z = rms_norm_linear(x, h, rstd, gamma, w)
+    assert z.shape == (0, 6)
+    z.sum().backward()
+    assert x.grad.shape == (0, 8)
+    assert torch.equal(w.grad, torch.zeros(6, 8)) and torch.equal(gamma.grad, torch.zeros(8))

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from coda.fusions import layouts
-from coda.nn import FusedLlamaAttention, FusedLlamaMLP, FusedLlamaStack
+from coda.nn import FusedLlamaAttention, FusedLlamaDecoderLayer, FusedLlamaMLP, FusedLlamaStack
 from coda.testing import examples
 from coda.testing.tolerance import assert_close_to_reference
 
@@ -376,3 +376,29 @@ def test_module_reprs_show_their_sizes():
         "FusedLlamaAttention(hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16, "
         "rotary_dim=8, eps=1e-05)"
     )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_batch_without_tokens_gives_empty_outputs_and_zero_gradients(dtype):
+    """(B, 0, H) through the whole stack: every block op answers without a launch, the
+    stream comes back empty, and every weight's gradient is a zero tensor of its shape
+    (a sum over no tokens)."""
+    torch.manual_seed(0)
+    H, heads, kv_heads, D, F = 32, 4, 2, 8, 48
+    layers = [
+        FusedLlamaDecoderLayer(
+            FusedLlamaAttention(H, heads, kv_heads, D, dtype=dtype),
+            FusedLlamaMLP(H, F, dtype=dtype),
+        )
+        for _ in range(2)
+    ]
+    stack = FusedLlamaStack(layers, torch.ones(H, dtype=dtype), 1e-6)
+    x = torch.randn(2, 0, H, dtype=dtype, requires_grad=True)
+    stream = stack(x, torch.zeros(2, 0, dtype=torch.long))
+    assert stream.x.shape == (0, H) and stream.h.shape == (0, H) and stream.rstd.shape == (0,)
+    (stream.x.float().sum() + FusedLlamaStack.normed(stream).float().sum()).backward()
+    assert x.grad is not None and x.grad.shape == x.shape
+    for name, p in stack.named_parameters():
+        if p.grad is not None:  # the last norm weight gets none: the caches are detached
+            assert p.grad.shape == p.shape and not p.grad.any(), name
+    assert all(layer.mlp.down_weight.grad is not None for layer in stack.layers)

@@ -82,6 +82,7 @@ __all__ = [
     "uses_kernels",
     "widen",
     "without_autocast",
+    "zero_filled",
 ]
 
 #: K of the zero GEMM under ``run_map``: the smallest whose 16-bit rows are 16 bytes (TMA).
@@ -333,7 +334,7 @@ def matmul(
     (Hopper; None: ``coda.gemm``'s heuristic, which the ops keep from splitting K, so
     that their results repeat bit for bit: an explicit split config is the caller's
     choice)."""
-    if uses_kernels(A):
+    if uses_kernels(A) and 0 not in (*A.shape, B.shape[0]):  # an empty dimension: no launch
         from coda.matmul import gemm
 
         extra = {"accumulate": True} if accumulate else {}
@@ -350,6 +351,16 @@ def matmul(
     else:
         out.copy_(product.to(out.dtype))
     return out
+
+
+def zero_filled(out: Any) -> Any:
+    """``out`` (a tensor, or a tuple or list of them, as an op's fake implementation
+    makes them) with every tensor filled with zeros: a fused op's answer for a batch
+    without tokens (its outputs have no rows; its weight gradients are sums over no
+    rows), given without launching anything."""
+    if isinstance(out, torch.Tensor):
+        return out.zero_()
+    return type(out)(t.zero_() for t in out)
 
 
 def plain_eager(*args: Any) -> bool:

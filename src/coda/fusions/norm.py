@@ -36,7 +36,14 @@ import torch
 from torch.library import custom_op
 
 from coda.fusions import _checks, epilogues
-from coda.fusions._dispatch import EagerOp, matmul, register_formula, run_epilogue, run_map
+from coda.fusions._dispatch import (
+    EagerOp,
+    matmul,
+    register_formula,
+    run_epilogue,
+    run_map,
+    zero_filled,
+)
 
 __all__ = [
     "NormedStream",
@@ -95,6 +102,8 @@ def _rms_norm_stats_impl(
     _checks.activation("rms_norm_stats", "x", x)
     _checks.epsilon("rms_norm_stats", eps)
     _checks.vector("rms_norm_stats", "gamma", gamma, x.shape[1])
+    if x.shape[0] == 0:  # no tokens
+        return zero_filled(_empty_stats(x))
     out = run_map(epilogues.norm_stats(x.dtype, gamma.dtype, eps), *x.shape, x, x=x, gamma=gamma)
     return out["h"], out["rstd"]
 
@@ -134,6 +143,8 @@ def _linear_add_rms_norm_impl(
     _checks.same_dtype(op, ("a", a), ("w", w), ("residual", residual))
     _checks.vector(op, "gamma", gamma, w.shape[0])
     _checks.epsilon(op, eps)
+    if a.shape[0] == 0:  # no tokens
+        return zero_filled(_producer_fake(a, w, residual, gamma, eps))
     epi = epilogues.residual_norm(a.dtype, gamma.dtype, eps)
     out = run_epilogue(epi, a, w, residual=residual, gamma=gamma)
     return out["x"], out["h"], out["rstd"]
@@ -145,7 +156,7 @@ linear_add_rms_norm = custom_op(
 
 
 @linear_add_rms_norm.register_fake
-def _(a, w, residual, gamma, eps):
+def _producer_fake(a, w, residual, gamma, eps):
     x = a.new_empty((a.shape[0], w.shape[0]))
     return (x, *_empty_stats(x))
 
@@ -220,6 +231,8 @@ def _rms_norm_linear_impl(
     _checks.same_dtype(op, ("x", x), ("h", h), ("w", w))
     _checks.vector(op, "rstd", rstd, x.shape[0], F32)
     _checks.vector(op, "gamma", gamma, x.shape[1])
+    if x.shape[0] == 0:  # no tokens
+        return zero_filled(_linear_fake(x, h, rstd, gamma, w))
     return run_epilogue(epilogues.row_scale(h.dtype), h, w, rstd=rstd)["z"]
 
 
@@ -227,7 +240,7 @@ rms_norm_linear = custom_op("coda::rms_norm_linear", _rms_norm_linear_impl, muta
 
 
 @rms_norm_linear.register_fake
-def _(x, h, rstd, gamma, w):
+def _linear_fake(x, h, rstd, gamma, w):
     return h.new_empty((h.shape[0], w.shape[0]))
 
 
@@ -243,6 +256,8 @@ def _rms_norm_linear_backward_impl(
     need_dw: bool,
 ) -> list[torch.Tensor]:
     """[dx, dgamma] if need_norm, then [dw] if need_dw."""
+    if dz.shape[0] == 0:  # no tokens: zero weight gradients
+        return zero_filled(_linear_backward_fake(dz, z, x, h, rstd, gamma, w, need_norm, need_dw))
     s = run_map(epilogues.scaled_grad(dz.dtype), *dz.shape, dz, dz=dz, z=z, rstd=rstd)
     grads = []
     if need_norm:
@@ -259,7 +274,7 @@ _rms_norm_linear_backward = EagerOp(rms_norm_linear_backward, _rms_norm_linear_b
 
 
 @rms_norm_linear_backward.register_fake
-def _(dz, z, x, h, rstd, gamma, w, need_norm, need_dw):
+def _linear_backward_fake(dz, z, x, h, rstd, gamma, w, need_norm, need_dw):
     grads = [torch.empty_like(x), torch.empty_like(gamma)] if need_norm else []
     return grads + ([torch.empty_like(w)] if need_dw else [])
 

@@ -34,7 +34,14 @@ import torch
 from torch.library import custom_op
 
 from coda.fusions import _checks, epilogues
-from coda.fusions._dispatch import EagerOp, matmul, register_formula, run_epilogue, run_map
+from coda.fusions._dispatch import (
+    EagerOp,
+    matmul,
+    register_formula,
+    run_epilogue,
+    run_map,
+    zero_filled,
+)
 from coda.fusions.norm import NormedStream, norm_dgrad
 
 __all__ = ["qkv_rope", "rms_norm_qkv_rope", "rms_norm_qkv_rope_backward"]
@@ -63,6 +70,8 @@ def _rms_norm_qkv_rope_impl(
     if w_qkv.dim() != 2 or w_qkv.shape[1] != H or w_qkv.shape[0] % 2:
         raise ValueError(f"{op}: w_qkv must be (even N, {H}); got {tuple(w_qkv.shape)}")
     _checks.vector(op, "freq", freq, w_qkv.shape[0] // 2, F32)
+    if M == 0:  # no tokens
+        return zero_filled(_fake(x, h, rstd, gamma, w_qkv, positions, freq))
     epi = epilogues.rope_forward(x.dtype)
     return run_epilogue(epi, h, w_qkv, rstd=rstd, pos=positions, freq=freq)["y"]
 
@@ -71,7 +80,7 @@ rms_norm_qkv_rope = custom_op("coda::rms_norm_qkv_rope", _rms_norm_qkv_rope_impl
 
 
 @rms_norm_qkv_rope.register_fake
-def _(x, h, rstd, gamma, w_qkv, positions, freq):
+def _fake(x, h, rstd, gamma, w_qkv, positions, freq):
     return x.new_empty((x.shape[0], w_qkv.shape[0]))
 
 
@@ -89,6 +98,9 @@ def _rms_norm_qkv_rope_backward_impl(
     need_dw: bool,
 ) -> list[torch.Tensor]:
     """[dx, dgamma] if need_norm, then [dw_qkv] if need_dw."""
+    if dqkv.shape[0] == 0:  # no tokens: zero weight gradients
+        args = (dqkv, qkv, x, h, rstd, gamma, w_qkv, positions, freq, need_norm, need_dw)
+        return zero_filled(_backward_fake(*args))
     epi = epilogues.rope_backward(x.dtype)
     s = run_map(epi, *dqkv.shape, dqkv, dy=dqkv, y=qkv, rstd=rstd, pos=positions, freq=freq)
     grads = []
@@ -106,7 +118,7 @@ _rms_norm_qkv_rope_backward = EagerOp(rms_norm_qkv_rope_backward, _rms_norm_qkv_
 
 
 @rms_norm_qkv_rope_backward.register_fake
-def _(dqkv, qkv, x, h, rstd, gamma, w_qkv, positions, freq, need_norm, need_dw):
+def _backward_fake(dqkv, qkv, x, h, rstd, gamma, w_qkv, positions, freq, need_norm, need_dw):
     grads = [torch.empty_like(x), torch.empty_like(gamma)] if need_norm else []
     return grads + ([torch.empty_like(w_qkv)] if need_dw else [])
 

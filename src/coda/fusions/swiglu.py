@@ -35,7 +35,7 @@ import torch
 from torch.library import custom_op
 
 from coda.fusions import _checks, epilogues
-from coda.fusions._dispatch import EagerOp, matmul, register_formula, run_epilogue
+from coda.fusions._dispatch import EagerOp, matmul, register_formula, run_epilogue, zero_filled
 from coda.fusions.norm import NormedStream, norm_dgrad
 
 __all__ = ["rms_norm_swiglu_mlp", "rms_norm_swiglu_mlp_backward", "swiglu_mlp"]
@@ -69,6 +69,8 @@ def _rms_norm_swiglu_mlp_impl(
         raise ValueError(
             f"{op}: w_down must be ({H}, {w_gate_up.shape[0] // 2}); got {tuple(w_down.shape)}"
         )
+    if M == 0:  # no tokens
+        return zero_filled(_fake(x, h, rstd, gamma, w_gate_up, w_down, gamma_next, eps_next))
     up = run_epilogue(epilogues.swiglu_forward(x.dtype), h, w_gate_up, rstd=rstd)
     epi = epilogues.residual_norm(x.dtype, gamma_next.dtype, eps_next)
     down = run_epilogue(epi, up["y"], w_down, residual=x, gamma=gamma_next)
@@ -81,7 +83,7 @@ rms_norm_swiglu_mlp = custom_op(
 
 
 @rms_norm_swiglu_mlp.register_fake
-def _(x, h, rstd, gamma, w_gate_up, w_down, gamma_next, eps_next):
+def _fake(x, h, rstd, gamma, w_gate_up, w_down, gamma_next, eps_next):
     gu = x.new_empty((x.shape[0], w_gate_up.shape[0]))
     return torch.empty_like(x), torch.empty_like(x), torch.empty_like(rstd), gu
 
@@ -101,6 +103,9 @@ def _rms_norm_swiglu_mlp_backward_impl(
 ) -> list[torch.Tensor]:
     """[dx, dgamma] if need_norm, [dw_gate_up] if need_dw_gate_up, [dw_down] if
     need_dw_down (dx includes dx_out, the residual path)."""
+    if dx_out.shape[0] == 0:  # no tokens: zero weight gradients
+        flags = (need_norm, need_dw_gate_up, need_dw_down)
+        return zero_filled(_backward_fake(dx_out, x, h, rstd, gamma, w_gate_up, w_down, gu, *flags))
     b = run_epilogue(epilogues.swiglu_backward(x.dtype), dx_out, w_down.t(), gu=gu, rstd=rstd)
     grads = []
     if need_norm:
@@ -121,7 +126,9 @@ _rms_norm_swiglu_mlp_backward = EagerOp(
 
 
 @rms_norm_swiglu_mlp_backward.register_fake
-def _(dx_out, x, h, rstd, gamma, w_gate_up, w_down, gu, need_norm, need_dw_gate_up, need_dw_down):
+def _backward_fake(
+    dx_out, x, h, rstd, gamma, w_gate_up, w_down, gu, need_norm, need_dw_gate_up, need_dw_down
+):
     grads = [torch.empty_like(x), torch.empty_like(gamma)] if need_norm else []
     grads += [torch.empty_like(w_gate_up)] if need_dw_gate_up else []
     return grads + ([torch.empty_like(w_down)] if need_dw_down else [])
