@@ -133,7 +133,7 @@ def test_finalize_kernel_runs_when_rows_are_long(rec, monkeypatch):
 
 @pytest.mark.parametrize("m,n", [(64, finalize.ROWS_IN_GEMM_MAX_N + 8), (16384, 2048), (300, 9000)])
 def test_early_finalize_hands_the_gemms_counters_to_the_finalize_kernel(rec, m, n, monkeypatch):
-    """Row results finalized by the kernel early (opt-in): the GEMM takes the stream's
+    """Row results finalized by the kernel early (the default): the GEMM takes the stream's
     zeroed counters (an arrival and a done counter per row of tiles), the finalize kernel
     the same tensor and the arrivals a row of tiles completes at (its tiles as
     scheduled)."""
@@ -153,8 +153,9 @@ def test_early_finalize_hands_the_gemms_counters_to_the_finalize_kernel(rec, m, 
 
 
 def test_early_finalize_rule(monkeypatch):
-    """Opt-in; row results only, nothing finalized in the GEMM, 128-row tiles, no
-    split-K."""
+    """On unless turned off; row results only, nothing finalized in the GEMM, 128-row
+    tiles, no split-K."""
+    monkeypatch.setattr(finalize, "EARLY_ROWS", False)
     assert not finalize.early_rows(EPILOGUES["lse_target"], CONFIG, in_kernel=False)  # off
     monkeypatch.setattr(finalize, "EARLY_ROWS", True)
     rms, dgamma = EPILOGUES["rmsnorm_fwd"], EPILOGUES["dgamma_colsum"]

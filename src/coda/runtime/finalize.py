@@ -66,11 +66,11 @@ def in_gemm(epi: Epilogue, config: Any, m: int, n: int, num_sms: int) -> bool:
     return few and (short_rows or not rows) and (short_cols or not cols)
 
 
-#: Finalize row results early (:func:`early_rows`) where that applies: opt-in
-#: (``CODA_EARLY_FINALIZE=1`` in the environment, read at import) until it is measured
-#: faster and the GPU tests of every reducing path have run with it (docs/fused-epilogues.md,
-#: "Early finalize").
-EARLY_ROWS = os.environ.get("CODA_EARLY_FINALIZE", "0") == "1"
+#: Finalize row results early (:func:`early_rows`) where that applies: the default since
+#: the forty-seventh session, after every GPU test of a reducing path, the fuzzer and
+#: compute-sanitizer ran with it on the H200 (``CODA_EARLY_FINALIZE=0`` in the
+#: environment, read at import, turns it off; docs/fused-epilogues.md, "Early finalize").
+EARLY_ROWS = os.environ.get("CODA_EARLY_FINALIZE", "1") != "0"
 
 
 def early_rows(epi: Epilogue, config: Any, in_kernel: bool) -> bool:
