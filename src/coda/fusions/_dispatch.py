@@ -36,7 +36,8 @@ architecture) the same calls run the reference path there.
   autocast off);
   ``autocast_dtype(t)``: autocast's dtype on ``t``'s device, or None;
   ``without_autocast``: a fused op's backward formula, run with autocast off;
-  ``register_formula``: a fused op's ``register_autograd``, its formula run that way.
+  ``register_formula``: a fused op's ``register_autograd``, its formula run that way,
+  its gradients refusing second derivatives it does not compute (``_second_order``).
 * ``EagerOp(op, impl, setup_context, backward)`` (on ``plain_eager`` and
   ``eager_autograd``): how a fused op skips the dispatcher in plain eager calls. A
   ``torch.library.custom_op`` with a registered autograd formula costs ~0.1-0.4 ms of
@@ -61,6 +62,7 @@ from typing import Any
 import torch
 
 from coda.epilogue import Epilogue
+from coda.fusions._second_order import refusing_second_order
 from coda.primitives import TileLoad, TileStore
 from coda.runtime.checks import kernels_run_on
 from coda.runtime.kept import kept
@@ -240,9 +242,11 @@ def register_formula(
     name: str, backward: Callable[..., Any], setup_context: Callable[..., None]
 ) -> Callable[..., Any]:
     """``torch.library.register_autograd(name, ...)`` for a fused op, its backward formula
-    run with autocast off (``without_autocast``); returns that backward, which the op's
-    ``EagerOp`` runs too. Every fused op registers its formula here."""
-    backward = without_autocast(backward)
+    run with autocast off (``without_autocast``) and its gradients refusing a second
+    derivative towards the op's inputs (``refusing_second_order``); returns that
+    backward, which the op's ``EagerOp`` runs too. Every fused op registers its formula
+    here."""
+    backward = refusing_second_order(name, without_autocast(backward))
     torch.library.register_autograd(name, backward, setup_context=setup_context)
     return backward
 
