@@ -128,6 +128,32 @@ def test_weights_and_streams_are_named_when_wrong():
     assert isinstance(NormedStream(x, h, rstd).x, torch.Tensor)
 
 
+def test_lists_are_refused_with_the_argument_named():
+    """A list where a tensor goes (it is not converted): a TypeError naming the op and
+    the argument, not an AttributeError from inside. (The custom ops themselves, called
+    through the dispatcher, refuse it by their schema.)"""
+    from coda.fusions import layouts, linear_add_normed, normed_stream, qkv_rope, swiglu_mlp
+
+    x = torch.randn(4, 8)
+    ones = torch.ones(8)
+    with pytest.raises(TypeError, match="rms_norm_stats: x must be a torch.Tensor; got list"):
+        normed_stream(x.tolist(), ones, 1e-6)
+    with pytest.raises(TypeError, match="rms_norm_stats: gamma must be a torch.Tensor"):
+        normed_stream(x, ones.tolist(), 1e-6)
+    with pytest.raises(TypeError, match="linear_add_rms_norm: w must be a torch.Tensor"):
+        linear_add_normed(torch.randn(4, 6), torch.randn(8, 6).tolist(), x, ones, 1e-6)
+    with pytest.raises(RuntimeError, match="Expected a value of type 'Tensor' for argument 'x'"):
+        rms_norm_stats(x.tolist(), ones, 1e-6)
+    s = normed_stream(x, ones, 1e-6)
+    with pytest.raises(TypeError, match="rms_norm_swiglu_mlp: w_down must be a torch.Tensor"):
+        swiglu_mlp(s, ones, torch.randn(12, 8), torch.randn(8, 6).tolist(), ones, 1e-6)
+    freq = layouts.rope_frequencies(layouts.rope_inv_freq(2, 1e4), 2, 1, 2)
+    with pytest.raises(TypeError, match="qkv_rope: w_qkv must be a torch.Tensor"):
+        qkv_rope(s, ones, torch.randn(8, 8).tolist(), torch.arange(4), freq, 2, 1, 2)
+    with pytest.raises(TypeError, match="qkv_rope: positions must be a torch.Tensor"):
+        qkv_rope(s, ones, torch.randn(8, 8), [0, 1, 2, 3], freq, 2, 1, 2)
+
+
 def test_normed_linear_layer_over_no_tokens():
     x = torch.randn(0, 8, requires_grad=True)
     gamma, w = torch.ones(8, requires_grad=True), torch.randn(6, 8, requires_grad=True)

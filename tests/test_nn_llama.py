@@ -367,6 +367,20 @@ def test_attention_refuses_impossible_sizes(kwargs, match):
         FusedLlamaAttention(**sizes)
 
 
+def test_modules_name_a_stream_that_is_not_one():
+    """The block modules take a NormedStream; a tensor or a list there is a TypeError
+    naming the module (before: an AttributeError on ``.x``)."""
+    x = torch.randn(4, 64)
+    with pytest.raises(TypeError, match="FusedLlamaMLP: stream must be a coda.fusions"):
+        FusedLlamaMLP(64, 172)(x, torch.ones(64), 1e-6)
+    attn = FusedLlamaAttention(64, 4, 2, 16)
+    with pytest.raises(TypeError, match="FusedLlamaAttention: stream must be a coda.fusions"):
+        attn(x.tolist(), torch.arange(4)[None], torch.ones(64), 1e-6)
+    layer = FusedLlamaDecoderLayer(attn, FusedLlamaMLP(64, 172))
+    with pytest.raises(TypeError, match="FusedLlamaDecoderLayer: stream must be a coda.fusions"):
+        layer(x, torch.arange(4)[None], torch.ones(64), 1e-6)
+
+
 def test_module_reprs_show_their_sizes():
     assert repr(FusedLlamaMLP(64, 172)) == (
         "FusedLlamaMLP(hidden_size=64, intermediate_size=172, eps=1e-06)"

@@ -22,6 +22,7 @@ __all__ = [
     "same_dtype",
     "shard_kind",
     "stream",
+    "tensor",
     "vector",
     "weight",
     "whole_tensors",
@@ -53,8 +54,15 @@ def whole_tensors(op: str, hint: str, *named: tuple[str, torch.Tensor | None]) -
             raise TypeError(f"{op}: {name} is {kind}, not a whole local tensor; {hint}")
 
 
+def tensor(op: str, name: str, t: object) -> None:
+    """``t`` is a ``torch.Tensor`` (a list or an array is not converted)."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{op}: {name} must be a torch.Tensor; got {type(t).__name__}")
+
+
 def activation(op: str, name: str, t: torch.Tensor, cols: int | None = None) -> None:
     """``t`` is a 2-D bf16/fp16/fp32 (tokens, features) tensor (with ``cols`` features)."""
+    tensor(op, name, t)
     if t.dim() != 2:
         raise ValueError(f"{op}: {name} must be 2-D (tokens, features); got {tuple(t.shape)}")
     if t.dtype not in FLOAT_DTYPES:
@@ -68,6 +76,8 @@ def activation(op: str, name: str, t: torch.Tensor, cols: int | None = None) -> 
 
 def same_dtype(op: str, *named: tuple[str, torch.Tensor]) -> None:
     """All of ``named`` share the first one's dtype (GEMM operands, stored streams)."""
+    for name, t in named:
+        tensor(op, name, t)
     first_name, first = named[0]
     for name, t in named[1:]:
         if t.dtype != first.dtype:
@@ -79,6 +89,7 @@ def same_dtype(op: str, *named: tuple[str, torch.Tensor]) -> None:
 
 def vector(op: str, name: str, t: torch.Tensor, n: int, dtype: torch.dtype | None = None) -> None:
     """``t`` is a 1-D tensor of ``n`` entries (of ``dtype`` when given)."""
+    tensor(op, name, t)
     if t.dim() != 1 or t.shape[0] != n:
         raise ValueError(f"{op}: {name} must have shape ({n},); got {tuple(t.shape)}")
     if dtype is not None and t.dtype != dtype:
@@ -97,6 +108,7 @@ def epsilon(op: str, eps: float) -> None:
 
 def weight(op: str, name: str, w: torch.Tensor, in_features: int) -> None:
     """``w`` is a 2-D (out_features, in_features) weight, nn.Linear's layout."""
+    tensor(op, name, w)
     if w.dim() != 2 or w.shape[1] != in_features:
         raise ValueError(
             f"{op}: {name} must be an (out_features, {in_features}) weight (nn.Linear's "

@@ -196,7 +196,8 @@ def autocast_operands(*names: str) -> Callable[[Callable], Callable]:
         @functools.wraps(fn)
         def call(*args: Any, **kwargs: Any) -> Any:
             first = args[0] if args else kwargs[params[0]]
-            dtype = autocast_dtype(first)
+            # (not a tensor: the body's own argument checks name it)
+            dtype = autocast_dtype(first) if isinstance(first, torch.Tensor) else None
             if dtype is None:
                 return fn(*args, **kwargs)
             args = list(args)

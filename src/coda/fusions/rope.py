@@ -162,6 +162,8 @@ def qkv_rope(
     rotated, in the interleaved head-dim order (``layouts.to_rotate_half`` gives HF's).
     ``positions``: (M,) position ids (any integer or float dtype; converted to fp32)."""
     _checks.stream("qkv_rope", stream)
+    _checks.tensor("qkv_rope", "w_qkv", w_qkv)
+    _checks.tensor("qkv_rope", "positions", positions)
     width = (num_heads + 2 * num_kv_heads) * head_dim
     if min(num_heads, num_kv_heads, head_dim) <= 0 or w_qkv.shape[0] != width:
         raise ValueError(

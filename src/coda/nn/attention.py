@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from coda.fusions import NormedStream, layouts, linear_add_normed, qkv_rope
+from coda.fusions import NormedStream, _checks, layouts, linear_add_normed, qkv_rope
 from coda.nn import _hf
 from coda.nn._autocast import autocast_dtype_over, run_cast
 
@@ -110,6 +110,7 @@ class FusedLlamaAttention(nn.Module):
         next_norm_weight: torch.Tensor,
         next_eps: float,
     ) -> NormedStream:
+        _checks.stream("FusedLlamaAttention", stream)
         if (dtype := autocast_dtype_over(self, stream.x)) is not None:  # AMP
             return run_cast(self, dtype, stream, position_ids, next_norm_weight, next_eps)
         B, S = position_ids.shape

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from coda.fusions import NormedStream, normed_stream
+from coda.fusions import NormedStream, _checks, normed_stream
 from coda.nn import _hf
 from coda.nn._autocast import autocast_dtype_over, run_cast
 from coda.nn.attention import FusedLlamaAttention
@@ -47,6 +47,7 @@ class FusedLlamaDecoderLayer(nn.Module):
         next_norm_weight: torch.Tensor,
         next_eps: float,
     ) -> NormedStream:
+        _checks.stream("FusedLlamaDecoderLayer", stream)
         if (dtype := autocast_dtype_over(self, stream.x)) is not None:  # AMP
             return run_cast(self, dtype, stream, position_ids, next_norm_weight, next_eps)
         stream = self.attn(stream, position_ids, self.mlp.norm_weight, self.mlp.eps)

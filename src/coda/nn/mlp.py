@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from coda.fusions import NormedStream, layouts, swiglu_mlp
+from coda.fusions import NormedStream, _checks, layouts, swiglu_mlp
 from coda.nn import _hf
 from coda.nn._autocast import autocast_dtype_over, run_cast
 
@@ -51,6 +51,7 @@ class FusedLlamaMLP(nn.Module):
     def forward(
         self, stream: NormedStream, next_norm_weight: torch.Tensor, next_eps: float
     ) -> NormedStream:
+        _checks.stream("FusedLlamaMLP", stream)
         if (dtype := autocast_dtype_over(self, stream.x)) is not None:  # AMP
             return run_cast(self, dtype, stream, next_norm_weight, next_eps)
         return swiglu_mlp(
