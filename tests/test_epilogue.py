@@ -25,6 +25,7 @@ from coda import (
     ops,
     simulate,
 )
+from coda.errors import InvalidNameError
 
 BF16, F32 = torch.bfloat16, torch.float32
 
@@ -209,3 +210,27 @@ def test_import_coda_does_not_import_cutlass():
     code = "import sys, coda, coda.testing; print('cutlass' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+@pytest.mark.parametrize("name", ["epi", "self", "config", "outputs", "check_contents"])
+def test_call_parameter_names_are_reserved(name):
+    """A tensor named like a parameter of ``simulate`` / ``reference`` / ``__call__``
+    could never be passed as a keyword: refused when the primitive is built."""
+    with pytest.raises(InvalidNameError, match=f"{name!r} is reserved"):
+        ScalarLoad(name)
+
+
+def test_reference_outputs_never_alias_inputs_or_each_other():
+    """A stored loaded tile, a stored acc given by the caller and two stores of one value
+    come back as new tensors (writing one changes nothing else)."""
+    A, B = torch.randn(6, 8), torch.randn(8, 8)
+    r, acc = torch.randn(6, 8), torch.randn(6, 8)
+    out = Epilogue().add(TileLoad("r", F32), TileStore("r", F32, name="o")).reference(A, B, r=r)
+    assert torch.equal(out["o"], r)
+    out["o"].zero_()
+    assert r.abs().sum() > 0
+    two = Epilogue().add(TileStore("acc", F32, name="c1"), TileStore("acc", F32, name="c2"))
+    out = two.reference(A, B, acc=acc)
+    assert torch.equal(out["c1"], acc) and torch.equal(out["c2"], acc)
+    ptrs = {t.untyped_storage().data_ptr() for t in (acc, out["c1"], out["c2"])}
+    assert len(ptrs) == 3

@@ -344,6 +344,11 @@ def test_not_a_primitive():
         Epilogue().add(TileLoad("r"), 42)
 
 
+RESERVED = (
+    "(reserved: A, B, acc, check_contents, config, epi, oob_fill, outputs, self, subtile, tile)"
+)
+
+
 @pytest.mark.parametrize(
     ("make", "message"),
     [
@@ -359,15 +364,15 @@ def test_not_a_primitive():
         ),
         (
             lambda: TileLoad("tile"),
-            "TileLoad.name 'tile' is reserved (reserved: A, B, acc, oob_fill, subtile, tile)",
+            "TileLoad.name 'tile' is reserved " + RESERVED,
         ),
         (
             lambda: Elementwise("acc", ops.neg),
-            "Elementwise.out 'acc' is reserved (reserved: A, B, acc, oob_fill, subtile, tile)",
+            "Elementwise.out 'acc' is reserved " + RESERVED,
         ),
         (
             lambda: TileStore("acc", name="B"),
-            "TileStore.name 'B' is reserved (reserved: A, B, acc, oob_fill, subtile, tile)",
+            "TileStore.name 'B' is reserved " + RESERVED,
         ),
         (
             lambda: TargetSelect("p", "acc", target="my-labels"),

@@ -188,6 +188,11 @@ def test_config_validation_errors():
     for flag in ("concurrent_epilogues", "staggered_copies"):
         with pytest.raises(TypeError, match=f"{flag} must be a bool"):
             GemmConfig(**{flag: 1})
+    # integers only (128.0 == 128 would pass the range checks and share its cache key)
+    for field, value in [("tile_m", 128.0), ("cluster_m", True), ("group_m", 2.5),
+                         ("split_k", "2"), ("epi_stages", 1.5)]:  # fmt: skip
+        with pytest.raises(TypeError, match=f"GemmConfig.{field} must be an int"):
+            GemmConfig(**{field: value})
 
 
 def test_smem_plan_fits_capacity():
@@ -264,6 +269,23 @@ def test_gemm_on_cpu_tensors_says_cuda_before_launch():
 def test_accumulate_needs_an_output():
     with pytest.raises(InputError, match="accumulate=True adds into `out`"):
         gemm(_bf16(8, 16), _bf16(24, 16), accumulate=True)
+
+
+def test_accumulate_without_output_is_refused_after_a_cached_call(monkeypatch):
+    """Once a plain call of these operands is cached (its launcher stands in here), the
+    same operands with accumulate=True and no output still raise, rather than launch a
+    plain GEMM."""
+    from coda import matmul
+
+    A, B = _bf16(8, 16), _bf16(24, 16)
+    launches = []
+    monkeypatch.setattr(matmul, "_validated", type(matmul._validated)(8))
+    sig = matmul._signature(A, B, None, False, True)
+    matmul._validated.put(sig, (lambda *args: launches.append(args), False, False))
+    assert gemm(A, B).shape == (8, 24) and len(launches) == 1
+    with pytest.raises(InputError, match="accumulate=True adds into `out`"):
+        gemm(A, B, accumulate=True)
+    assert len(launches) == 1
 
 
 def _map_kernels():

@@ -180,6 +180,22 @@ def test_elementwise_bad_result_shape_is_reported():
         epi.reference(A, B)
 
 
+@pytest.mark.parametrize(
+    "fn", [lambda a: a.mean(), lambda a: a.sum(0, keepdim=True)], ids=["mean", "col_sum"]
+)
+def test_elementwise_fn_that_reduces_is_refused(fn):
+    """A reduction inside fn whose result broadcasts back would reduce over one subtile
+    in the kernel (reference and simulator disagreed by 0.44 for the mean before):
+    refused on both. (One broadcast back inside fn, ``a - a.amax(1, keepdim=True)``,
+    keeps the shape and cannot be told apart: docs/primitives.md.)"""
+    A, B = operands()
+    epi = Epilogue().add(Elementwise("y", fn), TileStore("y", F32))
+    with pytest.raises(ValueError, match="must act element by element"):
+        epi.reference(A, B)
+    with pytest.raises(ValueError, match="must act element by element"):
+        coda.simulate(epi, A, B, tile=(8, 8), subtile=(8, 8))
+
+
 # ---- pairwise --------------------------------------------------------------------------
 def test_swiglu_forward_on_interleaved_operand():
     A, B = operands()

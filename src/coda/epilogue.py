@@ -183,7 +183,8 @@ class Epilogue:
             for spec in wanted:
                 if spec.name in env.outputs:
                     env.outputs[spec.name] = env.outputs[spec.name].to(spec.dtype)
-        return check_outputs(env.outputs, wanted, problem, tile, self)
+        result = check_outputs(env.outputs, wanted, problem, tile, self)
+        return _unaliased(result, (A, B, acc, *tensors.values()))
 
 
 def check_outputs(
@@ -210,4 +211,25 @@ def check_outputs(
                 f"its spec says {shape} {dtype_name(spec.dtype)}"
             )
         result[spec.name] = t
+    return result
+
+
+def _unaliased(
+    result: dict[str, torch.Tensor], inputs: tuple[object, ...]
+) -> dict[str, torch.Tensor]:
+    """``result`` with every output that shares memory with an input or an earlier
+    output copied (a TileStore of a loaded tile or of acc, two stores of one value, an
+    identity chain): the reference returns new tensors, as a PyTorch functional op does
+    and as a custom op on the reference path must."""
+    seen = {
+        t.untyped_storage().data_ptr() for t in inputs if isinstance(t, torch.Tensor) and t.numel()
+    }
+    for name, t in result.items():
+        if not t.numel():
+            continue
+        ptr = t.untyped_storage().data_ptr()
+        if ptr in seen:
+            t = result[name] = t.clone()
+            ptr = t.untyped_storage().data_ptr()
+        seen.add(ptr)
     return result

@@ -56,9 +56,12 @@ _validated: BoundedCache[tuple, object] = BoundedCache(4096)
 
 def _signature(A, B, out, accumulate, allow_split) -> tuple | None:
     """What decides a launch's validity and kernel, read cheaply (``out`` None: the
-    default output, allocated, never split); None if the arguments are not tensors."""
+    default output, allocated, never split); None if the arguments are not tensors, or
+    for ``accumulate`` without ``out`` (refused on the checked path)."""
     try:
         if out is None:
+            if accumulate:
+                return None
             return (A.dtype, B.dtype, A.device, B.device, A.shape, B.shape, A.stride(), B.stride())
         return (
             A.dtype, B.dtype, out.dtype, accumulate, allow_split, A.device, B.device,

@@ -57,7 +57,12 @@ KINDS: tuple[str, ...] = ("tile", "row", "col", "scalar")
 ROLES: tuple[str, ...] = ("tile", "row", "col", "scalar", "partials_row", "partials_col")
 #: Names no value or tensor may take: the predefined value and the keyword arguments of
 #: ``Epilogue.reference`` and ``coda.simulate``.
-RESERVED_NAMES: frozenset[str] = frozenset({"A", "B", "acc", "tile", "subtile", "oob_fill"})
+RESERVED_NAMES: frozenset[str] = frozenset(
+    {"A", "B", "acc", "tile", "subtile", "oob_fill"}
+    # the other parameters of ``Epilogue.__call__`` / ``reference`` and ``coda.simulate``,
+    # which a keyword tensor of that name would collide with
+    | {"self", "epi", "config", "check_contents", "outputs"}
+)
 
 Kind = Literal["tile", "row", "col", "scalar"]
 Role = Literal["tile", "row", "col", "scalar", "partials_row", "partials_col"]

@@ -9,6 +9,7 @@ turns a config plus dtypes into the shared-memory plan (A/B stages, epilogue sta
 from __future__ import annotations
 
 import functools
+import numbers
 
 import attrs
 
@@ -55,6 +56,13 @@ def _check_in(allowed):
             raise ValueError(f"GemmConfig.{attribute.name}={value!r}: must be one of {allowed}")
 
     return check
+
+
+#: GemmConfig's integer fields
+_INT_FIELDS = (
+    "tile_m", "tile_n", "tile_k", "cluster_m", "cluster_n", "epi_m", "epi_n", "group_m",
+    "epi_stages", "load_stages", "split_k",
+)  # fmt: skip
 
 
 def _is_bool(instance, attribute, value):
@@ -118,6 +126,10 @@ class GemmConfig:
     rolled_epilogue: bool = attrs.field(default=False, validator=_is_bool)
 
     def __attrs_post_init__(self) -> None:
+        for name in _INT_FIELDS:  # (128.0 == 128: a float would pass the checks below)
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+                raise TypeError(f"GemmConfig.{name} must be an int; got {value!r}")
         if (self.cluster_m, self.cluster_n) not in _CLUSTERS:
             raise ValueError(
                 f"GemmConfig cluster ({self.cluster_m}, {self.cluster_n}) "

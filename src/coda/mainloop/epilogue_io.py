@@ -99,9 +99,7 @@ def widen_to_f32(values):
     half first, a PRMT and a shift). fp16 and other layouts convert element by element."""
     n = cute.size(values.layout)
     if const_expr(
-        values.element_type is not cutlass.BFloat16
-        or n % 2 != 0
-        or cute.cosize(values.layout) != n
+        values.element_type is not cutlass.BFloat16 or n % 2 != 0 or cute.cosize(values.layout) != n
     ):
         return values.load().to(Float32)
     words = cute.make_tensor(

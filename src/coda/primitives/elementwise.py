@@ -179,15 +179,33 @@ class Elementwise(Primitive):
         result = self.fn(*args)
         device = args[0].device
         if self.pairwise != "map":
+            self._check_elementwise(result, args)
             return as_block(result, shape, device, self.label)
         if not isinstance(result, (tuple, list)) or len(result) != 2:
             raise TypeError(
                 f"{self.label}: pairwise='map' fn must return a 2-tuple (even, odd); "
                 f"got {type(result).__name__}"
             )
+        for r in result:
+            self._check_elementwise(r, args)
         half = (shape[0], shape[1] // 2)
         even, odd = (as_block(r, half, device, self.label) for r in result)
         return torch.stack((even, odd), dim=-1).reshape(shape)
+
+    def _check_elementwise(self, result: Any, args: list[torch.Tensor]) -> None:
+        """A tensor result has its inputs' broadcast shape: ``fn`` acts element by
+        element. (A reduction inside ``fn``, e.g. ``a - a.amax(1, keepdim=True)``, would
+        reduce over whatever block it is given: the whole tensor here, one subtile in the
+        kernel; TileReduce is the primitive for that.)"""
+        if not isinstance(result, torch.Tensor):
+            return
+        want = torch.broadcast_shapes(*(a.shape for a in args))
+        if result.shape != want:
+            raise ValueError(
+                f"{self.label} returned shape {tuple(result.shape)} from inputs of "
+                f"shape {tuple(want)}; an Elementwise fn must act element by element (a "
+                "reduction inside it would cover one subtile in the kernel: use TileReduce)"
+            )
 
     def reference(self, env: ReferenceEnv) -> None:
         shape = env.shape(env.specs[self.out])

@@ -201,9 +201,7 @@ def key_for(
     of tiles (:func:`early_rows`)."""
     rows, _ = _extent_widths(epi, traced_finalizers(epi))
     spread = 0 if rows else COLUMNS_SPREAD_SMEM
-    return FinalizeKey(
-        epi, row_lanes=lanes[0], col_lanes=lanes[1], spread_smem=spread, early=early
-    )
+    return FinalizeKey(epi, row_lanes=lanes[0], col_lanes=lanes[1], spread_smem=spread, early=early)
 
 
 def _rank(epi: Epilogue, name: str) -> int:
