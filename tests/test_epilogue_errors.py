@@ -128,7 +128,7 @@ def test_reading_a_finalized_reduction_inside_the_epilogue():
         "primitives[1] Elementwise('y' = scale(acc, ss)) reads 'ss', the result of "
         "primitives[0] TileReduce('ss' = sumsq of 'acc' per row): it is finalized after the "
         "last tile, so no primitive of the same epilogue can read it. Pass it to the next "
-        "GEMM's epilogue (VecLoad('ss', per='row')).",
+        "GEMM's epilogue (VecLoad('ss', per='row', dtype=torch.float32)).",
     ):
         Epilogue().add(
             TileReduce("ss", of="acc", op="sumsq"), Elementwise("y", ops.scale, ins=("acc", "ss"))
@@ -458,3 +458,131 @@ def test_a_failed_add_leaves_the_epilogue_unchanged():
     with pytest.raises(DuplicateNameError):
         epi.add(Elementwise("x", ops.neg))
     assert len(epi) == 1 and list(epi.values) == ["acc", "x"]
+
+
+# ---- the engine API audit of 2026-11-29: errors that leaked from internals before ------
+
+
+def test_tilereduce_post_arity_is_checked_when_built():
+    with pytest.raises(ArityError, match=r"TileReduce.post is called with 2 argument\(s\)"):
+        TileReduce("s", of="acc", post=lambda s: s)
+    TileReduce("s", of="acc", post=lambda s, n: s / n)  # the documented form builds
+
+
+def test_bad_field_types_name_the_field():
+    with raises(
+        InvalidNameError,
+        "Elementwise.ins must be a Python identifier (it becomes a keyword argument or a "
+        "dict key); got 3",
+    ):
+        Elementwise("x", ops.neg, ins=3)
+    with raises(
+        InvalidArgumentError, "VecLoad.width must be one of 1/2, 1, 2 (relative to N); got 3/10"
+    ):
+        VecLoad("v", per="col", width=0.3)
+    with raises(InvalidArgumentError, "TargetSelect.ignore_index must be an int; got 1.5"):
+        TargetSelect("p", "acc", ignore_index=1.5)
+
+
+def test_simulate_and_reference_refuse_bad_arguments_up_front():
+    from coda.errors import InputError
+
+    A, B = torch.randn(6, 8), torch.randn(8, 8)
+    epi = Epilogue().add(TileStore("acc", torch.float32))
+    with pytest.raises(TypeError, match="simulate: epi must be a coda.Epilogue"):
+        simulate([TileStore("acc")], A, B)
+    with pytest.raises(TypeError, match="simulate: oob_fill must be a float; got 'x'"):
+        simulate(epi, A, B, tile=(8, 8), oob_fill="x")
+    with raises(InputError, "acc must be a torch.Tensor; got list"):
+        epi.reference(A, B, acc=[[1.0]])
+    with raises(InputError, "acc must be (6, 8) on cpu; got (5, 8) on cpu"):
+        epi.reference(A, B, acc=torch.randn(5, 8))
+
+
+def _user_primitive(**overrides):
+    """A user-written primitive (docs/write-your-own-primitive.md's shape) whose reads,
+    writes or infer are overridden to be wrong."""
+    import attrs
+
+    from coda.primitives import Primitive
+    from coda.specs import ValueSpec
+
+    @attrs.frozen
+    class Twice(Primitive):
+        out: str
+        of: str = "acc"
+
+        @property
+        def reads(self):
+            return overrides.get("reads", (self.of,))
+
+        @property
+        def writes(self):
+            return overrides.get("writes", (self.out,))
+
+        def infer(self, values):
+            spec = ValueSpec(self.out, "tile", values[self.of].width)
+            return spec if overrides.get("single") else (spec,)
+
+        def reference(self, env):
+            env.values[self.out] = 2 * env.values[self.of]
+
+        def visit(self, sub, state):
+            sub.values[self.out] = 2 * sub.values[self.of]
+
+    return Twice
+
+
+def test_user_primitive_mistakes_are_named():
+    with pytest.raises(
+        EpilogueError, match=r"reads must be a tuple of value names; got the string 'acc'"
+    ):
+        Epilogue().add(_user_primitive(reads="acc")("y"), TileStore("y", torch.float32))
+    with pytest.raises(EpilogueError, match=r"infer\(\) must return a tuple of ValueSpecs"):
+        Epilogue().add(_user_primitive(single=True)("y"), TileStore("y", torch.float32))
+    with pytest.raises(InvalidNameError, match="value name 'tile' is reserved"):
+        Epilogue().add(_user_primitive()("tile"), TileStore("acc", torch.float32))
+    with pytest.raises(TypeError, match="dtype"):
+        from coda.specs import TensorSpec
+
+        TensorSpec("x", "tile", "float32")
+
+
+def test_a_primitive_writing_no_value_is_labelled_by_its_fields():
+    import attrs
+
+    from coda.primitives import Primitive
+
+    @attrs.frozen
+    class RowThing(Primitive):
+        name: str
+        of: str = "acc"
+
+        @property
+        def reads(self):
+            return (self.of,)
+
+        @property
+        def writes(self):
+            return ()
+
+        def infer(self, values):
+            return ()
+
+        def reference(self, env):
+            pass
+
+        def visit(self, sub, state):
+            pass
+
+    assert RowThing("amax").label == "RowThing(name='amax', of='acc')"
+
+
+def test_a_transposed_output_is_not_told_to_call_contiguous():
+    from coda.errors import InputError
+    from coda.runtime.operands import check_output
+
+    out = torch.empty(16, 8, dtype=BF16).t()
+    with pytest.raises(InputError, match="writes it in place: pass a row-major tensor") as e:
+        check_output(out, 8, 16)
+    assert ".contiguous()" not in str(e.value)

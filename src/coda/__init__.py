@@ -12,8 +12,9 @@ The public API (importing coda never imports CuTeDSL; kernels load lazily, later
   ``from coda import math, ops``).
 * Specs and errors: ``ValueSpec``, ``TensorSpec``, ``EpilogueError`` (build time),
   ``InputError`` (call time) and ``coda.errors`` for the precise subclasses.
-* ``gemm(A, B, out=None)``: the PingPong GEMM (``A @ B.T``) on a Hopper GPU; its configs
-  live in ``coda.mainloop`` (CuTeDSL is imported on the first call).
+* ``gemm(A, B, out=None)``: the PingPong GEMM (``A @ B.T``) on a Hopper GPU, and
+  ``GemmConfig``, a launch config it (and ``Epilogue.__call__``) takes; the heuristic and
+  the kernel live in ``coda.mainloop`` (CuTeDSL is imported on the first call).
 * ``coda.testing`` (imported on demand): hypothesis strategies, tolerance helpers, profiles.
 """
 
@@ -21,6 +22,7 @@ from coda._version import __version__
 from coda.epilogue import Epilogue
 from coda.errors import EpilogueError, InputError
 from coda.geometry import Problem, Tiling
+from coda.mainloop import GemmConfig
 from coda.matmul import gemm
 from coda.primitives import (
     Elementwise,
@@ -45,6 +47,7 @@ __all__ = [
     "Elementwise",
     "Epilogue",
     "EpilogueError",
+    "GemmConfig",
     "InputError",
     "LogSumExp",
     "SoftmaxEntropy",

@@ -37,7 +37,7 @@ from coda.errors import (
     UseBeforeDefinitionError,
 )
 from coda.primitives.base import Primitive
-from coda.specs import TensorSpec, ValueSpec, check_name, width_str
+from coda.specs import TensorSpec, ValueSpec, check_name, dtype_name, width_str
 
 __all__ = ["ACC", "Dataflow", "analyze"]
 
@@ -91,7 +91,7 @@ def _unknown_read(
                 f"{here} reads {name!r}, the result of {_where(k, primitives[k])}: it is "
                 "finalized after the last tile, so no primitive of the same epilogue can "
                 f"read it. Pass it to the next GEMM's epilogue (VecLoad({name!r}, "
-                f"per={spec.role!r}))."
+                f"per={spec.role!r}, dtype=torch.{dtype_name(spec.dtype)}))."
             )
         return UnknownValueError(
             f"{here} reads {name!r}, which is an output tensor of "
@@ -119,6 +119,12 @@ def analyze(primitives: Sequence[Primitive]) -> Dataflow:
                 f"primitives[{i}] is {type(p).__name__} {p!r}; an Epilogue chains "
                 "coda.primitives.Primitive instances"
             )
+        for attr in ("reads", "writes"):  # a bare string would read as its characters
+            if isinstance(getattr(p, attr), str):
+                raise EpilogueError(
+                    f"{_where(i, p)}: {attr} must be a tuple of value names; got the string "
+                    f"{getattr(p, attr)!r} (write ({getattr(p, attr)!r},))"
+                )
         for name in p.writes:
             later.setdefault(name, i)
     n_alignment = 1
@@ -135,7 +141,13 @@ def analyze(primitives: Sequence[Primitive]) -> Dataflow:
                     outputs,
                     primitives,
                 )
-        new = tuple(p.infer(values))
+        inferred = p.infer(values)
+        if isinstance(inferred, ValueSpec):
+            raise EpilogueError(
+                f"{here}: infer() must return a tuple of ValueSpecs, one per written value; "
+                f"got a single ValueSpec (a bug in {type(p).__name__}: return (spec,))"
+            )
+        new = tuple(inferred)
         if tuple(s.name for s in new) != tuple(p.writes):
             raise EpilogueError(
                 f"{here}: infer() returned specs for {[s.name for s in new]} but the "
@@ -175,6 +187,7 @@ def analyze(primitives: Sequence[Primitive]) -> Dataflow:
                     )
                 outputs[spec.name] = (spec, i)
         for spec in new:
+            check_name(spec.name, f"{here}: value name")
             if spec.name in values:
                 k = producers[spec.name]
                 by = (

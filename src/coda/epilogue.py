@@ -27,7 +27,7 @@ import torch
 
 from coda.binding import bind
 from coda.dataflow import Dataflow, analyze
-from coda.errors import EpilogueError
+from coda.errors import EpilogueError, InputError
 from coda.geometry import Problem, Tiling
 from coda.primitives.base import Primitive
 from coda.primitives.context import ReferenceEnv
@@ -173,8 +173,14 @@ class Epilogue:
             tiling.check_alignment(self.n_alignment)
             tile = tiling.tile
         env = ReferenceEnv(problem, self.values, tensors, A.device, tile=tile)
-        if acc is not None and tuple(acc.shape) != (problem.M, problem.N):
-            raise EpilogueError(f"acc must be ({problem.M}, {problem.N}); got {tuple(acc.shape)}")
+        if acc is not None:
+            if not isinstance(acc, torch.Tensor):
+                raise InputError(f"acc must be a torch.Tensor; got {type(acc).__name__}")
+            if tuple(acc.shape) != (problem.M, problem.N) or acc.device != A.device:
+                raise InputError(
+                    f"acc must be ({problem.M}, {problem.N}) on {A.device}; got "
+                    f"{tuple(acc.shape)} on {acc.device}"
+                )
         env.values["acc"] = A.float() @ B.float().T if acc is None else acc
         for p in self.primitives:
             p.reference(env)

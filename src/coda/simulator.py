@@ -24,6 +24,8 @@ that no tile writes shows up too.
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 
 from coda.binding import bind
@@ -47,6 +49,13 @@ def simulate(
 ) -> dict[str, torch.Tensor]:
     """Run ``epi`` tile by tile, subtile by subtile (see the module doc). ``subtile=None``
     picks (64, 32) when it divides the tile, else the whole tile along that dimension."""
+    if not isinstance(epi, Epilogue):
+        raise TypeError(
+            f"simulate: epi must be a coda.Epilogue (Epilogue().add(...)); got "
+            f"{type(epi).__name__}"
+        )
+    if isinstance(oob_fill, bool) or not isinstance(oob_fill, numbers.Real):
+        raise TypeError(f"simulate: oob_fill must be a float; got {oob_fill!r}")
     if not epi.outputs:
         raise EpilogueError(
             "this epilogue has no outputs: add a TileStore, TileReduce or StateTransition"

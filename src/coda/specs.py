@@ -78,7 +78,7 @@ def to_width(value: object) -> Fraction:
         ) from None
     if width not in WIDTHS:
         raise InvalidArgumentError(
-            f"width must be one of 1/2, 1, 2 (relative to N); got {width_str(width)}"
+            f"width must be one of 1/2, 1, 2 (relative to N); got {value!r}"
         )
     return width
 
@@ -161,7 +161,7 @@ class TensorSpec:
 
     name: str
     role: Role = attrs.field(validator=_check_role)
-    dtype: torch.dtype
+    dtype: torch.dtype = attrs.field(validator=attrs.validators.instance_of(torch.dtype))
     width: Fraction = attrs.field(default=Fraction(1), converter=to_width)
     direction: Literal["in", "out"] = attrs.field(default="in", validator=_check_direction)
 

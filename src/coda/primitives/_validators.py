@@ -5,20 +5,24 @@ They raise ``EpilogueError`` subclasses so a bad primitive fails where it is wri
 
 from __future__ import annotations
 
+import inspect
+import numbers
 from fractions import Fraction
 from typing import Any
 
 import attrs
 import torch
 
-from coda.errors import InvalidArgumentError
+from coda.errors import ArityError, InvalidArgumentError
 from coda.specs import FLOAT_DTYPES, INDEX_DTYPES, WIDTHS, check_name, dtype_name
 
 __all__ = [
     "float_dtype",
     "index_dtype",
+    "integer",
     "new_name",
     "one_of",
+    "optional_callable_of",
     "read_name",
     "read_names",
     "to_fraction",
@@ -42,7 +46,10 @@ def to_names(value: Any) -> tuple[str, ...]:
     """Accept one name or an iterable of names."""
     if isinstance(value, str):
         return (value,)
-    return tuple(value)
+    try:
+        return tuple(value)
+    except TypeError:  # not iterable: one (bad) name, for the validator to name
+        return (value,)
 
 
 def read_names(inst: Any, attribute: attrs.Attribute, value: tuple[str, ...]) -> None:
@@ -57,8 +64,8 @@ def read_names(inst: Any, attribute: attrs.Attribute, value: tuple[str, ...]) ->
 def to_fraction(value: Any) -> Any:
     """Lenient converter: 1, 2, 0.5, "1/2" -> Fraction (anything else left as is for the
     validator to reject with the field's name)."""
-    try:
-        return Fraction(value)
+    try:  # a float by its shortest repr: 0.3 -> 3/10, not the binary 5404319552844595/2^54
+        return Fraction(repr(value)) if isinstance(value, float) else Fraction(value)
     except (TypeError, ValueError):
         return value
 
@@ -95,6 +102,38 @@ def _dtype_check(allowed: tuple[torch.dtype, ...]) -> Any:
 
 float_dtype = _dtype_check(FLOAT_DTYPES)
 index_dtype = _dtype_check(INDEX_DTYPES)
+
+
+def integer(inst: Any, attribute: attrs.Attribute, value: Any) -> None:
+    """An int (not a bool, not a float that equals one)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise InvalidArgumentError(
+            f"{type(inst).__name__}.{attribute.name} must be an int; got {value!r}"
+        )
+
+
+def optional_callable_of(n_args: int) -> Any:
+    """None, or a callable that takes ``n_args`` positional arguments (checked where its
+    signature can be read)."""
+
+    def check(inst: Any, attribute: attrs.Attribute, value: Any) -> None:
+        optional_callable(inst, attribute, value)
+        if value is None:
+            return
+        try:
+            sig = inspect.signature(value)
+        except (TypeError, ValueError):  # builtins without a signature: cannot check
+            return
+        try:
+            sig.bind(*range(n_args))
+        except TypeError as e:
+            raise ArityError(
+                f"{type(inst).__name__}.{attribute.name} is called with {n_args} "
+                f"argument(s); {getattr(value, '__name__', 'it')}"
+                f"({', '.join(sig.parameters)}) cannot take them: {e}"
+            ) from None
+
+    return check
 
 
 def optional_callable(inst: Any, attribute: attrs.Attribute, value: Any) -> None:

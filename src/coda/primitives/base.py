@@ -130,9 +130,22 @@ class Primitive(abc.ABC):
 
     @property
     def label(self) -> str:
-        """Short human name used in error messages, e.g. ``TileStore('x')``."""
-        names = self.writes or self.reads
-        return f"{type(self).__name__}({', '.join(repr(n) for n in names)})"
+        """Short human name used in error messages, e.g. ``TileStore('x')``: the values it
+        writes; for one that writes none (a user primitive producing only outputs), its
+        string fields when it is an attrs class (``RowAbsMax(name='amax', of='acc')``),
+        else what it reads."""
+        cls = type(self).__name__
+        if self.writes:
+            return f"{cls}({', '.join(repr(n) for n in self.writes)})"
+        if attrs.has(type(self)):
+            named = [
+                f"{a.name}={getattr(self, a.name)!r}"
+                for a in attrs.fields(type(self))
+                if isinstance(getattr(self, a.name), str)
+            ]
+            if named:
+                return f"{cls}({', '.join(named)})"
+        return f"{cls}(reads {', '.join(repr(n) for n in self.reads)})"
 
     # ---- semantics ---------------------------------------------------------------------
     @abc.abstractmethod

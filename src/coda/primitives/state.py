@@ -41,7 +41,7 @@ import torch
 
 from coda.errors import InputError, KindError
 from coda.geometry import Problem, ceil_div
-from coda.primitives._validators import index_dtype, new_name, read_name
+from coda.primitives._validators import index_dtype, integer, new_name, read_name
 from coda.primitives.base import Primitive
 from coda.primitives.context import ReferenceEnv, Subtile, Tile
 from coda.specs import TensorSpec, ValueSpec
@@ -409,7 +409,7 @@ class TargetSelect(StateTransition):
     """Pick ``of[m, target[m]]`` per row -> output ``name`` (M,); ignored rows give 0."""
 
     target: str = attrs.field(default="target", validator=new_name)
-    ignore_index: int = attrs.field(default=-100)
+    ignore_index: int = attrs.field(default=-100, validator=integer)
     target_dtype: torch.dtype = attrs.field(default=torch.int64, validator=index_dtype)
 
     @property

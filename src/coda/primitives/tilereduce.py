@@ -31,7 +31,7 @@ import torch
 from coda.errors import KindError
 from coda.geometry import Problem, ceil_div
 from coda.primitives._blocks import as_block
-from coda.primitives._validators import new_name, one_of, optional_callable, read_name
+from coda.primitives._validators import new_name, one_of, optional_callable_of, read_name
 from coda.primitives.base import Primitive
 from coda.primitives.context import ReferenceEnv, Subtile, Tile
 from coda.specs import TensorSpec, ValueSpec
@@ -51,7 +51,9 @@ class TileReduce(Primitive):
         default="sum", validator=one_of("sum", "sumsq", "max")
     )
     per: Literal["row", "col"] = attrs.field(default="row", validator=one_of("row", "col"))
-    post: Callable[[Any, int], Any] | None = attrs.field(default=None, validator=optional_callable)
+    post: Callable[[Any, int], Any] | None = attrs.field(
+        default=None, validator=optional_callable_of(2)
+    )
 
     @property
     def partials_name(self) -> str:

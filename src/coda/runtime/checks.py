@@ -33,14 +33,20 @@ def dtype_in(name: str, t: torch.Tensor, allowed: Sequence[torch.dtype]) -> None
         raise TypeError(f"{name} has dtype {dtypes.name(t.dtype)}; supported: {names}")
 
 
-def row_major_tma(name: str, t: torch.Tensor) -> None:
-    """Last dim contiguous, row stride and base pointer 16-byte aligned (TMA's contract)."""
+def row_major_tma(name: str, t: torch.Tensor, written: bool = False) -> None:
+    """Last dim contiguous, row stride and base pointer 16-byte aligned (TMA's contract).
+    ``written``: ``t`` is an output the kernel writes in place (a copy is no remedy)."""
     if t.numel() == 0:
         raise InputError(f"{name} is empty (shape {tuple(t.shape)}); coda needs M, N, K >= 1")
     if t.stride(-1) != 1:
+        remedy = (
+            "the kernel writes it in place: pass a row-major tensor (e.g. torch.empty of "
+            "its shape), not a transposed view"
+            if written
+            else "call .contiguous() first"
+        )
         raise InputError(
-            f"{name} must be contiguous in its last dimension (stride {t.stride()}); "
-            f"call .contiguous() first"
+            f"{name} must be contiguous in its last dimension (stride {t.stride()}); {remedy}"
         )
     elem = t.element_size()
     if (t.stride(0) * elem) % 16:

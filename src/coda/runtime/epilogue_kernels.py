@@ -291,7 +291,7 @@ class EpiloguePlan:
             elif tuple(t.shape) != shape or t.dtype != dtype or t.device != device:
                 raise InputError(f"outputs[{name!r}] must be {shape} {dtype} on {device}")
             elif is_tile:
-                checks.row_major_tma(f"outputs[{name!r}]", t)
+                checks.row_major_tma(f"outputs[{name!r}]", t, written=True)
             elif not t.is_contiguous():
                 raise InputError(f"outputs[{name!r}] must be contiguous")
             out[name] = t

@@ -34,16 +34,27 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from .tolerance import compare
 
+if TYPE_CHECKING:
+    from ..epilogue import Epilogue
+    from ..mainloop.config import GemmConfig
+
 ATOL = 1e-3
 
 
-def check_example(epi, A, B, tensors, config=None, reference_device=None) -> dict[str, Any]:
+def check_example(
+    epi: Epilogue,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    tensors: dict[str, Any],
+    config: GemmConfig | None = None,
+    reference_device: str | torch.device | None = None,
+) -> dict[str, Any]:
     """Run one composition fused and compare it; returns a JSON-able record.
 
     ``reference_device`` (e.g. ``"cpu"``): compute the float64 and eager references and
@@ -210,14 +221,25 @@ def coverage(records: list[dict[str, Any]]) -> dict[str, int]:
     return out
 
 
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1; got {value}")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--examples", type=int, default=300)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--workers", type=int, default=1)
+    p = argparse.ArgumentParser(
+        prog="python -m coda.testing.fuzz",
+        description=__doc__.splitlines()[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--examples", type=_positive, default=300, help="compositions to draw")
+    p.add_argument("--seed", type=int, default=0, help="hypothesis seed (the same draws)")
+    p.add_argument("--workers", type=_positive, default=1, help="processes, each drawing its share")
     p.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--part", default=None, help=argparse.SUPPRESS)
-    p.add_argument("--out", default="fuzz.json")
+    p.add_argument("--out", default="fuzz.json", help="the JSON report")
     p.add_argument(
         "--staggered", action="store_true", help="run with GemmConfig.staggered_copies on"
     )
