@@ -51,8 +51,7 @@ def simulate(
     picks (64, 32) when it divides the tile, else the whole tile along that dimension."""
     if not isinstance(epi, Epilogue):
         raise TypeError(
-            f"simulate: epi must be a coda.Epilogue (Epilogue().add(...)); got "
-            f"{type(epi).__name__}"
+            f"simulate: epi must be a coda.Epilogue (Epilogue().add(...)); got {type(epi).__name__}"
         )
     if isinstance(oob_fill, bool) or not isinstance(oob_fill, numbers.Real):
         raise TypeError(f"simulate: oob_fill must be a float; got {oob_fill!r}")

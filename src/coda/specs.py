@@ -77,9 +77,7 @@ def to_width(value: object) -> Fraction:
             f"width must be one of 1/2, 1, 2 (relative to N); got {value!r}"
         ) from None
     if width not in WIDTHS:
-        raise InvalidArgumentError(
-            f"width must be one of 1/2, 1, 2 (relative to N); got {value!r}"
-        )
+        raise InvalidArgumentError(f"width must be one of 1/2, 1, 2 (relative to N); got {value!r}")
     return width
 
 
