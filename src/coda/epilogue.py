@@ -140,7 +140,9 @@ class Epilogue:
         ``config``: None for the fused heuristic (128 x 128 PingPong tiles, narrower when
         those spill), ``"gemm"`` for the tile ``coda.gemm`` picks for the shape (e.g.
         256-row cooperative tiles on long-running problems; narrower when that spills:
-        for light epilogues on long mainloops), or a ``GemmConfig``, run as given."""
+        for light epilogues on long mainloops), or a ``GemmConfig``, run as given. Not
+        differentiable: no output requires grad (``reference``, made of PyTorch ops, is;
+        ``coda.fusions`` wraps epilogues in autograd ops)."""
         if _runner is None:  # `import coda` installs it; only a partial import lacks it
             raise RuntimeError("no GPU runner installed: `import coda` installs it")
         return _runner(

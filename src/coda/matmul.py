@@ -112,7 +112,9 @@ def gemm(
     split config raises (warns with ``warn_only=True``); every other call is. The
     contiguous dimension of every tensor is padded to 16 bytes (its other stride a
     multiple of 8 elements for 16-bit data); M, N, K need not be multiples of the tile.
-    Errors are raised before anything is launched.
+    Errors are raised before anything is launched. Not differentiable: the output never
+    requires grad, whatever its inputs (``coda.fusions`` / ``coda.nn`` are the autograd
+    ops).
     """
     sig = None
     if config is None and out_dtype is None:
