@@ -521,7 +521,7 @@ def _user_primitive(**overrides):
             return overrides.get("writes", (self.out,))
 
         def infer(self, values):
-            spec = ValueSpec(self.out, "tile", values[self.of].width)
+            spec = ValueSpec(self.out, overrides.get("kind", "tile"), values[self.of].width)
             return spec if overrides.get("single") else (spec,)
 
         def reference(self, env):
@@ -546,6 +546,18 @@ def test_user_primitive_mistakes_are_named():
         from coda.specs import TensorSpec
 
         TensorSpec("x", "tile", "float32")
+
+
+def test_a_user_primitive_writing_the_wrong_shape_is_named():
+    """It declares a row value but writes the whole tile: before, the tile broadcast into
+    wrong results downstream."""
+    epi = Epilogue().add(
+        _user_primitive(kind="row")("y"), TileReduce("s", of="acc"), TileStore("acc", BF16)
+    )
+    with pytest.raises(
+        RuntimeError, match=r"wrote value 'y' as \(6, 8\); its row spec is \(6, 1\)"
+    ):
+        epi.reference(torch.randn(6, 8), torch.randn(8, 8))
 
 
 def test_a_primitive_writing_no_value_is_labelled_by_its_fields():

@@ -186,6 +186,7 @@ class Epilogue:
         env.values["acc"] = A.float() @ B.float().T if acc is None else acc
         for p in self.primitives:
             p.reference(env)
+            _check_written(p, env)
         wanted = [s for s in self.outputs if tile is not None or not s.is_partials]
         if acc is not None:  # a float64 acc computes in float64: report in declared dtypes
             for spec in wanted:
@@ -241,3 +242,19 @@ def _unaliased(
             ptr = t.untyped_storage().data_ptr()
         seen.add(ptr)
     return result
+
+
+def _check_written(p: Primitive, env: ReferenceEnv) -> None:
+    """Each value ``p`` writes has its declared kind's shape (a user primitive that
+    writes a tile where it declared a row would otherwise broadcast into wrong results)."""
+    for name in p.writes:
+        t = env.values.get(name)
+        if t is None:
+            raise RuntimeError(f"{p.label} declares value {name!r} but did not write it")
+        want = env.shape(env.specs[name])
+        if not isinstance(t, torch.Tensor) or tuple(t.shape) != want:
+            got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise RuntimeError(
+                f"{p.label} wrote value {name!r} as {got}; its {env.specs[name].kind} "
+                f"spec is {want} (a bug in {type(p).__name__}.reference)"
+            )
