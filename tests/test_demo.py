@@ -235,3 +235,19 @@ def test_cli_rejects_bad_arguments(capsys):
         assert exc.value.code == 2
     with pytest.raises(SystemExit):
         main([])
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--tile", "0x3"], "both sizes must be >= 1"),
+        (["--m", "0"], "expected a positive integer"),
+        (["--subtile", "64by32"], "expected ROWSxCOLS"),
+    ],
+)
+def test_demo_refuses_impossible_sizes_as_usage_errors(args, message, capsys):
+    """Bad sizes end in argparse's usage error (exit status 2), not a traceback."""
+    with pytest.raises(SystemExit) as e:
+        main(["demo", *args])
+    assert e.value.code == 2
+    assert message in capsys.readouterr().err

@@ -69,3 +69,22 @@ def test_non_finite_entries():
         rel_err(torch.tensor([1.0, -math.inf, math.nan]), truth)
     with pytest.raises(AssertionError, match=r"shape \(2,\) != reference shape \(3,\)"):
         rel_err(torch.ones(2), truth)
+
+
+def test_default_tolerances_of_other_dtypes():
+    """Integers and bool compare exactly; float8 by one rounding of its mantissa; a dtype
+    without a default (complex) asks for an explicit tol instead of borrowing bf16's."""
+    from coda.testing.tolerance import tolerance
+
+    assert tolerance(torch.int32) == tolerance(torch.bool) == 0.0
+    assert tolerance(torch.float8_e4m3fn) == 2.0**-3 and tolerance(torch.float8_e5m2) == 2.0**-2
+    with pytest.raises(TypeError, match="no default for torch.complex64"):
+        tolerance(torch.complex64)
+
+
+@pytest.mark.parametrize("n", [0, -3, 2.5, True])
+def test_examples_needs_a_positive_int(n):
+    from coda.testing.profiles import examples
+
+    with pytest.raises(ValueError, match="n must be a positive int"):
+        examples(n)

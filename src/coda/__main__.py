@@ -31,6 +31,8 @@ def _pair(text: str) -> tuple[int, int]:
         a, b = (int(v) for v in text.lower().replace(",", "x").split("x"))
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected ROWSxCOLS like 128x128, got {text!r}") from None
+    if a < 1 or b < 1:
+        raise argparse.ArgumentTypeError(f"both sizes must be >= 1; got {text!r}")
     return a, b
 
 
@@ -73,10 +75,10 @@ def build_parser() -> argparse.ArgumentParser:
         "eager PyTorch (fp32 and float64). 3. kernels: one decoder layer's fused kernels "
         "compiled for sm_90a, and what their SASS contains.",
     )
-    demo.add_argument("--m", type=int, default=300, help="rows M (tokens), default 300")
-    demo.add_argument("--n", type=int, default=520, help="hidden size N, default 520")
-    demo.add_argument("--k", type=int, default=256, help="GEMM1 reduction K, default 256")
-    demo.add_argument("--n2", type=int, default=384, help="GEMM2 output width, default 384")
+    demo.add_argument("--m", type=_positive, default=300, help="rows M (tokens), default 300")
+    demo.add_argument("--n", type=_positive, default=520, help="hidden size N, default 520")
+    demo.add_argument("--k", type=_positive, default=256, help="GEMM1 reduction K, default 256")
+    demo.add_argument("--n2", type=_positive, default=384, help="GEMM2 output width, default 384")
     demo.add_argument("--tile", type=_pair, default=(128, 128), help="tile, default 128x128")
     demo.add_argument("--subtile", type=_pair, default=(64, 32), help="subtile, default 64x32")
     demo.add_argument("--seed", type=int, default=0, help="random seed, default 0")

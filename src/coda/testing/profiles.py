@@ -51,4 +51,6 @@ def active_profile() -> str:
 
 def examples(n: int) -> int:
     """``n`` examples scaled by the active profile (ci: n, dev: 5 n)."""
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"examples: n must be a positive int; got {n!r}")
     return n * PROFILES[_active]

@@ -41,8 +41,17 @@ _TOLERANCE = {
 
 
 def tolerance(dtype: torch.dtype) -> float:
-    """Default normwise relative tolerance of a result stored in ``dtype``."""
-    return _TOLERANCE.get(dtype, 2.0**-7)
+    """Default normwise relative tolerance of a result stored in ``dtype``: about one
+    rounding of its mantissa for the floating dtypes, 0 (exact) for integers and bool."""
+    if dtype in _TOLERANCE:
+        return _TOLERANCE[dtype]
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"tolerance: expected a torch.dtype; got {dtype!r}")
+    if not dtype.is_floating_point and not dtype.is_complex:
+        return 0.0
+    if dtype.itemsize == 1:  # the float8 formats: e4m3 (3 mantissa bits), e5m2 (2)
+        return 2.0**-3 if "e4m3" in str(dtype) else 2.0**-2
+    raise TypeError(f"tolerance: no default for {dtype}; pass tol= explicitly")
 
 
 def _as64(x: torch.Tensor) -> torch.Tensor:
