@@ -1,7 +1,8 @@
 """CPU CI for the fusions' kernels: every epilogue ``coda.fusions`` runs traces into the
 PingPong kernel in the operand layout its op uses (forward / map passes: A and B K-major;
-dgrad epilogues: B = W.t(), N-major), compiles for sm_90a in the config ``epi(A, B)``
-picks, and its SASS runs the GEMM on HGMMA with no local memory (LDL/STL)."""
+dgrad epilogues: B = W.t(), N-major), compiles for sm_90a in the config and finalize
+placement ``epi(A, B)`` picks, and its SASS runs the GEMM on HGMMA with no local memory
+(LDL/STL)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import torch
 
 from coda.fusions import epilogues as E
 from coda.runtime import gemm_kernels
-from coda.runtime.epilogue_kernels import epilogue_choice
+from coda.runtime.epilogue_kernels import epilogue_placement
 from coda.runtime.fused import FusedVisitor, unsupported
 from coda.runtime.sass import count_prefix, disassemble, find_nvdisasm, opcode_counts
 
@@ -37,9 +38,12 @@ def test_fusion_epilogue_compiles_without_spills(name, tmp_path):
     build, layout = CASES[name]
     epi = build()
     assert unsupported(epi) is None
-    cfg = epilogue_choice(epi, BF16, 8192, 8192, 8192, num_sms=132, majors=layout)[0]
+    # the kernel a call runs: its tile, finalize placement and early-finalize arrivals
+    cfg, in_kernel, early = epilogue_placement(
+        epi, BF16, 8192, 8192, 8192, num_sms=132, majors=layout
+    )
     key = gemm_kernels.GemmKernelKey(
-        cfg, BF16, FusedVisitor(epi), a_major=layout[0], b_major=layout[1]
+        cfg, BF16, FusedVisitor(epi, in_kernel, early), a_major=layout[0], b_major=layout[1]
     )
     ptx, cubin = gemm_kernels.compile_artifacts(key, str(tmp_path))
     # a map pass's epilogue (scaled_grad) never reads acc: no mainloop, no WGMMA
@@ -66,11 +70,11 @@ def test_short_k_forward_epilogues_run_wide_tiles_without_spills(name, tmp_path)
     ``epi(A, B)`` keeps it (a spilling one would be narrowed to 128 x 128)."""
     build, (m, n, k) = WIDE_CASES[name]
     epi = build()
-    cfg = epilogue_choice(epi, BF16, m, n, k, num_sms=132)[0]
+    cfg, in_kernel, early = epilogue_placement(epi, BF16, m, n, k, num_sms=132)
     assert (cfg.tile_m, cfg.tile_n) == (128, 192), cfg
     if find_nvdisasm() is None:
         pytest.skip("nvdisasm not installed")
-    key = gemm_kernels.GemmKernelKey(cfg, BF16, FusedVisitor(epi))
+    key = gemm_kernels.GemmKernelKey(cfg, BF16, FusedVisitor(epi, in_kernel, early))
     ops = opcode_counts(disassemble(gemm_kernels.compile_artifacts(key, str(tmp_path))[1]))
     assert count_prefix(ops, "HGMMA") > 0
     assert count_prefix(ops, "LDL") == 0 and count_prefix(ops, "STL") == 0, "spills"
