@@ -786,3 +786,150 @@ def test_each_layers_weights_are_made_just_before_it_runs(monkeypatch):
     ref(ids, labels=labels).loss.backward()
     out.loss.backward()
     assert_grads_match(mine, ref)
+
+
+# ---- what changes after apply_coda (the integration audit of 2026-11-29) ---------------
+
+
+class _LoraLinear(nn.Module):
+    """A projection wrapped the way PEFT's LoRA wraps it: base weight plus a low-rank
+    update the fused stack would not see."""
+
+    def __init__(self, base: nn.Linear, rank: int = 2):
+        super().__init__()
+        self.base_layer = base
+        self.lora_A = nn.Linear(base.in_features, rank, bias=False, dtype=base.weight.dtype)
+        self.lora_B = nn.Linear(rank, base.out_features, bias=False, dtype=base.weight.dtype)
+        nn.init.normal_(self.lora_B.weight, std=0.5)
+
+    @property
+    def weight(self):
+        return self.base_layer.weight
+
+    def forward(self, x):
+        return self.base_layer(x) + self.lora_B(self.lora_A(x))
+
+
+def test_adapters_added_after_apply_fall_back_and_train_the_adapters():
+    """LoRA put on the projections after patching (what get_peft_model does to a patched
+    model): the fused stack would compute the base model alone; the call falls back to
+    the original forward, whose loss and adapter gradients match the unpatched model's."""
+    ref, mine, patch = pair(**CONFIGS["gqa"])
+    torch.manual_seed(3)
+    for theirs, ours in zip(ref.model.layers, mine.model.layers, strict=True):
+        theirs.self_attn.q_proj = _LoraLinear(theirs.self_attn.q_proj)
+        ours.self_attn.q_proj = _LoraLinear(ours.self_attn.q_proj)
+        for name in ("lora_A", "lora_B"):
+            getattr(ours.self_attn.q_proj, name).weight.data.copy_(
+                getattr(theirs.self_attn.q_proj, name).weight.data
+            )
+    ids, labels = batch(ref.config.vocab_size)
+    ref.train(), mine.train()
+    want, out = ref(ids, labels=labels).loss, mine(ids, labels=labels).loss
+    assert_close_to_reference(out, want, name="loss with adapters", tol=TOL)
+    assert "fused_stack" not in patch.calls
+    assert list(patch.fallbacks) == [
+        "a module under model.layers.0.self_attn was replaced after apply_coda (adapters or "
+        "quantized layers added since? revert and re-apply coda)"
+    ]
+    want.backward()
+    out.backward()
+    a_ref = ref.model.layers[1].self_attn.q_proj.lora_A.weight.grad
+    a_mine = mine.model.layers[1].self_attn.q_proj.lora_A.weight.grad
+    assert a_mine is not None
+    assert_close_to_reference(a_mine, a_ref, name="dlora_A", tol=TOL)
+
+
+def test_a_new_rotary_embedding_or_eps_after_apply_falls_back():
+    ref, mine, patch = pair(**CONFIGS["gqa"])
+    ids, labels = batch(ref.config.vocab_size)
+    mine.train()
+    mine.model.layers[1].post_attention_layernorm.variance_epsilon = 1e-2
+    mine(ids, labels=labels)
+    assert list(patch.fallbacks) == [
+        "model.layers.1.post_attention_layernorm's eps changed after apply_coda (1e-06 -> 0.01)"
+    ]
+    mine.model.layers[1].post_attention_layernorm.variance_epsilon = 1e-6
+    mine.model.rotary_emb = copy.deepcopy(mine.model.rotary_emb)
+    mine(ids, labels=labels)
+    assert "a module under model was replaced" in list(patch.fallbacks)[-1]
+
+
+def test_hooks_on_bypassed_modules_run_through_the_original_forward():
+    """A forward hook on a decoder layer (or the final norm, or the LM head) would be
+    skipped by the fused stack: the call falls back and the hook runs (and its change
+    reaches the loss and gradients as in the unpatched model)."""
+    ref, mine, patch = pair(**CONFIGS["gqa"])
+    ids, labels = batch(ref.config.vocab_size)
+    ref.train(), mine.train()
+
+    def shift(module, inputs, output):
+        return (output[0] + 0.5,) + tuple(output[1:]) if isinstance(output, tuple) else output + 0.5
+
+    for model in (ref, mine):
+        model.model.layers[1].register_forward_hook(shift)
+    want, out = ref(ids, labels=labels).loss, mine(ids, labels=labels).loss
+    assert_close_to_reference(out, want, name="loss with a layer hook", tol=TOL)
+    assert list(patch.fallbacks) == ["hooks on model.layers.1"]
+    want.backward()
+    out.backward()
+    assert_grads_match(mine, ref)
+    fired = []
+    _, mine2, patch2 = pair(**CONFIGS["gqa"])
+    mine2.train()
+    mine2.model.norm.register_forward_hook(lambda *a: fired.append("norm"))
+    mine2(ids, labels=labels)
+    assert fired == ["norm"] and patch2.calls["fused_stack"] == 1  # through the stack's seam
+    mine2.lm_head.register_forward_pre_hook(lambda *a: fired.append("head"))
+    mine2(ids, labels=labels)
+    assert fired[-1] == "head" and patch2.fallbacks["hooks on lm_head"] == 1
+
+
+def test_patching_the_stack_then_the_model_is_refused():
+    _, mine, patch = pair(patch=False, **CONFIGS["gqa"])
+    first = apply_coda(mine.model)
+    with pytest.raises(ValueError, match=r"decoder stack \(model\) is already patched"):
+        apply_coda(mine)
+    first.revert()
+    apply_coda(mine).revert()
+
+
+def test_a_compiled_model_is_refused_with_the_order_that_works():
+    _, mine, _ = pair(patch=False, **CONFIGS["gqa"])
+    with pytest.raises(UnsupportedModelError, match=r"apply_coda\(model\); model = torch.compile"):
+        apply_coda(torch.compile(mine))
+
+
+def test_float64_weights_fall_back_with_the_reason():
+    """coda's ops take bf16 / fp16 / fp32; a float64 model runs its original forward and
+    Hugging Face's loss (not an internal dtype error)."""
+    ref, _, _ = pair(patch=False, **CONFIGS["gqa"])  # ref is float64
+    patch = apply_coda(ref)
+    ids, labels = batch(ref.config.vocab_size)
+    ref.train()
+    out = ref(ids, labels=labels)
+    assert out.logits is not None and torch.isfinite(out.loss)
+    # the causal LM's original forward, whose call of the stack falls back too
+    assert patch.fallbacks == {"lm_head weight in float64": 1, "weights in float64": 1}
+    ref.eval()
+    ref(ids, use_cache=False)
+    assert patch.fallbacks["weights in float64"] == 2
+
+
+def test_a_model_built_on_meta_is_patched_and_reads_its_frequencies_later():
+    with torch.device("meta"):
+        model = LlamaForCausalLM(LlamaConfig(**CONFIGS["gqa"], attn_implementation="eager"))
+    patch = apply_coda(model)
+    ids, labels = batch(model.config.vocab_size)
+    model.train()
+    model(ids, labels=labels)  # Hugging Face's own forward, on meta tensors
+    assert "meta device" in list(patch.fallbacks)[0]
+    ref = LlamaForCausalLM(LlamaConfig(**CONFIGS["gqa"], attn_implementation="eager"))
+    model.to_empty(device="cpu")
+    model.load_state_dict(ref.state_dict())
+    model.model.rotary_emb.inv_freq.copy_(ref.model.rotary_emb.inv_freq)
+    ref.train()
+    assert_close_to_reference(
+        model(ids, labels=labels).loss, ref(ids, labels=labels).loss, name="loss", tol=TOL
+    )
+    assert patch.calls["fused_stack"] == 1

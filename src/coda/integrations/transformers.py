@@ -75,6 +75,7 @@ from torch.func import functional_call
 
 from coda.fusions import layouts
 from coda.fusions.cast_layouts import cast_gate_up
+from coda.integrations._watch import ModelWatch, hooked
 from coda.nn import (
     FusedLlamaAttention,
     FusedLlamaDecoderLayer,
@@ -85,7 +86,7 @@ from coda.nn import (
 )
 from coda.nn._autocast import autocast_dtype_against
 from coda.nn._rebuild import cast, cast_as_recipe, rebuilt_when_saved
-from coda.nn._sharding import shard_kind, unit, unwrapped_type
+from coda.nn._sharding import shard_kind, sharded, unit, unwrapped_type
 from coda.runtime.checks import kernels_run_on
 from coda.specs import dtype_name
 
@@ -239,9 +240,18 @@ class _Geometry:
     head_dim: int
     intermediate: int
     rotary_dim: int
-    inv_freq: torch.Tensor  # fp32, CPU: exactly what the model's rotary module holds
+    #: fp32, CPU: exactly what the model's rotary module holds; None until read (a model
+    #: built on the meta device has none yet: read at its first fused call)
+    inv_freq: torch.Tensor | None
     layer_eps: list[tuple[float, float]]
     final_eps: float
+    rotary: Any = None
+
+    def frequencies(self) -> torch.Tensor:
+        """``inv_freq``, read from the rotary module the first time it is needed."""
+        if self.inv_freq is None:
+            self.inv_freq = self.rotary.inv_freq.detach().to("cpu", torch.float32).reshape(-1)
+        return self.inv_freq
 
 
 def _stack_problems(stack: Any, path: str, num_layers: int) -> tuple[list[str], _Geometry | None]:
@@ -306,14 +316,15 @@ def _stack_problems(stack: Any, path: str, num_layers: int) -> tuple[list[str], 
     if problems or geometry is None:
         return problems, None
     H, heads, kv_heads, D, F = geometry
-    inv_freq = rotary.inv_freq.detach().to("cpu", torch.float32).reshape(-1)
-    if 2 * inv_freq.numel() != D:
+    if 2 * rotary.inv_freq.numel() != D:
         problems.append(
-            f"{path}rotary_emb.inv_freq has {inv_freq.numel()} entries for head_dim {D}: "
-            "partial rotary (partial_rotary_factor) is not what Llama's attention applies"
+            f"{path}rotary_emb.inv_freq has {rotary.inv_freq.numel()} entries for head_dim "
+            f"{D}: partial rotary (partial_rotary_factor) is not what Llama's attention applies"
         )
         return problems, None
-    geo = _Geometry(H, heads, kv_heads, D, F, D, inv_freq, layer_eps, _hf.norm_eps(norm))
+    geo = _Geometry(H, heads, kv_heads, D, F, D, None, layer_eps, _hf.norm_eps(norm), rotary)
+    if not rotary.inv_freq.is_meta:
+        geo.frequencies()  # read now: what the model holds at apply_coda
     return problems, geo
 
 
@@ -333,7 +344,7 @@ def _template(geo: _Geometry, dtype: torch.dtype) -> FusedLlamaStack:
             geo.kv_heads,
             geo.head_dim,
             rotary_dim=geo.rotary_dim,
-            inv_freq=geo.inv_freq,
+            inv_freq=geo.frequencies(),
             eps=eps_attn,
             **kw,
         )
@@ -360,7 +371,10 @@ def _arguments(fn: Callable[..., Any], args: tuple, kwargs: dict) -> dict[str, A
     for name, value in bound.arguments.items():
         if params[name].kind is inspect.Parameter.VAR_KEYWORD:
             out.update(value)
-        elif params[name].kind is not inspect.Parameter.VAR_POSITIONAL:
+        elif params[name].kind is inspect.Parameter.VAR_POSITIONAL:
+            if value:  # arguments without names: nothing to read them by
+                return None
+        else:
             out[name] = value
     return out
 
@@ -392,6 +406,7 @@ class CodaPatch:
         self.active = False
         self._stack_path = stack_path
         self._geometry = geometry
+        self._watch = ModelWatch(stack, stack_path, len(geometry.layer_eps))
         self._freq: dict[torch.device, torch.Tensor] = {}
         #: the fused stack's template per dtype it runs in (the weights' own; autocast's)
         self._templates: dict[torch.dtype, FusedLlamaStack] = {}
@@ -516,7 +531,14 @@ class CodaPatch:
             # causal over the whole row
             if not bool((positions.diff(dim=-1) == 1).all()):
                 return "position_ids (packed sequences)"
-        return self._sharding_problem(stack, inside_stack)
+        if (why := self._sharding_problem(stack, inside_stack)) is not None:
+            return why
+        if inside_stack:
+            return self._watch.problem()
+        # from the causal LM's seam the stack's own call and its final norm are bypassed too
+        if hooked(stack):
+            return f"hooks on {self._stack_path.rstrip('.') or 'the stack'}"
+        return self._watch.problem(final_norm=stack.norm)
 
     def _sharding_problem(self, stack: nn.Module, inside_stack: bool) -> str | None:
         """Why the fused stack cannot read the layers' weights now, or None. It reads them
@@ -569,7 +591,7 @@ class CodaPatch:
         freq = self._freq.get(device)
         if freq is None:
             g = self._geometry
-            freq = layouts.rope_frequencies(g.inv_freq, g.heads, g.kv_heads, g.head_dim)
+            freq = layouts.rope_frequencies(g.frequencies(), g.heads, g.kv_heads, g.head_dim)
             freq = self._freq[device] = freq.to(device)
         return freq
 
@@ -779,6 +801,21 @@ def _loss_problem(causal_lm: nn.Module) -> str | None:
     return None
 
 
+def _head_problem(head: nn.Module) -> str | None:
+    """Why the fused loss cannot read the LM head now, or None: weights it cannot take
+    (meta, float64), or hooks / a wrapped forward that its direct read of the weight would
+    skip (a sharded head is called through its own forward instead: ``sharded``)."""
+    w = getattr(head, "weight", None)
+    if isinstance(w, torch.Tensor) and shard_kind(w) is None:
+        if w.is_meta:
+            return "lm_head weight on the meta device"
+        if w.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+            return f"lm_head weight in {dtype_name(w.dtype)}"
+    if sharded(head) is None and (hooked(head) or "forward" in head.__dict__):
+        return "hooks on lm_head"
+    return None
+
+
 def _return_dict(module: nn.Module, args: Mapping[str, Any]) -> bool:
     value = args.get("return_dict")
     if value is None:
@@ -822,7 +859,7 @@ def _causal_lm_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     labels, shift_labels = named.get("labels"), named.get("shift_labels")
     if labels is None and shift_labels is None:
         return original(*args, **kwargs)
-    reason = _device_problem(named) or _loss_problem(self)
+    reason = _device_problem(named) or _loss_problem(self) or _head_problem(self.lm_head)
     if reason is not None:
         patch._fallback(reason, True)
         return original(*args, **kwargs)
@@ -874,6 +911,11 @@ def apply_coda(
     base = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
     if not isinstance(base, nn.Module):
         raise NothingMatchedError(f"{type(model).__name__} is not an nn.Module")
+    if isinstance(getattr(base, "_orig_mod", None), nn.Module):  # torch.compile's wrapper
+        raise UnsupportedModelError(
+            f"{type(base).__name__} is torch.compile's wrapper: apply coda to the model "
+            "first, then compile it (apply_coda(model); model = torch.compile(model))"
+        )
     if "_coda_patch" in base.__dict__:
         raise ValueError("this model is already patched by coda: revert the patch first")
     if _is_stack(base):
@@ -885,6 +927,11 @@ def apply_coda(
         raise NothingMatchedError(
             f"no Llama-style decoder stack (a module with embed_tokens, layers and norm, as "
             f"the model itself or its .model) in {type(base).__name__}: nothing was patched"
+        )
+    if "_coda_patch" in stack.__dict__:
+        raise ValueError(
+            f"this model's decoder stack ({stack_path.rstrip('.') or type(stack).__name__}) is "
+            "already patched by coda: revert that patch first"
         )
     config = getattr(base, "config", getattr(stack, "config", None))
     problems = _config_problems(config, getattr(stack, "rotary_emb", None))
