@@ -598,3 +598,37 @@ def test_a_transposed_output_is_not_told_to_call_contiguous():
     with pytest.raises(InputError, match="writes it in place: pass a row-major tensor") as e:
         check_output(out, 8, 16)
     assert ".contiguous()" not in str(e.value)
+
+
+def test_a_partials_role_input_is_refused_when_built():
+    import attrs
+
+    from coda.primitives import Primitive
+    from coda.specs import TensorSpec
+
+    @attrs.frozen
+    class ReadsPartials(Primitive):
+        name: str = "p"
+
+        @property
+        def reads(self):
+            return ("acc",)
+
+        @property
+        def writes(self):
+            return ()
+
+        def infer(self, values):
+            return ()
+
+        def tensors(self, values):
+            return (TensorSpec(self.name, "partials_row", torch.float32),)
+
+        def reference(self, env):
+            pass
+
+        def visit(self, sub, state):
+            pass
+
+    with pytest.raises(EpilogueError, match="per-tile partials are outputs"):
+        Epilogue().add(ReadsPartials(), TileStore("acc", BF16))

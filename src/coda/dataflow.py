@@ -157,6 +157,11 @@ def analyze(primitives: Sequence[Primitive]) -> Dataflow:
         for spec in bound:
             if spec.direction == "in":
                 check_name(spec.name, f"{here}: input tensor name")
+                if spec.is_partials:
+                    raise EpilogueError(
+                        f"{here} binds input tensor {spec.name!r} with role {spec.role!r}: "
+                        "per-tile partials are outputs (a reduction's scratch), never inputs"
+                    )
                 if spec.name in outputs:
                     _, k = outputs[spec.name]
                     raise DuplicateNameError(
