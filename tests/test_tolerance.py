@@ -88,3 +88,12 @@ def test_examples_needs_a_positive_int(n):
 
     with pytest.raises(ValueError, match="n must be a positive int"):
         examples(n)
+
+
+def test_make_inputs_names_an_n_the_epilogue_cannot_take():
+    from coda.errors import InputError
+    from coda.testing.catalog import EPILOGUES
+    from coda.testing.strategies import make_inputs
+
+    with pytest.raises(InputError, match="N=7 is not a multiple of 2"):
+        make_inputs(EPILOGUES["swiglu_fwd"], 8, 7, 16, torch.bfloat16, 0)

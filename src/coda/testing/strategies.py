@@ -29,6 +29,7 @@ import torch
 from hypothesis import strategies as st
 
 from coda.epilogue import Epilogue
+from coda.errors import InputError
 from coda.geometry import Tiling
 from coda.primitives import (
     Elementwise,
@@ -369,6 +370,11 @@ def make_inputs(
 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
     """Random (A, B, tensors) for ``epi`` at (M, N, K), reproducible from ``seed``.
     Never all-zero: normal entries, acc about N(0, 1)."""
+    if N % epi.n_alignment:
+        raise InputError(
+            f"make_inputs: N={N} is not a multiple of {epi.n_alignment}, which this "
+            "epilogue needs (it has half-width values or column pairs)"
+        )
     g = torch.Generator().manual_seed(seed)
     s = K**-0.25
     A = (torch.randn(M, K, generator=g) * s).to(dtype)
