@@ -560,14 +560,17 @@ def test_a_user_primitive_writing_the_wrong_shape_is_named():
         epi.reference(torch.randn(6, 8), torch.randn(8, 8))
 
 
-def test_a_primitive_writing_no_value_is_labelled_by_its_fields():
+def _silent_primitives():
+    """(RowThing, ReadsPartials): user primitives that write no value (their outputs, if
+    any, come from ``tensors``); the second binds an input with a partials role."""
     import attrs
 
     from coda.primitives import Primitive
+    from coda.specs import TensorSpec
 
     @attrs.frozen
     class RowThing(Primitive):
-        name: str
+        name: str = "p"
         of: str = "acc"
 
         @property
@@ -587,6 +590,15 @@ def test_a_primitive_writing_no_value_is_labelled_by_its_fields():
         def visit(self, sub, state):
             pass
 
+    class ReadsPartials(RowThing):
+        def tensors(self, values):
+            return (TensorSpec(self.name, "partials_row", torch.float32),)
+
+    return RowThing, ReadsPartials
+
+
+def test_a_primitive_writing_no_value_is_labelled_by_its_fields():
+    RowThing, _ = _silent_primitives()
     assert RowThing("amax").label == "RowThing(name='amax', of='acc')"
 
 
@@ -601,34 +613,6 @@ def test_a_transposed_output_is_not_told_to_call_contiguous():
 
 
 def test_a_partials_role_input_is_refused_when_built():
-    import attrs
-
-    from coda.primitives import Primitive
-    from coda.specs import TensorSpec
-
-    @attrs.frozen
-    class ReadsPartials(Primitive):
-        name: str = "p"
-
-        @property
-        def reads(self):
-            return ("acc",)
-
-        @property
-        def writes(self):
-            return ()
-
-        def infer(self, values):
-            return ()
-
-        def tensors(self, values):
-            return (TensorSpec(self.name, "partials_row", torch.float32),)
-
-        def reference(self, env):
-            pass
-
-        def visit(self, sub, state):
-            pass
-
+    _, ReadsPartials = _silent_primitives()
     with pytest.raises(EpilogueError, match="per-tile partials are outputs"):
         Epilogue().add(ReadsPartials(), TileStore("acc", BF16))

@@ -18,6 +18,7 @@ from coda.specs import FLOAT_DTYPES, INDEX_DTYPES, WIDTHS, check_name, dtype_nam
 
 __all__ = [
     "float_dtype",
+    "arity_mismatch",
     "index_dtype",
     "integer",
     "new_name",
@@ -112,26 +113,33 @@ def integer(inst: Any, attribute: attrs.Attribute, value: Any) -> None:
         )
 
 
+def arity_mismatch(fn: Any, n_args: int) -> tuple[str, TypeError] | None:
+    """(``fn``'s parameter list, the binding error) when ``fn`` cannot take ``n_args``
+    positional arguments; None when it can or its signature cannot be read (builtins)."""
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return None
+    try:
+        sig.bind(*range(n_args))
+    except TypeError as e:
+        return ", ".join(sig.parameters), e
+    return None
+
+
 def optional_callable_of(n_args: int) -> Any:
     """None, or a callable that takes ``n_args`` positional arguments (checked where its
     signature can be read)."""
 
     def check(inst: Any, attribute: attrs.Attribute, value: Any) -> None:
         optional_callable(inst, attribute, value)
-        if value is None:
+        if value is None or (mismatch := arity_mismatch(value, n_args)) is None:
             return
-        try:
-            sig = inspect.signature(value)
-        except (TypeError, ValueError):  # builtins without a signature: cannot check
-            return
-        try:
-            sig.bind(*range(n_args))
-        except TypeError as e:
-            raise ArityError(
-                f"{type(inst).__name__}.{attribute.name} is called with {n_args} "
-                f"argument(s); {getattr(value, '__name__', 'it')}"
-                f"({', '.join(sig.parameters)}) cannot take them: {e}"
-            ) from None
+        params, e = mismatch
+        raise ArityError(
+            f"{type(inst).__name__}.{attribute.name} is called with {n_args} "
+            f"argument(s); {getattr(value, '__name__', 'it')}({params}) cannot take them: {e}"
+        )
 
     return check
 

@@ -20,7 +20,6 @@ cache key). Prefer named functions (``coda.primitives.ops``) for reuse.
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable, Mapping
 from fractions import Fraction
 from typing import Any
@@ -30,7 +29,13 @@ import torch
 
 from coda.errors import ArityError, InvalidArgumentError, KindError, WidthMismatchError
 from coda.primitives._blocks import as_block
-from coda.primitives._validators import is_callable, new_name, read_names, to_names
+from coda.primitives._validators import (
+    arity_mismatch,
+    is_callable,
+    new_name,
+    read_names,
+    to_names,
+)
 from coda.primitives.base import Primitive
 from coda.primitives.context import ReferenceEnv, Subtile
 from coda.specs import WIDTHS, ValueSpec, width_str
@@ -136,22 +141,17 @@ class Elementwise(Primitive):
     def _check_arity(self, values: Mapping[str, ValueSpec]) -> None:
         splits = self._splits(values)
         n_args = sum(2 if s else 1 for s in splits)
-        try:
-            sig = inspect.signature(self.fn)
-        except (TypeError, ValueError):  # builtins without a signature: cannot check
+        if (mismatch := arity_mismatch(self.fn, n_args)) is None:
             return
-        try:
-            sig.bind(*range(n_args))
-        except TypeError as e:
-            detail = ""
-            if any(splits):
-                split = [n for n, s in zip(self.ins, splits, strict=True) if s]
-                detail = f" (pairwise: {', '.join(map(repr, split))} pass even and odd columns)"
-            params = ", ".join(sig.parameters)
-            raise ArityError(
-                f"{self.label}: {_fn_name(self.fn)}({params}) cannot take the {n_args} "
-                f"argument(s) that ins={self.ins!r} produce{detail}: {e}"
-            ) from None
+        params, e = mismatch
+        detail = ""
+        if any(splits):
+            split = [n for n, s in zip(self.ins, splits, strict=True) if s]
+            detail = f" (pairwise: {', '.join(map(repr, split))} pass even and odd columns)"
+        raise ArityError(
+            f"{self.label}: {_fn_name(self.fn)}({params}) cannot take the {n_args} "
+            f"argument(s) that ins={self.ins!r} produce{detail}: {e}"
+        )
 
     def n_alignment(self, values: Mapping[str, ValueSpec]) -> int:
         if self.pairwise is None:
