@@ -60,6 +60,7 @@ from coda.epilogue import Epilogue  # noqa: E402
 from coda.fusions import epilogues as fusion_epilogues  # noqa: E402
 from coda.mainloop.config import choose_epilogue_config  # noqa: E402
 from coda.matmul import gemm  # noqa: E402
+from coda.primitives import ops  # noqa: E402
 from coda.testing.catalog import EPILOGUES  # noqa: E402
 from coda.testing.layouts import operands  # noqa: E402
 
@@ -76,8 +77,21 @@ TRAINING_EPILOGUES = {
 #: script's protocol (their values are not checked: e.g. SwiGLU backward's products on
 #: packed bf16 pairs, beside the catalogue's ``swiglu_bwd``)
 EXPERIMENTAL_EPILOGUES = {
-    f"swiglu_bwd_packed_{w}": (lambda w=w: _timeline().swiglu_bwd_packed(w))
-    for w in ("bf16", "f16")
+    **{
+        f"swiglu_bwd_packed_{w}": (lambda w=w: _timeline().swiglu_bwd_packed(w))
+        for w in ("bf16", "f16")
+    },
+    # the rotary angle in fixed-point turns (refuted: epilogue_timeline.py's section on
+    # it): with a conversion, with integer adds instead, with T handed in, and the
+    # catalogue's rope with only its fp64 part added; ``rope_product`` is the catalogue's
+    # rope by another name (what the committed A/Bs call it)
+    "rope_fixed_turns": lambda: _timeline().rope_variant(_timeline()._rope_fixed_turns),
+    "rope_product": lambda: _timeline().rope_variant(ops.rope),
+    "rope_bits": lambda: _timeline().rope_variant(_timeline()._rope_bits),
+    "rope_host_turns": lambda: _timeline().rope_variant(
+        _timeline()._rope_host_turns, ("t_lo", "t_hi")
+    ),
+    "rope_f64_live": lambda: _timeline().rope_variant(_timeline()._rope_f64_live),
 }
 
 

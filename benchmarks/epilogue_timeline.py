@@ -67,6 +67,7 @@ issuing WGMMAs and waiting for them (``results/epilogue_timeline_waits_h200.json
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import statistics
 import sys
@@ -82,7 +83,14 @@ from epilogue_anatomy import variants  # noqa: E402
 from coda.epilogue import Epilogue  # noqa: E402
 from coda.geometry import ceil_div  # noqa: E402
 from coda.mainloop.config import choose_epilogue_config  # noqa: E402
-from coda.primitives import Elementwise, TileLoad, TileReduce, TileStore, ops  # noqa: E402
+from coda.primitives import (  # noqa: E402
+    Elementwise,
+    TileLoad,
+    TileReduce,
+    TileStore,
+    VecLoad,
+    ops,
+)
 from coda.primitives import math as cm  # noqa: E402
 from coda.testing.catalog import EPILOGUES  # noqa: E402
 from coda.testing.probes import MainloopCycles, store_if  # noqa: E402
@@ -349,6 +357,141 @@ def swiglu_bwd_packed(narrow_w: str) -> Epilogue:
         .add(TileStore("dgu", bf16))
         .add(Elementwise("zdz_terms", ops.pair_products, ins=("gu", "dgu"), pairwise="map"))
         .add(TileReduce("zdz", of="zdz_terms", op="sum"))
+    )
+
+
+# ---- the rotary angle in fixed-point turns: an experiment, refuted (forty-eighth session) --
+#
+# ``ops.rope`` reduces its angle pos * freq as an exact product in fp32: eight FP32-pipe
+# instructions an angle (``math.cos_fast_of_product``). The experiment took the position
+# apart instead, pos = w + f (w = rint(pos), |f| <= 1/2), and reduced w * freq / (2 pi)
+# mod 1 exactly in 64-bit integers, w * T mod 2^64 with T the 64-bit fixed-point fraction
+# of freq / (2 pi) (one fp64 product per frequency, derived per column in the kernel):
+# three FP32-pipe instructions an angle. Timed beside the catalogue's rope
+# (results/rope_fixed_turns_ab_h200.json, results/rope_fixed_turns_parts_h200.json) it
+# was far slower: the per-column fp64 work alone (``rope_f64_live``, about 100 fp64 and
+# 64-bit conversion instructions a thread and tile) took fused / plain from 1.04 to 1.23
+# at N = K = 2048, and the 64-bit multiply with the conversion, T handed in
+# (``rope_host_turns``), to 1.08: beside the WGMMAs those cost more than the FP32
+# instructions they replace. Values of these variants are not checked.
+_TURNS_INV_TWO_PI = 1.0 / (2.0 * math.pi)
+_TURNS_RADIANS_PER_UNIT = 6.2831854820251465 * 2.0**-32  # fp32(2 pi) per 2^32 units
+_TURNS_MAX_POSITION = 2.0**62
+
+
+def _shift_right(x, n: int):
+    """x >> n; ``>>`` on a ``TensorSSA`` gives the DSL's bare vector type, re-wrapped."""
+    import cutlass.cute as cute
+
+    shifted = x >> n
+    if isinstance(x, cute.TensorSSA):
+        shifted = cute.TensorSSA(shifted, x.shape, x.dtype)
+    return shifted
+
+
+def _high_word(x):
+    """The high 32 bits of 64-bit integers, as Int32."""
+    import cutlass
+
+    return _shift_right(x, 32).to(cutlass.Int32)
+
+
+def _position_parts(pos):
+    """(w as Int64, f): the whole and fractional parts of fp32 positions (f NaN past
+    2^62 and for NaN / inf)."""
+    import cutlass
+    import cutlass.cute as cute
+
+    whole = cute.math.roundeven(pos)
+    part = cm._cute_where(cute.math.abs(pos) < _TURNS_MAX_POSITION, pos - whole, math.nan)
+    return whole.to(cutlass.Int64), part
+
+
+def _fixed_turns(freq):
+    """T: freq / (2 pi) turns, whole turns dropped, in 2^-64 turns (fp64 in the kernel)."""
+    import cutlass
+    import cutlass.cute as cute
+
+    turns = freq.to(cutlass.Float64) * _TURNS_INV_TWO_PI
+    turns = turns - cute.math.roundeven(turns)
+    return (turns * 2.0**64).to(cutlass.Int64)
+
+
+def _rotate(x, y, angle):
+    c, s = cm._cute_approx("cos", angle), cm._cute_approx("sin", angle)
+    return x * c - y * s, y * c + x * s
+
+
+def _rope_fixed_turns(x, y, pos, freq):
+    """``ops.rope`` on the fixed-point angle: the wrapped product's high word (2^-32
+    turns) converted to fp32 (``I2FP``), one FMA with f freq (torch tensors: ``ops.rope``)."""
+    if isinstance(x, torch.Tensor):
+        return ops.rope(x, y, pos, freq)
+    import cutlass
+
+    pos, freq = cm._cute_promote("rope_fixed_turns", (pos, freq))
+    whole, part = _position_parts(pos)
+    units = _high_word(whole * _fixed_turns(freq))
+    angle = cm._cute_fma(units.to(cutlass.Float32), _TURNS_RADIANS_PER_UNIT, part * freq)
+    return _rotate(x, y, angle)
+
+
+def _rope_bits(x, y, pos, freq):
+    """``_rope_fixed_turns`` with the high word turned to fp32 by integer adds and a shift
+    under the exponent of 2^23 (23 bits; the angle in [0, 2 pi) + f freq) instead of a
+    conversion instruction."""
+    if isinstance(x, torch.Tensor):
+        return ops.rope(x, y, pos, freq)
+    import cutlass
+
+    pos, freq = cm._cute_promote("rope_bits", (pos, freq))
+    whole, part = _position_parts(pos)
+    units = _high_word(whole * _fixed_turns(freq))
+    bits = _shift_right(units.to(cutlass.Uint32) + 256, 9) + 0x4B000000
+    x23 = bits.bitcast(cutlass.Float32).reshape(bits.shape)
+    two_pi = 6.2831854820251465
+    angle = cm._cute_fma(x23, two_pi * 2.0**-23, cm._cute_fma(part, freq, -two_pi))
+    return _rotate(x, y, angle)
+
+
+def _rope_host_turns(x, y, pos, freq, t_lo, t_hi):
+    """``_rope_fixed_turns`` with T handed in (two fp32 column vectors holding its 32-bit
+    halves' bits) instead of derived in fp64 in the kernel."""
+    if isinstance(x, torch.Tensor):
+        return ops.rope(x, y, pos, freq)
+    import cutlass
+
+    pos, freq, t_lo, t_hi = cm._cute_promote("rope_host_turns", (pos, freq, t_lo, t_hi))
+    whole, part = _position_parts(pos)
+    lo = t_lo.bitcast(cutlass.Uint32).reshape(t_lo.shape).to(cutlass.Int64)
+    hi = t_hi.bitcast(cutlass.Int32).reshape(t_hi.shape).to(cutlass.Int64)
+    units = _high_word(whole * (hi * 4294967296 + lo))
+    angle = cm._cute_fma(units.to(cutlass.Float32), _TURNS_RADIANS_PER_UNIT, part * freq)
+    return _rotate(x, y, angle)
+
+
+def _rope_f64_live(x, y, pos, freq):
+    """``ops.rope`` (the exact-product angle) with ``_fixed_turns``' per-column fp64 work
+    kept alive by adding a value below 2^-60 to freq: the fp64 part alone."""
+    if isinstance(x, torch.Tensor):
+        return ops.rope(x, y, pos, freq)
+    import cutlass
+
+    pos, freq = cm._cute_promote("rope_f64_live", (pos, freq))
+    tiny = _high_word(_fixed_turns(freq)).to(cutlass.Float32) * 2.0**-92
+    return ops.rope(x, y, pos, freq + tiny)
+
+
+def rope_variant(fn, extra_cols: tuple[str, ...] = ()) -> Epilogue:
+    """The catalogue's ``rope`` with ``fn`` as its map (and ``extra_cols`` as more fp32
+    column vectors of width 1/2 that it takes)."""
+    f32 = torch.float32
+    epi = Epilogue().add(VecLoad("pos", per="row", dtype=f32))
+    for name in ("freq", *extra_cols):
+        epi = epi.add(VecLoad(name, per="col", dtype=f32, width="1/2"))
+    ins = ("acc", "pos", "freq", *extra_cols)
+    return epi.add(Elementwise("y", fn, ins=ins, pairwise="map")).add(
+        TileStore("y", torch.bfloat16)
     )
 
 

@@ -8,6 +8,7 @@ import os
 import sys
 
 import pytest
+import torch
 
 HERE = os.path.dirname(__file__)
 sys.path.insert(0, os.path.join(HERE, "..", "benchmarks"))
@@ -97,3 +98,62 @@ def test_variant_fields_are_the_committed_tile_rows_fields():
     assert got["tile192_ms"] == 3.0 and got["tile192_plain_ms"] == 1.5
     assert got["tile192_ratio"] == pytest.approx(1.5)
     assert got["tile192_own_ratio"] == pytest.approx(2.0)
+
+
+def test_the_rope_experiments_take_the_catalogue_ropes_tensors():
+    """``--epilogues rope_fixed_turns,rope_product,...`` (the refuted fixed-point rotary
+    angle, results/rope_fixed_turns_*_h200.json) time maps of the catalogue's rope on its
+    tensors (``rope_host_turns`` takes two more column vectors); off the GPU each is
+    ``ops.rope``."""
+    base = overhead.EPILOGUES["rope"]
+    names = ["rope_fixed_turns", "rope_product", "rope_bits", "rope_f64_live"]
+    for name in [*names, "rope_host_turns"]:
+        epi = overhead.epilogue_named(name)
+        extra = ["t_lo", "t_hi"] if name == "rope_host_turns" else []
+        assert [s.name for s in epi.inputs] == [s.name for s in base.inputs] + extra
+        assert [(s.name, s.dtype) for s in epi.outputs] == [(s.name, s.dtype) for s in base.outputs]
+    assert overhead.epilogue_named("rope_product") == base
+    A, B = torch.randn(24, 32), torch.randn(16, 32)
+    pos, freq = torch.arange(24.0), torch.rand(8)
+    want = base.reference(A, B, pos=pos, freq=freq)["y"]
+    for name in names:
+        got = overhead.epilogue_named(name).reference(A, B, pos=pos, freq=freq)["y"]
+        torch.testing.assert_close(got, want)
+
+
+@pytest.mark.compile
+def test_the_rope_experiments_kernels_are_what_their_note_says(tmp_path):
+    """The fixed-point angle takes rope's FP32-pipe instructions from 12 to 7 a rotary
+    pair (768 -> 452 a thread and tile) and brings fp64 (``DMUL``) and 64-bit conversions
+    in; with T handed in no fp64 is left; ``rope_f64_live`` is the catalogue's rope plus
+    the fp64 part alone."""
+    from coda.mainloop.config import GemmConfig
+    from coda.runtime import gemm_kernels
+    from coda.runtime.fused import FusedVisitor
+    from coda.runtime.sass import (
+        count_prefix,
+        disassemble,
+        find_nvdisasm,
+        fp32_pipe_count,
+        opcode_counts,
+    )
+
+    if find_nvdisasm() is None:
+        pytest.skip("nvdisasm not installed")
+
+    def counts(name):
+        key = gemm_kernels.GemmKernelKey(
+            GemmConfig(tile_n=128, cluster_m=2),
+            torch.bfloat16,
+            FusedVisitor(overhead.epilogue_named(name)),
+        )
+        _, cubin = gemm_kernels.compile_artifacts(key, str(tmp_path / name))
+        return opcode_counts(disassemble(cubin))
+
+    base, fixed = counts("rope"), counts("rope_fixed_turns")
+    host, f64 = counts("rope_host_turns"), counts("rope_f64_live")
+    assert fp32_pipe_count(base) == 768 and fp32_pipe_count(fixed) == 452
+    assert fp32_pipe_count(host) == 452 and fp32_pipe_count(f64) == 768 + 16
+    assert count_prefix(base, "DMUL") == 0 and count_prefix(host, "DMUL") == 0
+    assert count_prefix(fixed, "DMUL") == count_prefix(f64, "DMUL") == 32
+    assert count_prefix(fixed, "IMAD.WIDE.U32") == count_prefix(host, "IMAD.WIDE.U32") == 64
