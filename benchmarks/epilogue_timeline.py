@@ -15,9 +15,12 @@ not unroll; ``shfl16``: as many warp shuffles instead; ``hfma16_bf16`` / ``hfma1
 fma16's chain on packed 16-bit pairs, half its instructions (``HFMA2.BF16_V2`` /
 ``HFMA2``); ``hfma32_bf16``: as many packed instructions as fma16 has FMAs;
 ``dfma16``: fma16's chain in fp64 (``DFMA``); ``imad16`` / ``lop16``: 16 integer steps per
-element (``IMAD``; ``SHF`` + ``LOP3``) on acc converted to int32; ``fma16_paced0`` /
-``_paced20`` / ``_paced50``: fma16's FFMAs with a ``nanosleep`` of 0 / 20 / 50 ns between
-elements (the same FP32 work issued less densely);
+element (``IMAD``; ``SHF`` + ``LOP3``) on acc converted to int32; ``cvt16`` /
+``cvtpack16``: fma16's chain with each step rounded to bf16 and widened back
+(``F2F.BF16.F32``, one element an instruction; ``F2FP.BF16.F32.PACK_AB``, two, as a
+16-bit ``TileStore`` converts); ``fma16_paced0`` / ``_paced20`` / ``_paced50``: fma16's
+FFMAs with a ``nanosleep`` of 0 / 20 / 50 ns between elements (the same FP32 work issued
+less densely);
 ``swiglu_bwd_packed_bf16`` / ``_f16``: the catalogue's SwiGLU backward with its products on
 packed bf16 pairs (``_f16``: 1 + g (1 - sig) on fp16 pairs), the sigmoid and the row
 partial in fp32, converting to and from fp32 around them (an experiment: its values are
@@ -181,6 +184,35 @@ def exp8(x):
     y = x
     for _ in range(8):
         y = cm.exp(y * -0.001)
+    return y
+
+
+def cvt16(x):
+    """fma16's chain with each step rounded to bf16 and widened back (``F2FP.BF16.F32.
+    PACK_AB``, one per two elements, and an integer widening): what the conversion a
+    16-bit ``TileStore`` makes costs beside the mainloop."""
+    y = x
+    for _ in range(16):
+        y = cm.round_to(y * 0.999 + x, torch.bfloat16)
+    return y
+
+
+def cvtpack16(x):
+    """``cvt16`` the way a 16-bit ``TileStore`` converts: the step's fragment put into a
+    bf16 register buffer (``F2FP.BF16.F32.PACK_AB``, two elements an instruction) and
+    widened back from it (``epilogue_io.widen_to_f32``: a shift or a mask an element)."""
+    if isinstance(x, torch.Tensor):
+        return cvt16(x)
+    import cutlass
+    import cutlass.cute as cute
+
+    from coda.mainloop.epilogue_io import widen_to_f32
+
+    y = x
+    for _ in range(16):
+        regs = cute.make_rmem_tensor(cute.make_layout(cute.size(x.shape)), cutlass.BFloat16)
+        regs.store((y * 0.999 + x).to(cutlass.BFloat16).reshape(regs.shape))
+        y = widen_to_f32(regs).reshape(x.shape)
     return y
 
 
@@ -541,6 +573,8 @@ def probes() -> dict[str, Epilogue]:
         "lop16": reduced(lop16),
         "fma64": reduced(fma64),
         "exp8": reduced(exp8),
+        "cvt16": reduced(cvt16),
+        "cvtpack16": reduced(cvtpack16),
     }
 
 

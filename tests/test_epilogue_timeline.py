@@ -169,3 +169,30 @@ def test_paced_probe_keeps_fma16s_ffmas_and_sleeps_between_elements(tmp_path):
     # a plain NANOSLEEP (the pipeline's waits are NANOSLEEP.SYNCS) before each element's
     # chain but the first of each subtile
     assert raw["NANOSLEEP"] == elements - elements // per_subtile
+
+
+@pytest.mark.compile
+def test_conversion_probes_convert_every_step(tmp_path):
+    # epilogue_timeline_cvt_h200.json reads the cost of a 16-bit store's conversion from
+    # cvtpack16 (packed, two elements an instruction) beside fma16, and cvt16 (unpacked)
+    for name, op, per_element in (
+        ("cvtpack16", "F2FP.BF16.F32.PACK_AB", 8),
+        ("cvt16", "F2F.BF16.F32", 16),
+    ):
+        raw, cfg = _probe_kernel(name, tmp_path / name)
+        assert raw[op] == per_element * _elements(cfg)
+        assert _base_opcodes(raw)["FFMA"] == 16 * _elements(cfg)
+
+
+def test_conversion_probes_round_like_torch():
+    # off the GPU both are fma16's chain rounded to bf16 at every step
+    probes = timeline.probes()
+    A, B = torch.randn(24, 16), torch.randn(40, 16)
+    x = A @ B.T
+    y = x
+    for _ in range(16):
+        y = (y * 0.999 + x).to(torch.bfloat16).float()
+    for name in ("cvt16", "cvtpack16"):
+        torch.testing.assert_close(
+            probes[name].reference(A, B)["r"], y.sum(1), rtol=1e-5, atol=1e-4
+        )
