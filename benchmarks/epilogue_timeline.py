@@ -18,7 +18,9 @@ fma16's chain on packed 16-bit pairs, half its instructions (``HFMA2.BF16_V2`` /
 element (``IMAD``; ``SHF`` + ``LOP3``) on acc converted to int32; ``cvt16`` /
 ``cvtpack16``: fma16's chain with each step rounded to bf16 and widened back
 (``F2F.BF16.F32``, one element an instruction; ``F2FP.BF16.F32.PACK_AB``, two, as a
-16-bit ``TileStore`` converts); ``fma16_paced0`` / ``_paced20`` / ``_paced50``: fma16's
+16-bit ``TileStore`` converts); ``i2f16`` / ``cvt64_16`` / ``f64cvt16``: fma16's FFMA
+with a round trip through int32, int64 or fp64 (with a ``DMUL``) every step;
+``imadwide16``: a 64-bit integer multiply-add every step; ``fma16_paced0`` / ``_paced20`` / ``_paced50``: fma16's
 FFMAs with a ``nanosleep`` of 0 / 20 / 50 ns between elements (the same FP32 work issued
 less densely);
 ``swiglu_bwd_packed_bf16`` / ``_f16``: the catalogue's SwiGLU backward with its products on
@@ -323,21 +325,21 @@ def _fma16_paced(ns: int):
     return paced
 
 
-def _int_chain(step):
-    """16 dependent integer steps per element on acc converted to int32 once (and back
-    once): which integer pipe slows the k-loop? (torch tensors: the identity; the values
-    are not checked)."""
+def _int_chain(step, bits: int = 32):
+    """16 dependent integer steps per element on acc converted to int32 (int64 with
+    ``bits=64``) once (and back once): which integer pipe slows the k-loop? (torch
+    tensors: the identity; the values are not checked)."""
 
     def chain(x):
         if isinstance(x, torch.Tensor):
             return x
         import cutlass.cute as cute
-        from cutlass import Float32, Int32
+        from cutlass import Float32, Int32, Int64
 
         y = cute.make_rmem_tensor(x.shape, Float32)
         y.store(x)
         for i in range(cute.size(y)):
-            xi = Int32(y[i])
+            xi = (Int64 if bits == 64 else Int32)(y[i])
             v = xi
             for _ in range(16):
                 v = step(v, xi)
@@ -351,6 +353,58 @@ def _int_chain(step):
 imad16 = _int_chain(lambda v, xi: v * v + xi)
 #: ``LOP3`` / ``SHF``: the integer ALU pipe
 lop16 = _int_chain(lambda v, xi: (v >> 1) ^ xi)
+#: a 64-bit integer multiply-add (``IMAD.WIDE.U32`` + ``IMAD``s)
+imadwide16 = _int_chain(lambda v, xi: v * v + xi, bits=64)
+
+
+def _scalar_chain(step):
+    """16 dependent steps ``v = step(v, x)`` per element of acc, on fp32 scalars (torch
+    tensors: the identity; the values are not checked): the conversion probes."""
+
+    def chain(x):
+        if isinstance(x, torch.Tensor):
+            return x
+        import cutlass.cute as cute
+        from cutlass import Float32
+
+        y = cute.make_rmem_tensor(x.shape, Float32)
+        y.store(x)
+        for i in range(cute.size(y)):
+            xi = y[i]
+            v = xi
+            for _ in range(16):
+                v = step(v, xi)
+            y[i] = v
+        return y.load()
+
+    return chain
+
+
+def _i2f_step(v, xi):
+    from cutlass import Float32, Int32
+
+    return Float32(Int32(v * 0.999 + xi))
+
+
+def _f64_step(v, xi):
+    from cutlass import Float32, Float64
+
+    return Float32(Float64(v * 0.999 + xi) * 1.0000001)
+
+
+def _cvt64_step(v, xi):
+    from cutlass import Float32, Int64
+
+    return Float32(Int64(v * 0.999 + xi))
+
+
+#: fma16's FFMA with a round trip through int32 each step (``F2I`` + ``I2FP``)
+i2f16 = _scalar_chain(_i2f_step)
+#: fma16's FFMA with a round trip through fp64 and a ``DMUL`` each step (``F2F.F64.F32`` +
+#: ``DMUL`` + ``F2F.F32.F64``)
+f64cvt16 = _scalar_chain(_f64_step)
+#: fma16's FFMA with a round trip through int64 each step (``F2I.S64`` + ``I2F.S64``)
+cvt64_16 = _scalar_chain(_cvt64_step)
 
 
 def _swiglu_backward_packed(narrow_w: str):
@@ -575,6 +629,10 @@ def probes() -> dict[str, Epilogue]:
         "exp8": reduced(exp8),
         "cvt16": reduced(cvt16),
         "cvtpack16": reduced(cvtpack16),
+        "i2f16": reduced(i2f16),
+        "f64cvt16": reduced(f64cvt16),
+        "cvt64_16": reduced(cvt64_16),
+        "imadwide16": reduced(imadwide16),
     }
 
 

@@ -196,3 +196,23 @@ def test_conversion_probes_round_like_torch():
         torch.testing.assert_close(
             probes[name].reference(A, B)["r"], y.sum(1), rtol=1e-5, atol=1e-4
         )
+
+
+#: probe -> the instructions each of its 16 steps per element must bring (the
+#: conversion-and-wide-integer probes of epilogue_timeline_cvt_h200.json's second call)
+STEP_PROBES = {
+    "i2f16": ("F2I.TRUNC.NTZ", "I2FP.F32.S32", "FFMA"),
+    "cvt64_16": ("F2I.S64.TRUNC", "I2F.S64", "FFMA"),
+    "f64cvt16": ("F2F.F64.F32", "DMUL", "F2F.F32.F64", "FFMA"),
+    "imadwide16": ("IMAD.WIDE.U32",),
+}
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("name", sorted(STEP_PROBES))
+def test_step_probes_bring_their_instructions_every_step(name, tmp_path):
+    raw, cfg = _probe_kernel(name, tmp_path)
+    for op in STEP_PROBES[name]:
+        assert raw.get(op, 0) >= 16 * _elements(cfg), (op, raw.get(op, 0))
+    if name == "imadwide16":  # the chain is integer: no FFMA runs it
+        assert raw.get("FFMA", 0) == 0
