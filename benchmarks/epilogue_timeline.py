@@ -20,9 +20,9 @@ element (``IMAD``; ``SHF`` + ``LOP3``) on acc converted to int32; ``cvt16`` /
 (``F2F.BF16.F32``, one element an instruction; ``F2FP.BF16.F32.PACK_AB``, two, as a
 16-bit ``TileStore`` converts); ``i2f16`` / ``cvt64_16`` / ``f64cvt16``: fma16's FFMA
 with a round trip through int32, int64 or fp64 (with a ``DMUL``) every step;
-``imadwide16``: a 64-bit integer multiply-add every step; ``fma16_paced0`` / ``_paced20`` / ``_paced50``: fma16's
-FFMAs with a ``nanosleep`` of 0 / 20 / 50 ns between elements (the same FP32 work issued
-less densely);
+``imadwide16``: a 64-bit integer multiply-add every step; ``fma16_paced0`` /
+``_paced20`` / ``_paced50``: fma16's FFMAs with a ``nanosleep`` of 0 / 20 / 50 ns between
+elements (the same FP32 work issued less densely);
 ``swiglu_bwd_packed_bf16`` / ``_f16``: the catalogue's SwiGLU backward with its products on
 packed bf16 pairs (``_f16``: 1 + g (1 - sig) on fp16 pairs), the sigmoid and the row
 partial in fp32, converting to and from fp32 around them (an experiment: its values are
