@@ -325,21 +325,22 @@ def _fma16_paced(ns: int):
     return paced
 
 
-def _int_chain(step, bits: int = 32):
-    """16 dependent integer steps per element on acc converted to int32 (int64 with
-    ``bits=64``) once (and back once): which integer pipe slows the k-loop? (torch
-    tensors: the identity; the values are not checked)."""
+def _scalar_chain(step, into: str = "Float32"):
+    """16 dependent steps ``v = step(v, x)`` per element of acc, on scalars: fp32, or the
+    element converted once to ``into`` (``"Int32"``, ``"Int64"``) and back once at the end
+    (torch tensors: the identity; the values are not checked)."""
 
     def chain(x):
         if isinstance(x, torch.Tensor):
             return x
+        import cutlass
         import cutlass.cute as cute
-        from cutlass import Float32, Int32, Int64
+        from cutlass import Float32
 
         y = cute.make_rmem_tensor(x.shape, Float32)
         y.store(x)
         for i in range(cute.size(y)):
-            xi = (Int64 if bits == 64 else Int32)(y[i])
+            xi = getattr(cutlass, into)(y[i])
             v = xi
             for _ in range(16):
                 v = step(v, xi)
@@ -349,35 +350,18 @@ def _int_chain(step, bits: int = 32):
     return chain
 
 
+def _int_chain(step, bits: int = 32):
+    """16 dependent integer steps per element on acc converted to int32 (int64 with
+    ``bits=64``) once (and back once): which integer pipe slows the k-loop?"""
+    return _scalar_chain(step, into=f"Int{bits}")
+
+
 #: ``IMAD``: integer multiply-add (issued to the FMA pipe on recent GPUs?)
 imad16 = _int_chain(lambda v, xi: v * v + xi)
 #: ``LOP3`` / ``SHF``: the integer ALU pipe
 lop16 = _int_chain(lambda v, xi: (v >> 1) ^ xi)
 #: a 64-bit integer multiply-add (``IMAD.WIDE.U32`` + ``IMAD``s)
 imadwide16 = _int_chain(lambda v, xi: v * v + xi, bits=64)
-
-
-def _scalar_chain(step):
-    """16 dependent steps ``v = step(v, x)`` per element of acc, on fp32 scalars (torch
-    tensors: the identity; the values are not checked): the conversion probes."""
-
-    def chain(x):
-        if isinstance(x, torch.Tensor):
-            return x
-        import cutlass.cute as cute
-        from cutlass import Float32
-
-        y = cute.make_rmem_tensor(x.shape, Float32)
-        y.store(x)
-        for i in range(cute.size(y)):
-            xi = y[i]
-            v = xi
-            for _ in range(16):
-                v = step(v, xi)
-            y[i] = v
-        return y.load()
-
-    return chain
 
 
 def _i2f_step(v, xi):
