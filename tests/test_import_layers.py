@@ -17,6 +17,7 @@ LAYERS = {
     "mainloop": 0,
     "errors": 0,
     "caches": 0,
+    "not_differentiable": 0,
     "geometry": 1,
     "specs": 1,
     "primitives": 1,

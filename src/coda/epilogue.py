@@ -29,11 +29,12 @@ from coda.binding import bind
 from coda.dataflow import Dataflow, analyze
 from coda.errors import EpilogueError, InputError
 from coda.geometry import Problem, Tiling
+from coda.not_differentiable import refuse_out, tied
 from coda.primitives.base import Primitive
 from coda.primitives.context import ReferenceEnv
 from coda.specs import TensorSpec, ValueSpec, dtype_name
 
-__all__ = ["Epilogue", "check_outputs", "set_runner"]
+__all__ = ["Epilogue", "check_outputs", "run_fused", "set_runner"]
 
 #: Runs an epilogue fused on the GPU; installed by ``coda.runtime.epilogue_kernels`` (the
 #: runtime stands above the epilogue and hands it its runner: no import points back up).
@@ -44,6 +45,36 @@ def set_runner(runner: Any) -> None:
     """Install the function ``Epilogue.__call__`` delegates to (the GPU runtime does)."""
     global _runner
     _runner = runner
+
+
+def run_fused(
+    epi: Epilogue,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    *,
+    config: Any = None,
+    check_contents: bool = False,
+    outputs: Mapping[str, torch.Tensor] | None = None,
+    **tensors: torch.Tensor | float,
+) -> dict[str, torch.Tensor]:
+    """``epi(A, B, ...)`` without its autograd guard (the same arguments): for ops that run
+    epilogues inside their own backward formulas (``coda.fusions``)."""
+    if _runner is None:  # `import coda` installs it; only a partial import lacks it
+        raise RuntimeError("no GPU runner installed: `import coda` installs it")
+    return _runner(
+        epi, A, B, tensors, config=config, outputs=outputs, check_contents=check_contents
+    )
+
+
+def _requires_grad(A: Any, B: Any, tensors: Mapping[str, Any]) -> bool:
+    """An epilogue call's tensor argument requires grad (read cheaply: this runs on every
+    call in grad mode; non-tensors are the checks' to name)."""
+    if getattr(A, "requires_grad", False) or getattr(B, "requires_grad", False):
+        return True
+    for t in tensors.values():
+        if type(t) is torch.Tensor and t.requires_grad:
+            return True
+    return False
 
 
 def _to_primitives(value: Any) -> tuple[Primitive, ...]:
@@ -141,12 +172,19 @@ class Epilogue:
         those spill), ``"gemm"`` for the tile ``coda.gemm`` picks for the shape (e.g.
         256-row cooperative tiles on long-running problems; narrower when that spills:
         for light epilogues on long mainloops), or a ``GemmConfig``, run as given. Not
-        differentiable: no output requires grad (``reference``, made of PyTorch ops, is;
-        ``coda.fusions`` wraps epilogues in autograd ops)."""
-        if _runner is None:  # `import coda` installs it; only a partial import lacks it
-            raise RuntimeError("no GPU runner installed: `import coda` installs it")
-        return _runner(
-            self, A, B, tensors, config=config, outputs=outputs, check_contents=check_contents
+        differentiable (``reference``, made of PyTorch ops, is; ``coda.fusions`` wraps
+        epilogues in autograd ops): with grad mode on and an input requiring grad, every
+        output requires grad through a node whose backward raises, naming this call, and
+        ``outputs=`` is refused at once (``coda.not_differentiable``); under
+        ``torch.no_grad()`` the outputs are plain tensors."""
+        if torch.is_grad_enabled() and _requires_grad(A, B, tensors):
+            if outputs:
+                refuse_out("Epilogue call", "outputs=")
+            got = run_fused(self, A, B, config=config, check_contents=check_contents, **tensors)
+            inputs = (A, B, *tensors.values())
+            return {name: tied("Epilogue call", t, inputs) for name, t in got.items()}
+        return run_fused(
+            self, A, B, config=config, check_contents=check_contents, outputs=outputs, **tensors
         )
 
     # ---- semantics ---------------------------------------------------------------------

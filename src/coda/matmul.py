@@ -20,6 +20,7 @@ from .errors import InputError
 from .mainloop.config import GemmConfig, choose_config
 from .mainloop.dtypes import OUTPUT_DTYPES
 from .mainloop.visitor import AccStore
+from .not_differentiable import refuse_out, tied
 from .runtime import checks, gemm_kernels
 from .runtime.operands import check_gemm_operands, check_output, gemm_problem, operand_majors
 
@@ -29,6 +30,7 @@ __all__ = [
     "check_output",
     "gemm",
     "gemm_problem",
+    "gemm_unguarded",
     "operand_majors",
 ]
 
@@ -112,10 +114,41 @@ def gemm(
     split config raises (warns with ``warn_only=True``); every other call is. The
     contiguous dimension of every tensor is padded to 16 bytes (its other stride a
     multiple of 8 elements for 16-bit data); M, N, K need not be multiples of the tile.
-    Errors are raised before anything is launched. Not differentiable: the output never
-    requires grad, whatever its inputs (``coda.fusions`` / ``coda.nn`` are the autograd
-    ops).
+    Errors are raised before anything is launched. Not differentiable (``coda.fusions``
+    / ``coda.nn`` are the autograd ops): with grad mode on and A or B requiring grad the
+    output requires grad through a node whose backward raises, naming this call, and an
+    ``out=`` is refused at once (``coda.not_differentiable``); under ``torch.no_grad()``
+    the output is a plain tensor.
     """
+    try:  # the guard's test, read as cheaply as it can be (non-tensors: the checks say)
+        guard = torch.is_grad_enabled() and (A.requires_grad or B.requires_grad)
+    except AttributeError:
+        guard = False
+    if guard:
+        if out is not None:
+            refuse_out("coda.gemm", "out=")
+        product = _gemm(A, B, None, out_dtype, accumulate, config, allow_split)
+        return tied("coda.gemm", product, (A, B))
+    return _gemm(A, B, out, out_dtype, accumulate, config, allow_split)
+
+
+def gemm_unguarded(
+    A: torch.Tensor,
+    B: torch.Tensor,
+    out: torch.Tensor | None = None,
+    *,
+    out_dtype: torch.dtype | None = None,
+    accumulate: bool = False,
+    config: GemmConfig | str | None = None,
+    allow_split: bool = True,
+) -> torch.Tensor:
+    """``coda.gemm`` without its autograd guard (the same arguments): for ops that run it
+    inside their own backward formulas (``coda.fusions``)."""
+    return _gemm(A, B, out, out_dtype, accumulate, config, allow_split)
+
+
+def _gemm(A, B, out, out_dtype, accumulate, config, allow_split) -> torch.Tensor:
+    """``coda.gemm``'s work (its arguments by position)."""
     sig = None
     if config is None and out_dtype is None:
         sig = _signature(A, B, out, accumulate, allow_split)
