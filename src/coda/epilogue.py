@@ -69,8 +69,11 @@ def run_fused(
 def _requires_grad(A: Any, B: Any, tensors: Mapping[str, Any]) -> bool:
     """An epilogue call's tensor argument requires grad (read cheaply: this runs on every
     call in grad mode; non-tensors are the checks' to name)."""
-    if getattr(A, "requires_grad", False) or getattr(B, "requires_grad", False):
-        return True
+    try:
+        if A.requires_grad or B.requires_grad:
+            return True
+    except AttributeError:
+        return False
     for t in tensors.values():
         if type(t) is torch.Tensor and t.requires_grad:
             return True
@@ -177,14 +180,16 @@ class Epilogue:
         output requires grad through a node whose backward raises, naming this call, and
         ``outputs=`` is refused at once (``coda.not_differentiable``); under
         ``torch.no_grad()`` the outputs are plain tensors."""
+        if _runner is None:  # `import coda` installs it; only a partial import lacks it
+            raise RuntimeError("no GPU runner installed: `import coda` installs it")
         if torch.is_grad_enabled() and _requires_grad(A, B, tensors):
             if outputs:
                 refuse_out("Epilogue call", "outputs=")
-            got = run_fused(self, A, B, config=config, check_contents=check_contents, **tensors)
+            got = _runner(self, A, B, tensors, config=config, check_contents=check_contents)
             inputs = (A, B, *tensors.values())
             return {name: tied("Epilogue call", t, inputs) for name, t in got.items()}
-        return run_fused(
-            self, A, B, config=config, check_contents=check_contents, outputs=outputs, **tensors
+        return _runner(
+            self, A, B, tensors, config=config, outputs=outputs, check_contents=check_contents
         )
 
     # ---- semantics ---------------------------------------------------------------------
