@@ -99,3 +99,20 @@ def test_run_families_writes_json_logs_and_reports_failures(tmp_path):
     except ImportError:
         return
     assert (out / "launch_overhead_h200.png").is_file()  # drawn by coda.bench
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is present")
+def test_gpu_fuzzer_without_cuda_fails_cleanly(tmp_path):
+    # the README's fuzz command on a CPU machine: a clear message before anything is
+    # drawn or written (it was a hypothesis traceback ending in torch's CUDA assertion)
+    out = tmp_path / "fuzz.json"
+    r = subprocess.run(
+        [sys.executable, "-m", "coda.testing.fuzz", "--examples", "3", "--out", str(out)],
+        capture_output=True,
+        text=True,
+    )
+    assert r.returncode == 2
+    assert r.stdout == "" and "Traceback" not in r.stderr
+    assert r.stderr.startswith("python -m coda.testing.fuzz: no CUDA GPU")
+    assert "test_simulator_properties.py" in r.stderr
+    assert not out.exists()

@@ -107,7 +107,7 @@ def run_demo(
     tiling = Tiling(tile, subtile)
     epi1, epi2 = gemm1_epilogue(eps), gemm2_epilogue()
 
-    say("coda demo: RMSNorm forward, deferred (DESIGN.md section 5), on CPU")
+    say("coda demo: RMSNorm forward, deferred (docs/fusions.md), on CPU")
     say(
         f"  GEMM1: acc = A @ B^T, A {tuple(A.shape)} bf16, B {tuple(B.shape)} bf16 "
         f"-> acc {(M, N)} fp32, then:"

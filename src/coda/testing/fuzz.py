@@ -228,6 +228,16 @@ def _positive(text: str) -> int:
     return value
 
 
+def _gpu_problem() -> str | None:
+    """Why the kernels cannot run in this process (no CUDA GPU, not a Hopper GPU), or None."""
+    if not torch.cuda.is_available():
+        return "no CUDA GPU (torch.cuda.is_available() is False)"
+    cap = torch.cuda.get_device_capability(0)
+    if tuple(cap) != (9, 0):
+        return f"{torch.cuda.get_device_name(0)} is sm_{cap[0]}{cap[1]}, not sm_90"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m coda.testing.fuzz",
@@ -246,6 +256,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cooperative", action="store_true", help="run on cooperative 256-row tiles")
     p.add_argument("--rolled", action="store_true", help="run with GemmConfig.rolled_epilogue on")
     args = p.parse_args(argv)
+    problem = _gpu_problem()
+    if problem is not None:
+        print(
+            f"python -m coda.testing.fuzz: {problem}. The fuzzer runs coda's fused kernels, "
+            "which need an NVIDIA Hopper GPU (sm_90: H100/H200). On a CPU machine the same "
+            "property runs on the tile simulator: pytest tests/test_simulator_properties.py",
+            file=sys.stderr,
+        )
+        return 2
     if args.worker is not None:
         _draw_and_run(
             args.seed,
