@@ -51,14 +51,15 @@ def run_fused(
     epi: Epilogue,
     A: torch.Tensor,
     B: torch.Tensor,
+    tensors: Mapping[str, Any],
     *,
     config: Any = None,
     check_contents: bool = False,
     outputs: Mapping[str, torch.Tensor] | None = None,
-    **tensors: torch.Tensor | float,
 ) -> dict[str, torch.Tensor]:
-    """``epi(A, B, ...)`` without its autograd guard (the same arguments): for ops that run
-    epilogues inside their own backward formulas (``coda.fusions``)."""
+    """``epi(A, B, **tensors)`` without its autograd guard (the same arguments, the tensors
+    as a mapping): its work, and what ops that run epilogues inside their own backward
+    formulas call (``coda.fusions``)."""
     if _runner is None:  # `import coda` installs it; only a partial import lacks it
         raise RuntimeError("no GPU runner installed: `import coda` installs it")
     return _runner(
@@ -180,14 +181,14 @@ class Epilogue:
         output requires grad through a node whose backward raises, naming this call, and
         ``outputs=`` is refused at once (``coda.not_differentiable``); under
         ``torch.no_grad()`` the outputs are plain tensors."""
-        if _runner is None:  # `import coda` installs it; only a partial import lacks it
-            raise RuntimeError("no GPU runner installed: `import coda` installs it")
         if torch.is_grad_enabled() and _requires_grad(A, B, tensors):
             if outputs:
                 refuse_out("Epilogue call", "outputs=")
-            got = _runner(self, A, B, tensors, config=config, check_contents=check_contents)
+            got = run_fused(self, A, B, tensors, config=config, check_contents=check_contents)
             inputs = (A, B, *tensors.values())
             return {name: tied("Epilogue call", t, inputs) for name, t in got.items()}
+        if _runner is None:  # run_fused's work, inline: the common call keeps one frame
+            raise RuntimeError("no GPU runner installed: `import coda` installs it")
         return _runner(
             self, A, B, tensors, config=config, outputs=outputs, check_contents=check_contents
         )

@@ -127,28 +127,23 @@ def gemm(
     if guard:
         if out is not None:
             refuse_out("coda.gemm", "out=")
-        product = _gemm(A, B, None, out_dtype, accumulate, config, allow_split)
+        product = gemm_unguarded(A, B, None, out_dtype, accumulate, config, allow_split)
         return tied("coda.gemm", product, (A, B))
-    return _gemm(A, B, out, out_dtype, accumulate, config, allow_split)
+    return gemm_unguarded(A, B, out, out_dtype, accumulate, config, allow_split)
 
 
 def gemm_unguarded(
     A: torch.Tensor,
     B: torch.Tensor,
     out: torch.Tensor | None = None,
-    *,
     out_dtype: torch.dtype | None = None,
     accumulate: bool = False,
     config: GemmConfig | str | None = None,
     allow_split: bool = True,
 ) -> torch.Tensor:
-    """``coda.gemm`` without its autograd guard (the same arguments): for ops that run it
-    inside their own backward formulas (``coda.fusions``)."""
-    return _gemm(A, B, out, out_dtype, accumulate, config, allow_split)
-
-
-def _gemm(A, B, out, out_dtype, accumulate, config, allow_split) -> torch.Tensor:
-    """``coda.gemm``'s work (its arguments by position)."""
+    """``coda.gemm`` without its autograd guard (the same arguments, positional too): its
+    work, and what ops that run it inside their own backward formulas call
+    (``coda.fusions``)."""
     sig = None
     if config is None and out_dtype is None:
         sig = _signature(A, B, out, accumulate, allow_split)

@@ -273,7 +273,7 @@ def run_epilogue(
         for name, t in tensors.items():
             if type(t) is torch.Tensor and t.dim() == 1 and not t.is_contiguous():
                 tensors[name] = t.contiguous()
-        return run_fused(epi, A, B, outputs=outputs, config=config, **tensors)
+        return run_fused(epi, A, B, tensors, outputs=outputs, config=config)
     return epi.reference(A, B, **tensors)
 
 
