@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["refuse_out", "tied"]
+__all__ = ["raising_in_backward", "refuse_out", "tied"]
 
 
 def _message(name: str) -> str:
@@ -35,27 +35,34 @@ def _message(name: str) -> str:
 
 
 class _Raises(torch.autograd.Function):
-    """The identity on a kernel output (as a view), tied to the inputs that require grad;
-    its backward raises."""
+    """The identity on ``out`` (as a view), tied to ``inputs``; its backward raises
+    ``RuntimeError(message)``."""
 
     @staticmethod
-    def forward(name: str, out: torch.Tensor, *inputs: torch.Tensor) -> torch.Tensor:
+    def forward(message: str, out: torch.Tensor, *inputs: torch.Tensor) -> torch.Tensor:
         return out.view_as(out)
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
-        ctx.op_name = inputs[0]
+        ctx.message = inputs[0]
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
-        raise RuntimeError(_message(ctx.op_name))
+        raise RuntimeError(ctx.message)
+
+
+def raising_in_backward(message: str, out: torch.Tensor, inputs: Iterable[Any]) -> torch.Tensor:
+    """``out`` (a view of it) requiring grad through a node tied to those of ``inputs``
+    that require grad, whose backward raises ``RuntimeError(message)``: the one mechanism
+    behind :func:`tied` and ``coda.fusions``' refusal of second derivatives."""
+    req = [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad]
+    return _Raises.apply(message, out, *req)
 
 
 def tied(name: str, out: torch.Tensor, inputs: Iterable[Any]) -> torch.Tensor:
-    """``out`` (a view of it) requiring grad through a node whose backward raises, tied to
-    those of ``inputs`` that require grad."""
-    req = [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad]
-    return _Raises.apply(name, out, *req)
+    """``out`` (a view of it) requiring grad through a node whose backward raises, naming
+    the call ``name``, tied to those of ``inputs`` that require grad."""
+    return raising_in_backward(_message(name), out, inputs)
 
 
 def refuse_out(name: str, argument: str) -> None:

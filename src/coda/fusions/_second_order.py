@@ -1,7 +1,8 @@
 """coda.fusions._second_order: a fused op's gradients refuse a second derivative they lack.
 
-Sits at the bottom of ``coda.fusions`` (torch only), under ``_dispatch.register_formula``,
-which wraps every fused op's backward formula with :func:`refusing_second_order`.
+Sits at the bottom of ``coda.fusions`` (on ``coda.not_differentiable``), under
+``_dispatch.register_formula``, which wraps every fused op's backward formula with
+:func:`refusing_second_order`.
 
 The formulas are not differentiable in the ops' inputs (h, W, the residual stream, ...):
 they run fused kernels and saved results. Under ``create_graph=True`` (a gradient
@@ -9,13 +10,14 @@ penalty, a Hessian-vector product) the gradients they return would carry no grap
 to those inputs, and a ``backward()`` through them would leave that part of the second
 derivative out without a word. So, with grad mode on inside the formula (what
 ``create_graph=True`` turns on), each returned gradient passes through an identity
-(:class:`_Guarded`) with one more input: a node (:class:`_Refused`) whose own inputs are
-the formula's saved tensors that require grad and a fresh leaf, and whose backward
-raises. Differentiating a gradient towards anything its formula does not cover reaches
-that node and raises a clear ``RuntimeError``; autograd prunes it where the derivative
-asked for does not lead there, so what the formula does cover (the gradients as
-functions of the upstream gradient, e.g. a loss scale that requires grad) stays
-differentiable. Without grad mode (every ordinary ``backward()``) nothing changes.
+(:class:`_Guarded`) with one more input: a node
+(``coda.not_differentiable.raising_in_backward``) whose own inputs are the formula's
+saved tensors that require grad and a fresh leaf, and whose backward raises.
+Differentiating a gradient towards anything its formula does not cover reaches that node
+and raises a clear ``RuntimeError``; autograd prunes it where the derivative asked for
+does not lead there, so what the formula does cover (the gradients as functions of the
+upstream gradient, e.g. a loss scale that requires grad) stays differentiable. Without
+grad mode (every ordinary ``backward()``) nothing changes.
 """
 
 from __future__ import annotations
@@ -26,35 +28,24 @@ from typing import Any
 
 import torch
 
+from coda.not_differentiable import raising_in_backward
+
 __all__ = ["refusing_second_order"]
 
 
-class _Refused(torch.autograd.Function):
-    """A 0-dim stand-in whose backward raises: reached only when a second derivative
-    needs what a fused op's formula does not compute."""
-
-    @staticmethod
-    def forward(name: str, marker: torch.Tensor, *saved: torch.Tensor) -> torch.Tensor:
-        return marker.new_zeros(())
-
-    @staticmethod
-    def setup_context(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
-        ctx.op_name = inputs[0]
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
-        raise RuntimeError(
-            f"{ctx.op_name}: second derivatives with respect to the op's inputs are not "
-            "implemented (its backward formula runs fused kernels and is not "
-            "differentiable in them). The gradients taken with create_graph=True are "
-            "differentiable only in the upstream gradient (torch.autograd.grad(..., "
-            "inputs=...) towards what depends on it alone); use the unfused PyTorch ops "
-            "for gradient penalties or Hessian-vector products."
-        )
+def _refusal(name: str) -> str:
+    return (
+        f"{name}: second derivatives with respect to the op's inputs are not "
+        "implemented (its backward formula runs fused kernels and is not "
+        "differentiable in them). The gradients taken with create_graph=True are "
+        "differentiable only in the upstream gradient (torch.autograd.grad(..., "
+        "inputs=...) towards what depends on it alone); use the unfused PyTorch ops "
+        "for gradient penalties or Hessian-vector products."
+    )
 
 
 class _Guarded(torch.autograd.Function):
-    """The identity on a gradient, tied to a :class:`_Refused` node: its backward passes
+    """The identity on a gradient, tied to a refusing node: its backward passes
     the incoming gradient through and hands the refusing node a zero."""
 
     @staticmethod
@@ -78,7 +69,7 @@ def _guarded(name: str, ctx: Any, out: Any) -> Any:
         return out
     saved = [t for t in getattr(ctx, "saved_tensors", ()) if t is not None and t.requires_grad]
     marker = torch.zeros((), device=tensors[0].device, requires_grad=True)
-    refused = _Refused.apply(name, marker, *saved)
+    refused = raising_in_backward(_refusal(name), marker, saved)
     guarded = tuple(_Guarded.apply(g, refused) if isinstance(g, torch.Tensor) else g for g in grads)
     return guarded if isinstance(out, tuple) else guarded[0]
 

@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ..runtime.checks import kernels_run_on
 from .tolerance import compare
 
 if TYPE_CHECKING:
@@ -232,8 +233,8 @@ def _gpu_problem() -> str | None:
     """Why the kernels cannot run in this process (no CUDA GPU, not a Hopper GPU), or None."""
     if not torch.cuda.is_available():
         return "no CUDA GPU (torch.cuda.is_available() is False)"
-    cap = torch.cuda.get_device_capability(0)
-    if tuple(cap) != (9, 0):
+    if not kernels_run_on(torch.device("cuda", 0)):
+        cap = torch.cuda.get_device_capability(0)
         return f"{torch.cuda.get_device_name(0)} is sm_{cap[0]}{cap[1]}, not sm_90"
     return None
 
